@@ -1,0 +1,128 @@
+"""KVCache: the keys and values of the committed tokens, with the operations plan-and-infill needs.
+
+Layout per layer: k, v of shape [rows, kv_heads, length, head_dim] (RoPE already applied, so the
+order of entries along `length` does not matter to later queries, only which entries exist).
+
+Storage is a buffer with spare capacity so that appending one token does not copy the whole
+cache (the pattern of gpt-fast's static cache, but growable for CPU use). `expand` makes k rows
+that share the storage of one row (a stride-0 view, no copy); the copy happens only when a row
+is written to (copy-on-write), and then only of the part that is kept.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class KVCache:
+    def __init__(self, num_layers: int) -> None:
+        self.num_layers = num_layers
+        self.k: list[Tensor | None] = [None] * num_layers  # buffers [rows, H, capacity, D]
+        self.v: list[Tensor | None] = [None] * num_layers
+        self.length = 0  # valid entries in every row
+        self._pending = 0  # entries added to the layers of the forward pass now running
+        self._shared = False  # buffers are stride-0 views made by expand()
+
+    # ---- shape ------------------------------------------------------------------
+
+    @property
+    def rows(self) -> int:
+        return 0 if self.k[0] is None else self.k[0].shape[0]
+
+    def __len__(self) -> int:
+        return self.length
+
+    def layer(self, i: int) -> tuple[Tensor, Tensor]:
+        """Valid keys and values of layer i: [rows, H, length, D] views."""
+        return self.k[i][:, :, : self.length], self.v[i][:, :, : self.length]
+
+    # ---- append (used by the model's forward) -----------------------------------
+
+    def update(self, i: int, k_new: Tensor, v_new: Tensor) -> tuple[Tensor, Tensor]:
+        """Append k_new/v_new [rows, H, t, D] to layer i; return all keys/values of layer i.
+
+        The length advances after the last layer (see `commit`), so every layer of one
+        forward pass sees the same prefix.
+        """
+        t = k_new.shape[2]
+        end = self.length + t
+        buf_k, buf_v = self.k[i], self.v[i]
+        if buf_k is None:
+            cap = max(end, 64)
+            shape = (k_new.shape[0], k_new.shape[1], cap, k_new.shape[3])
+            buf_k, buf_v = k_new.new_empty(shape), v_new.new_empty(shape)
+        elif self._shared or end > buf_k.shape[2] or buf_k.shape[0] != k_new.shape[0]:
+            buf_k, buf_v = self._grown(buf_k, end, k_new.shape[0]), self._grown(buf_v, end, k_new.shape[0])
+        buf_k[:, :, self.length: end] = k_new
+        buf_v[:, :, self.length: end] = v_new
+        self.k[i], self.v[i] = buf_k, buf_v
+        self._pending = t
+        if i == self.num_layers - 1:
+            self.commit()
+        return buf_k[:, :, :end], buf_v[:, :, :end]
+
+    def commit(self) -> None:
+        self.length += self._pending
+        self._pending = 0
+        if all(b is not None and b.stride(0) != 0 for b in self.k):
+            self._shared = False
+
+    def _grown(self, buf: Tensor, need: int, rows: int) -> Tensor:
+        cap = buf.shape[2]
+        if need > cap:
+            cap = max(need, 2 * cap)
+        new = buf.new_empty((rows, buf.shape[1], cap, buf.shape[3]))
+        new[:, :, : self.length] = buf[:, :, : self.length]  # broadcasts a shared row to all rows
+        return new
+
+    # ---- plan-and-infill operations ---------------------------------------------
+
+    def crop(self, length: int) -> None:
+        """Keep the first `length` entries of every row."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot crop a cache of length {self.length} to {length}")
+        self.length = length
+
+    def expand(self, rows: int) -> None:
+        """Turn a one-row cache into `rows` rows sharing its entries (no copy until written)."""
+        if self.rows != 1:
+            raise ValueError(f"expand needs a cache with one row, this one has {self.rows}")
+        for i in range(self.num_layers):
+            self.k[i] = self.k[i][:, :, : self.length].expand(rows, -1, -1, -1)
+            self.v[i] = self.v[i][:, :, : self.length].expand(rows, -1, -1, -1)
+        self._shared = True
+
+    def select(self, rows: Tensor | list[int]) -> None:
+        """Keep only the given rows, in the given order."""
+        idx = torch.as_tensor(rows, dtype=torch.long, device=self.k[0].device)
+        for i in range(self.num_layers):
+            self.k[i] = self.k[i][:, :, : self.length].index_select(0, idx)
+            self.v[i] = self.v[i][:, :, : self.length].index_select(0, idx)
+        self._shared = False
+
+    def merge_rows(self, prefix: int, lengths: list[int]) -> None:
+        """Make one row: the shared first `prefix` entries, then row r's entries
+        prefix..prefix+lengths[r], row after row. This is how the KV computed by the parallel
+        infill rows is appended to the committed cache without recomputing it."""
+        if len(lengths) != self.rows:
+            raise ValueError(f"merge_rows got {len(lengths)} lengths for {self.rows} rows")
+        if any(n < 0 or prefix + n > self.length for n in lengths):
+            raise ValueError(f"merge_rows lengths {lengths} exceed the cache length {self.length - prefix} past the prefix")
+        total = prefix + sum(lengths)
+        for i in range(self.num_layers):
+            for name in ("k", "v"):
+                buf = getattr(self, name)[i]
+                parts = [buf[:1, :, :prefix]] + [buf[r: r + 1, :, prefix: prefix + n] for r, n in enumerate(lengths)]
+                merged = buf.new_empty((1, buf.shape[1], max(total, 64), buf.shape[3]))
+                merged[:, :, :total] = torch.cat(parts, dim=2)
+                getattr(self, name)[i] = merged
+        self.length = total
+        self._shared = False
+
+    def clone(self) -> "KVCache":
+        c = KVCache(self.num_layers)
+        c.k = [None if b is None else b[:, :, : self.length].clone() for b in self.k]
+        c.v = [None if b is None else b[:, :, : self.length].clone() for b in self.v]
+        c.length = self.length
+        return c

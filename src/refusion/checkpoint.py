@@ -1,0 +1,209 @@
+"""Hugging Face checkpoint directories: load, save (atomically), and add the mask token.
+
+A directory holds config.json, model.safetensors (or shards + model.safetensors.index.json),
+tokenizer files and generation_config.json, readable by `transformers` as Qwen3ForCausalLM,
+Qwen2ForCausalLM or LlamaForCausalLM. `mask_token_id` is kept in config.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from .config import ConfigError, ModelConfig
+from .model import Transformer, rope_inv_freq
+from .tokenizer import MASK_TOKEN, Tokenizer
+
+INDEX = "model.safetensors.index.json"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def _hf_key(name: str) -> str:
+    return name if name.startswith("lm_head.") else "model." + name
+
+
+def _our_key(name: str) -> str:
+    return name.removeprefix("model.")
+
+
+def load_config(path: str | Path) -> ModelConfig:
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory {path} does not exist")
+    f = path / "config.json"
+    if not f.exists():
+        raise CheckpointError(f"{path} has no config.json; is it a Hugging Face model directory?")
+    try:
+        return ModelConfig.from_hf(json.loads(f.read_text()))
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{f} is not valid JSON: {e}") from None
+    except ConfigError as e:
+        raise CheckpointError(f"{f}: {e}") from None
+
+
+def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    path = Path(path)
+    single, index = path / "model.safetensors", path / INDEX
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    elif single.exists():
+        files = [single.name]
+    else:
+        found = ", ".join(sorted(p.name for p in path.iterdir())) or "nothing"
+        raise CheckpointError(f"{path} has no model.safetensors or {INDEX} (found: {found})")
+    sd: dict[str, torch.Tensor] = {}
+    for name in files:
+        if not (path / name).exists():
+            raise CheckpointError(f"shard {name} named in {INDEX} is missing from {path}")
+        try:
+            sd.update(load_file(str(path / name)))
+        except SafetensorError as e:
+            raise CheckpointError(f"{path / name} is not a readable safetensors file: {e}") from None
+    return sd
+
+
+def load_model(path: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu",
+               require_mask: bool = False) -> Transformer:
+    """Load a Hugging Face model directory into a refusion Transformer (eval mode)."""
+    cfg = load_config(path)
+    if require_mask and cfg.mask_token_id is None:
+        raise CheckpointError(f"{path}: config.json has no mask_token_id; this needs a ReFusion model "
+                              "(convert one with `refusion add-mask-token` or train one)")
+    dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    dtype = dtype or DTYPES.get(cfg.torch_dtype.removeprefix("torch."), torch.float32)
+    sd = {_our_key(k): v for k, v in load_state_dict(path).items()}
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    expected = {k: v for k, v in model.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+        expected.pop("lm_head.weight", None)
+    missing = sorted(set(expected) - set(sd))
+    unexpected = sorted(k for k in set(sd) - set(expected) if not k.endswith("rotary_emb.inv_freq"))
+    if missing or unexpected:
+        raise CheckpointError(f"{path}: weights do not match config.json "
+                              f"(missing: {missing[:3]}{'...' if len(missing) > 3 else ''}, "
+                              f"unexpected: {unexpected[:3]}{'...' if len(unexpected) > 3 else ''})")
+    for k, v in expected.items():
+        if sd[k].shape != v.shape:
+            raise CheckpointError(f"{path}: {_hf_key(k)} has shape {tuple(sd[k].shape)}, "
+                                  f"config.json implies {tuple(v.shape)}")
+    model.load_state_dict({k: sd[k].to(dtype) for k in expected}, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.inv_freq = rope_inv_freq(cfg)  # buffers are not in the file and were built on "meta"
+    return model.to(device).eval()
+
+
+def _atomic_dir(path: Path, overwrite: bool):
+    if path.exists() and any(path.iterdir()) and not overwrite:
+        raise CheckpointError(f"{path} exists and is not empty; choose another directory or pass overwrite=True")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+
+
+def _commit_dir(tmp: Path, path: Path) -> None:
+    # rename is atomic; the old directory (if any) is moved aside first and removed after.
+    old = None
+    if path.exists():
+        old = path.with_name(f".{path.name}.old-{os.getpid()}")
+        os.replace(path, old)
+    os.replace(tmp, path)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def save_model(model: Transformer, path: str | Path, tokenizer: Tokenizer | None = None,
+               dtype: torch.dtype | None = None, max_shard_bytes: int = 2 * 1024**3, overwrite: bool = False,
+               extra_files: dict[str, bytes | str] | None = None) -> Path:
+    """Write a Hugging Face directory atomically (temporary directory, then rename)."""
+    path = Path(path)
+    cfg = model.config
+    tmp = _atomic_dir(path, overwrite)
+    try:
+        sd = {}
+        for k, v in model.state_dict().items():
+            if cfg.tie_word_embeddings and k == "lm_head.weight":
+                continue
+            sd[_hf_key(k)] = (v.to(dtype) if dtype else v).detach().cpu().contiguous()
+        out_dtype = next(iter(sd.values())).dtype
+        hf = cfg.to_hf()
+        hf["torch_dtype"] = str(out_dtype).removeprefix("torch.")
+        (tmp / "config.json").write_text(json.dumps(hf, indent=2))
+        shards: list[dict[str, torch.Tensor]] = [{}]
+        size = 0
+        for k, v in sd.items():
+            n = v.numel() * v.element_size()
+            if shards[-1] and size + n > max_shard_bytes:
+                shards.append({})
+                size = 0
+            shards[-1][k] = v
+            size += n
+        if len(shards) == 1:
+            save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            for i, shard in enumerate(shards):
+                name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, str(tmp / name), metadata={"format": "pt"})
+                weight_map.update({k: name for k in shard})
+            total = sum(v.numel() * v.element_size() for v in sd.values())
+            (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        gen = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id}
+        (tmp / "generation_config.json").write_text(json.dumps({k: v for k, v in gen.items() if v is not None}, indent=2))
+        if tokenizer is not None:
+            tokenizer.save(tmp)
+        for name, data in (extra_files or {}).items():
+            (tmp / name).write_bytes(data if isinstance(data, bytes) else data.encode())
+        _commit_dir(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def add_mask_token(model: Transformer, tokenizer: Tokenizer, token: str = MASK_TOKEN) -> int:
+    """Give a causal LM a mask token: add it to the tokenizer, grow the embeddings if needed,
+    initialise its row(s) to the mean embedding (a neutral start), record mask_token_id."""
+    cfg = model.config
+    (mask_id,) = tokenizer.add_special_tokens([token])
+    tokenizer.config["mask_token"] = token
+    old = cfg.vocab_size
+    if mask_id >= old:
+        new = mask_id + 1
+        emb = model.embed_tokens
+        w = emb.weight.data
+        grown = torch.nn.Embedding(new, w.shape[1], device=w.device, dtype=w.dtype)
+        grown.weight.data[:old] = w
+        grown.weight.data[old:] = w.mean(0, keepdim=True)
+        model.embed_tokens = grown
+        if cfg.tie_word_embeddings:
+            model.lm_head = torch.nn.Linear(w.shape[1], new, bias=False, device=w.device, dtype=w.dtype)
+            model.lm_head.weight = grown.weight
+        else:
+            hw = model.lm_head.weight.data
+            head = torch.nn.Linear(hw.shape[1], new, bias=False, device=hw.device, dtype=hw.dtype)
+            head.weight.data[:old] = hw
+            head.weight.data[old:] = hw.mean(0, keepdim=True)
+            model.lm_head = head
+        cfg.vocab_size = new
+    else:  # the row exists (padded vocabulary) but was never trained: start it from the mean too
+        with torch.no_grad():
+            n_text = len(tokenizer) - 1
+            model.embed_tokens.weight[mask_id] = model.embed_tokens.weight[:n_text].mean(0)
+            if not cfg.tie_word_embeddings:
+                model.lm_head.weight[mask_id] = model.lm_head.weight[:n_text].mean(0)
+    cfg.mask_token_id = mask_id
+    return mask_id

@@ -1,0 +1,150 @@
+"""ModelConfig: one dataclass for the Qwen3 and Llama / Qwen2 families, to and from HF config.json."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+# HF architecture name -> (model_type, family defaults that differ between families)
+ARCHITECTURES = {
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen2ForCausalLM": "qwen2",
+    "LlamaForCausalLM": "llama",
+}
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 1024
+    hidden_size: int = 256
+    intermediate_size: int = 768
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int | None = None  # None: hidden_size // num_heads
+    rope_theta: float = 1_000_000.0
+    rope_scaling: dict | None = None  # {"rope_type": "llama3" | "linear", ...} as in HF configs
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True
+    qk_norm: bool = True  # Qwen3: per-head RMSNorm on q and k
+    qkv_bias: bool = False  # Qwen2: bias on q, k, v
+    o_bias: bool = False  # Llama / Qwen3 attention_bias=True also puts a bias on o_proj
+    max_position_embeddings: int = 32768
+    model_type: str = "qwen3"
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    mask_token_id: int | None = None
+    torch_dtype: str = "float32"
+    extra: dict = field(default_factory=dict)  # unknown HF keys, written back unchanged
+
+    def __post_init__(self) -> None:
+        if self.head_dim is None:
+            if self.hidden_size % self.num_heads:
+                raise ConfigError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}; set head_dim")
+            self.head_dim = self.hidden_size // self.num_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_heads {self.num_heads} must be a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.model_type not in ARCHITECTURES.values():
+            raise ConfigError(f"unknown model_type {self.model_type!r}; supported: {sorted(ARCHITECTURES.values())}")
+
+    @property
+    def eos_ids(self) -> list[int]:
+        e = self.eos_token_id
+        return [] if e is None else [e] if isinstance(e, int) else list(e)
+
+    # ---- Hugging Face config.json ------------------------------------------------
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any]) -> "ModelConfig":
+        arch = (d.get("architectures") or [None])[0]
+        model_type = d.get("model_type")
+        if arch not in ARCHITECTURES and model_type not in ARCHITECTURES.values():
+            raise ConfigError(
+                f"unsupported architecture {arch!r} (model_type {model_type!r}); "
+                f"refusion loads {', '.join(ARCHITECTURES)}")
+        model_type = model_type if model_type in ARCHITECTURES.values() else ARCHITECTURES[arch]
+        if d.get("use_sliding_window"):
+            raise ConfigError("sliding-window attention (use_sliding_window=true) is not supported")
+        # transformers >= 5 nests RoPE settings in rope_parameters; older files use rope_theta / rope_scaling.
+        rope = dict(d.get("rope_parameters") or {})
+        theta = rope.pop("rope_theta", None) or d.get("rope_theta", 10000.0)
+        scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        if scaling is not None:
+            scaling = dict(scaling)
+            scaling.setdefault("rope_type", scaling.get("type"))
+            if scaling["rope_type"] == "default":
+                scaling = None
+        attention_bias = bool(d.get("attention_bias", False))
+        known = {
+            "architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta", "rope_scaling", "rope_parameters",
+            "rms_norm_eps", "tie_word_embeddings", "max_position_embeddings", "bos_token_id", "eos_token_id",
+            "pad_token_id", "mask_token_id", "torch_dtype", "dtype", "attention_bias", "hidden_act",
+        }
+        if d.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"hidden_act {d['hidden_act']!r} is not supported (only silu / SwiGLU)")
+        try:
+            return cls(
+                vocab_size=d["vocab_size"],
+                hidden_size=d["hidden_size"],
+                intermediate_size=d["intermediate_size"],
+                num_layers=d["num_hidden_layers"],
+                num_heads=d["num_attention_heads"],
+                num_kv_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
+                head_dim=d.get("head_dim"),
+                rope_theta=float(theta),
+                rope_scaling=scaling,
+                rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+                tie_word_embeddings=d.get("tie_word_embeddings", model_type != "llama"),
+                qk_norm=model_type == "qwen3",
+                qkv_bias=model_type == "qwen2" or attention_bias,
+                o_bias=model_type != "qwen2" and attention_bias,
+                max_position_embeddings=d.get("max_position_embeddings", 32768),
+                model_type=model_type,
+                bos_token_id=d.get("bos_token_id"),
+                eos_token_id=d.get("eos_token_id"),
+                pad_token_id=d.get("pad_token_id"),
+                mask_token_id=d.get("mask_token_id"),
+                torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
+                extra={k: v for k, v in d.items() if k not in known},
+            )
+        except KeyError as e:
+            raise ConfigError(f"config.json lacks required key {e.args[0]!r}") from None
+
+    def to_hf(self) -> dict[str, Any]:
+        arch = {v: k for k, v in ARCHITECTURES.items()}[self.model_type]
+        d: dict[str, Any] = dict(self.extra)
+        d.update(
+            architectures=[arch],
+            model_type=self.model_type,
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            hidden_act="silu",
+            rope_theta=self.rope_theta,
+            rope_scaling=self.rope_scaling,
+            rms_norm_eps=self.rms_norm_eps,
+            tie_word_embeddings=self.tie_word_embeddings,
+            max_position_embeddings=self.max_position_embeddings,
+            bos_token_id=self.bos_token_id,
+            eos_token_id=self.eos_token_id,
+            pad_token_id=self.pad_token_id,
+            torch_dtype=self.torch_dtype,
+        )
+        if self.model_type != "qwen2":
+            d["attention_bias"] = self.qkv_bias
+        if self.mask_token_id is not None:
+            d["mask_token_id"] = self.mask_token_id
+        return d
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,72 @@
+"""What every decoder returns, and the pieces they share (sampling, prompt batching)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class DecodeResult:
+    """One sequence's output and honest counters.
+
+    tokens: the generated response in position order, up to and including the first EOS.
+    positions / steps: for each token, its position id and the decoding step that committed it.
+    forwards: model forward passes this sequence took part in; tokens_fed: tokens it fed.
+    """
+
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)
+    forwards: int = 0
+    tokens_fed: int = 0
+    seconds: float = 0.0
+    finished: bool = False  # ended with EOS (else it hit gen_length)
+
+    @property
+    def tpf(self) -> float:
+        return len(self.tokens) / max(self.forwards, 1)
+
+    @property
+    def tps(self) -> float:
+        return len(self.tokens) / self.seconds if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return dict(prompt=self.prompt, tokens=self.tokens, positions=self.positions, steps=self.steps,
+                    forwards=self.forwards, tokens_fed=self.tokens_fed, seconds=self.seconds,
+                    finished=self.finished, tpf=self.tpf, tps=self.tps)
+
+
+def sample(logits: Tensor, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+           generator: torch.Generator | None = None) -> Tensor:
+    """Next tokens [B] from logits [B, V]: greedy at temperature 0, else top-k / top-p sampling."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k > 0:
+        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = logits.sort(-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) >= top_p  # keep the smallest set whose mass reaches top_p
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device | str) -> tuple[Tensor, Tensor, Tensor]:
+    """Left-pad prompts to one length: (ids [B, P], positions [B, P], valid [B, P])."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    P = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), P), pad_id, dtype=torch.long)
+    valid = torch.zeros((len(prompts), P), dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        ids[i, P - len(p):] = torch.tensor(p)
+        valid[i, P - len(p):] = True
+    positions = (valid.cumsum(1) - 1).clamp(min=0)
+    return ids.to(device), positions.to(device), valid.to(device)

@@ -1,0 +1,106 @@
+"""Each KVCache operation on its own, on hand-made tensors, and one through the model."""
+
+import pytest
+import torch
+
+from refusion.cache import KVCache
+from refusion.config import ModelConfig
+from refusion.model import Transformer
+
+
+def kv(rows, t, start=0.0, h=2, d=3):
+    x = torch.arange(rows * h * t * d, dtype=torch.float32).view(rows, h, t, d) + start
+    return x, -x
+
+
+def fill(cache, rows, t, start=0.0):
+    out = []
+    for i in range(cache.num_layers):
+        k, v = kv(rows, t, start + 1000 * i)
+        out.append(cache.update(i, k, v))
+    return out
+
+
+def test_append_returns_everything_and_advances_once_per_forward():
+    c = KVCache(2)
+    fill(c, 1, 4)
+    assert len(c) == 4
+    (k0, v0), (k1, v1) = fill(c, 1, 70, start=0.5)  # grows past the initial capacity of 64
+    assert len(c) == 74 and k0.shape == (1, 2, 74, 3)
+    torch.testing.assert_close(k0[:, :, :4], kv(1, 4)[0])
+    torch.testing.assert_close(k1[:, :, 4:], kv(1, 70, 1000.5)[0])
+    torch.testing.assert_close(v1[:, :, 4:], kv(1, 70, 1000.5)[1])
+
+
+def test_crop_then_append_overwrites_the_tail():
+    c = KVCache(1)
+    fill(c, 1, 5)
+    c.crop(2)
+    assert len(c) == 2
+    (k, _), = fill(c, 1, 1, start=-7.0)
+    torch.testing.assert_close(k[:, :, :2], kv(1, 5)[0][:, :, :2])
+    torch.testing.assert_close(k[:, :, 2:], kv(1, 1, -7.0)[0])
+    with pytest.raises(ValueError, match="crop"):
+        c.crop(4)
+
+
+def test_expand_shares_storage_until_written():
+    c = KVCache(1)
+    fill(c, 1, 3)
+    ptr = c.k[0].data_ptr()
+    c.expand(4)
+    assert c.rows == 4 and c.k[0].data_ptr() == ptr and c.k[0].stride(0) == 0  # no copy
+    k_new = torch.stack([torch.full((2, 1, 3), float(r)) for r in range(4)])
+    k, _ = c.update(0, k_new, k_new)
+    assert k.shape == (4, 2, 4, 3) and k.stride(0) != 0
+    for r in range(4):
+        torch.testing.assert_close(k[r, :, :3], kv(1, 3)[0][0])  # shared prefix in every row
+        assert (k[r, :, 3] == r).all()
+
+
+def test_select_rows_keeps_order():
+    c = KVCache(1)
+    fill(c, 3, 2)
+    c.select([2, 0])
+    k, _ = c.layer(0)
+    full = kv(3, 2)[0]
+    torch.testing.assert_close(k, full[[2, 0]])
+
+
+def test_merge_rows_appends_each_rows_own_entries_in_row_order():
+    c = KVCache(1)
+    fill(c, 1, 2)  # shared prefix of 2
+    c.expand(3)
+    own = torch.stack([torch.full((2, 3, 3), 10.0 * (r + 1)) for r in range(3)])
+    c.update(0, own, own)
+    c.merge_rows(prefix=2, lengths=[3, 1, 2])
+    k, v = c.layer(0)
+    assert c.rows == 1 and len(c) == 8
+    torch.testing.assert_close(k[0, :, :2], kv(1, 2)[0][0])
+    assert k[0, :, 2:5].eq(10).all() and k[0, :, 5:6].eq(20).all() and k[0, :, 6:8].eq(30).all()
+    with pytest.raises(ValueError):
+        c.merge_rows(prefix=2, lengths=[1, 2])  # two lengths for one row
+
+
+def test_merged_infill_cache_equals_packed_forward():
+    """Rows decoded in parallel on a shared prefix, merged, then a query on top: the same logits as
+    one packed pass where each slot sees only the prefix and itself (exact KV reuse)."""
+    m = Transformer(ModelConfig(vocab_size=40, hidden_size=32, intermediate_size=48, num_layers=2,
+                                num_heads=4, num_kv_heads=2)).init_weights(seed=3).eval()
+    prefix, pos0 = torch.tensor([[1, 2, 3, 4]]), torch.arange(4)[None]
+    slots = torch.tensor([[7, 8], [9, 10]])
+    spos = torch.tensor([[8, 9], [4, 5]])
+    q, qpos = torch.tensor([[11]]), torch.tensor([[6]])
+    with torch.no_grad():
+        c = m.new_cache()
+        m(prefix, pos0, cache=c)
+        c.expand(2)
+        m(slots, spos, cache=c)
+        c.merge_rows(4, [2, 2])
+        got = m(q, qpos, cache=c)
+        mask = torch.ones(9, 9, dtype=torch.bool).tril()
+        mask[6:8, 4:6] = False
+        ids = torch.cat([prefix, slots.view(1, -1), q], 1)
+        pos = torch.cat([pos0, spos.view(1, -1), qpos], 1)
+        ref = m(ids, pos, attn_mask=mask)[:, -1:]
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
