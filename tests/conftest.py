@@ -1,0 +1,49 @@
+import json
+import shutil
+
+import pytest
+import torch
+import transformers
+
+from refusion.fetch import qwen3_tokenizer_files
+
+QWEN3_VOCAB = 151936  # the published checkpoint's padded embedding size
+BEGIN_ID, MASK_ID, IM_END, ENDOFTEXT = 151669, 151670, 151645, 151643
+
+
+def write_qwen3_tokenizer(path, extra_tokens=("<|beginoftext|>", "<|mask|>")):
+    """The real Qwen3 tokenizer, with the tokens ReFusion adds, saved by transformers itself."""
+    tj, tc = qwen3_tokenizer_files()
+    src = path / "_src"
+    src.mkdir(parents=True)
+    shutil.copy(tj, src / "tokenizer.json")
+    shutil.copy(tc, src / "tokenizer_config.json")
+    tok = transformers.AutoTokenizer.from_pretrained(src)
+    if extra_tokens:
+        tok.add_special_tokens({"additional_special_tokens": list(extra_tokens)},
+                               replace_extra_special_tokens=False)
+        tok.mask_token = "<|mask|>" if "<|mask|>" in extra_tokens else None
+    tok.save_pretrained(path)
+    shutil.rmtree(src)
+    return tok
+
+
+@pytest.fixture(scope="session")
+def refusion_layout_dir(tmp_path_factory):
+    """A tiny random model in exactly the layout of GSAI-ML/ReFusion: Qwen3ForCausalLM, vocab 151936,
+    mask_token_id 151670, <|beginoftext|> 151669 and <|mask|> 151670 added to the Qwen3 tokenizer,
+    sharded safetensors with an index, generation_config.json; written by transformers, not by us."""
+    path = tmp_path_factory.mktemp("refusion_layout")
+    tok = write_qwen3_tokenizer(path)
+    assert tok.convert_tokens_to_ids(["<|beginoftext|>", "<|mask|>"]) == [BEGIN_ID, MASK_ID]
+    cfg = transformers.Qwen3Config(
+        vocab_size=QWEN3_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=1e6, max_position_embeddings=4096,
+        tie_word_embeddings=False, bos_token_id=ENDOFTEXT, eos_token_id=IM_END, pad_token_id=ENDOFTEXT)
+    cfg.mask_token_id = MASK_ID
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(cfg).eval()
+    model.save_pretrained(path, max_shard_size="8MB")
+    config = json.loads((path / "config.json").read_text())
+    assert config["mask_token_id"] == MASK_ID and (path / "model.safetensors.index.json").exists()
+    return path

@@ -1,0 +1,152 @@
+"""Hugging Face directories: the published ReFusion layout, round-trips, mask token, bad input."""
+
+import json
+import shutil
+
+import pytest
+import torch
+import transformers
+
+from refusion.checkpoint import CheckpointError, add_mask_token, load_model, save_model
+from refusion.config import ModelConfig
+from refusion.decoding import generate_ar
+from refusion.model import Transformer
+from refusion.tokenizer import Tokenizer
+
+from conftest import BEGIN_ID, IM_END, MASK_ID, QWEN3_VOCAB, write_qwen3_tokenizer
+
+
+def test_published_layout_loads_with_mask_and_tokenizer(refusion_layout_dir):
+    model = load_model(refusion_layout_dir, require_mask=True)
+    cfg = model.config
+    assert (cfg.model_type, cfg.vocab_size, cfg.mask_token_id, cfg.eos_ids) == ("qwen3", QWEN3_VOCAB, MASK_ID, [IM_END])
+    tok = Tokenizer.from_dir(refusion_layout_dir)
+    assert tok.mask_id == MASK_ID and tok.token_id("<|beginoftext|>") == BEGIN_ID and tok.eos_id == IM_END
+    hf_tok = transformers.AutoTokenizer.from_pretrained(refusion_layout_dir)
+    text = "Natalia sold 48 clips in April, and half as many in May. 你好 <|mask|><|mask|>\n  x=1"
+    assert tok.encode(text) == hf_tok.encode(text, add_special_tokens=False)
+    assert tok.encode("<|mask|>") == [MASK_ID]
+    for msgs in ([{"role": "user", "content": "What is 2+3?"}],
+                 [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                  {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}]):
+        ours = tok.apply_chat_template(msgs, add_generation_prompt=True)
+        ref = hf_tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        assert ours == ref
+    ids = tok.chat_prompt_ids("What is 2+3?")
+    assert tok.decode(ids, skip_special_tokens=False).endswith("<|im_start|>assistant\n")
+    # same logits as transformers on the published layout
+    hf = transformers.AutoModelForCausalLM.from_pretrained(refusion_layout_dir).eval()
+    x = torch.tensor([ids + [MASK_ID] * 4])
+    pos = torch.arange(x.shape[1])[None]
+    with torch.no_grad():
+        torch.testing.assert_close(model(x, pos), hf(input_ids=x, position_ids=pos).logits, atol=1e-5, rtol=0)
+    out = generate_ar(model, [ids], max_new_tokens=5)[0]
+    assert len(out.tokens) >= 1 and out.positions[0] == len(ids)
+
+
+def test_save_is_readable_by_transformers_and_keeps_the_tokenizer(refusion_layout_dir, tmp_path):
+    model = load_model(refusion_layout_dir)
+    tok = Tokenizer.from_dir(refusion_layout_dir)
+    save_model(model, tmp_path / "copy", tokenizer=tok, dtype=torch.bfloat16)
+    files = {p.name for p in (tmp_path / "copy").iterdir()}
+    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
+            "tokenizer_config.json", "special_tokens_map.json"} <= files
+    assert json.loads((tmp_path / "copy" / "config.json").read_text())["mask_token_id"] == MASK_ID
+    back = load_model(tmp_path / "copy")
+    assert back.embed_tokens.weight.dtype == torch.bfloat16
+    torch.testing.assert_close(back.lm_head.weight, model.lm_head.weight.bfloat16(), atol=0, rtol=0)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "copy")
+    assert hf_tok.convert_tokens_to_ids("<|mask|>") == MASK_ID
+    assert Tokenizer.from_dir(tmp_path / "copy").mask_id == MASK_ID
+
+
+def test_save_is_atomic_and_refuses_to_clobber(tmp_path):
+    m = Transformer(ModelConfig(vocab_size=30, hidden_size=16, intermediate_size=32, num_layers=1,
+                                num_heads=2, num_kv_heads=1)).init_weights(seed=0)
+    save_model(m, tmp_path / "ck")
+    with pytest.raises(CheckpointError, match="exists and is not empty"):
+        save_model(m, tmp_path / "ck")
+
+    class Boom(Exception):
+        pass
+
+    class BadTok:
+        def save(self, path):
+            raise Boom()
+
+    before = (tmp_path / "ck" / "model.safetensors").read_bytes()
+    with pytest.raises(Boom):
+        save_model(m.init_weights(seed=1), tmp_path / "ck", tokenizer=BadTok(), overwrite=True)
+    # the old checkpoint is untouched and no temporary directory is left behind
+    assert (tmp_path / "ck" / "model.safetensors").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+    save_model(m, tmp_path / "ck", overwrite=True)
+    assert (tmp_path / "ck" / "model.safetensors").read_bytes() != before
+
+
+def test_add_mask_token_grows_vocab_and_keeps_old_logits(tmp_path):
+    tok_dir = tmp_path / "tok"
+    write_qwen3_tokenizer(tok_dir, extra_tokens=())
+    tok = Tokenizer.from_dir(tok_dir)
+    n = len(tok)
+    cfg = ModelConfig(vocab_size=n, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                      num_kv_heads=1, tie_word_embeddings=False)
+    m = Transformer(cfg).init_weights(seed=0).eval()
+    ids, pos = torch.tensor([[100, 200, 300]]), torch.arange(3)[None]
+    with torch.no_grad():
+        before = m(ids, pos)
+    mask_id = add_mask_token(m, tok)
+    assert mask_id == n and m.config.mask_token_id == n and m.config.vocab_size == n + 1
+    assert tok.mask_id == n and tok.encode("<|mask|>") == [n]
+    with torch.no_grad():
+        after = m(ids, pos)
+        torch.testing.assert_close(after[..., :n], before, atol=1e-6, rtol=0)
+        torch.testing.assert_close(m.embed_tokens.weight[n], m.embed_tokens.weight[:n].mean(0))
+    # calling it again is a no-op on the vocabulary
+    assert add_mask_token(m, tok) == n and m.config.vocab_size == n + 1
+    save_model(m, tmp_path / "ck", tokenizer=tok)
+    assert load_model(tmp_path / "ck", require_mask=True).config.mask_token_id == n
+
+
+def test_add_mask_token_uses_a_padded_row_when_there_is_one(tmp_path):
+    tok_dir = tmp_path / "tok"
+    write_qwen3_tokenizer(tok_dir, extra_tokens=("<|beginoftext|>",))
+    tok = Tokenizer.from_dir(tok_dir)
+    cfg = ModelConfig(vocab_size=QWEN3_VOCAB, hidden_size=8, intermediate_size=16, num_layers=1, num_heads=2,
+                      num_kv_heads=1)
+    m = Transformer(cfg).init_weights(seed=0)
+    assert add_mask_token(m, tok) == MASK_ID  # the published id
+    assert m.config.vocab_size == QWEN3_VOCAB
+
+
+def _broken(tmp_path, refusion_layout_dir, edit):
+    d = tmp_path / "broken"
+    shutil.copytree(refusion_layout_dir, d)
+    edit(d)
+    return d
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: (d / "config.json").unlink(), "has no config.json"),
+    (lambda d: [p.unlink() for p in d.glob("model*.safetensors*")], "has no model.safetensors"),
+    (lambda d: next(d.glob("model-00001-*.safetensors")).unlink(), "shard .* is missing"),
+    (lambda d: (d / "config.json").write_text(json.dumps(
+        {**json.loads((d / "config.json").read_text()), "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})),
+     "unsupported architecture 'GPT2LMHeadModel'"),
+    (lambda d: (d / "config.json").write_text(json.dumps(
+        {**json.loads((d / "config.json").read_text()), "hidden_size": 64})), "has shape .* config.json implies"),
+    (lambda d: (d / "config.json").write_text("{not json"), "is not valid JSON"),
+    (lambda d: (d / "config.json").write_text(json.dumps(
+        {k: v for k, v in json.loads((d / "config.json").read_text()).items() if k != "mask_token_id"})),
+     "no mask_token_id"),
+])
+def test_bad_checkpoints_give_one_line_errors(tmp_path, refusion_layout_dir, edit, message):
+    d = _broken(tmp_path, refusion_layout_dir, edit)
+    with pytest.raises(CheckpointError, match=message) as e:
+        load_model(d, require_mask=True)
+    assert "\n" not in str(e.value)
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_model(tmp_path / "nope")
