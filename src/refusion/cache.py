@@ -126,3 +126,37 @@ class KVCache:
         c.v = [None if b is None else b[:, :, : self.length].clone() for b in self.v]
         c.length = self.length
         return c
+
+
+class SlotKVCache:
+    """A preallocated cache per sequence in which the decoder chooses where each fed token's
+    keys and values go (`write_index`, set before every forward).
+
+    Plan-and-infill uses it to keep k infill rows of one sequence inside that sequence's single
+    row: row r of a slot of size s writes at columns committed + r*s + j. The shared committed
+    prefix is therefore never copied, and when the rows are accepted their KV already sits in
+    commit order right after the prefix, so "appending each row's KV" costs nothing. Which
+    columns a query may see is the decoder's attention mask.
+    """
+
+    def __init__(self, num_layers: int, rows: int, capacity: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        shape = (rows, capacity, kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.capacity = capacity
+        self.write_index: Tensor | None = None  # [B, T] columns for the tokens of the next forward
+        self.rows: Tensor | None = None  # which cache rows the batch rows are (None: all, in order)
+        self.used = 0  # attention reads columns [0, used)
+        self.length = 0  # the model reads this to decide on a default mask; the decoder always passes one
+
+    def update(self, i: int, k_new: Tensor, v_new: Tensor) -> tuple[Tensor, Tensor]:
+        B = k_new.shape[0]
+        rows = self.rows if self.rows is not None else torch.arange(B, device=k_new.device)
+        r = rows[:, None].expand_as(self.write_index)
+        self.k[i][r, self.write_index] = k_new.transpose(1, 2).to(self.k[i].dtype)
+        self.v[i][r, self.write_index] = v_new.transpose(1, 2).to(self.v[i].dtype)
+        k, v = self.k[i], self.v[i]
+        if self.rows is not None:
+            k, v = k[self.rows], v[self.rows]
+        return k[:, : self.used].transpose(1, 2), v[:, : self.used].transpose(1, 2)

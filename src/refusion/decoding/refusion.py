@@ -1,0 +1,362 @@
+"""Plan-and-infill decoding (spec section 4), batched.
+
+Each sequence is a small state machine (plan -> verify -> [infill draft <-> infill verify]) that,
+at every step, says which tokens it wants fed. Sequences in different phases share one model
+forward: each is one batch row with its own tokens, positions, cache columns and attention mask.
+After the forward, the few numbers every phase needs (argmax token and its probability at each
+fed token, and the shifted probability of each fed token) come to the host in one transfer, and
+the state machines decide what to do next. Decisions are taken exactly as the reference takes
+them (greedy by default), except for the defects the spec names, which are fixed.
+
+Cache layout per sequence (a SlotKVCache row): columns [0, C) hold the committed tokens in commit
+order (prompt first); the columns after C are scratch for the current phase. Infill row r of a
+slot of size s lives at C + r*s + j, so the k rows share the committed prefix without copying it,
+and once accepted their KV already sits where "appending row after row" would put it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..cache import SlotKVCache
+from ..model import Transformer
+from .common import DecodeResult
+
+PLAN, VERIFY, DRAFT, IVERIFY, RECOMPUTE, DONE = "plan", "verify", "draft", "iverify", "recompute", "done"
+
+
+@dataclass
+class ReFusionParams:
+    gen_length: int = 256
+    slot_size: int = 8
+    serial_blocks: int = 1
+    slot_threshold: float = 0.9
+    token_threshold: float = 0.4
+    temperature: float = 0.0
+    recompute_kv: bool = False  # ablation: recompute the infilled slots' KV in one causal pass
+    left_to_right: bool = False  # baseline: always choose the leftmost undecoded slot
+
+    def validate(self) -> None:
+        s, L, B = self.slot_size, self.gen_length, self.serial_blocks
+        if s < 1 or L < 1 or B < 1:
+            raise ValueError(f"gen_length, slot_size and serial_blocks must be >= 1 (got {L}, {s}, {B})")
+        if L % (s * B):
+            lo = max(s * B, L // (s * B) * s * B)
+            raise ValueError(f"gen_length {L} must be a multiple of slot_size x serial_blocks = {s * B} "
+                             f"(each serial block a whole number of slots); try gen_length {lo} or {lo + s * B}")
+        for name in ("slot_threshold", "token_threshold"):
+            v = getattr(self, name)
+            if not 0.0 <= v <= 1.0:
+                raise ValueError(f"{name} must lie in [0, 1], got {v}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+
+
+class _Seq:
+    """One sequence's decoding state. Positions are absolute (prompt 0..P-1, response P..P+L-1)."""
+
+    def __init__(self, row: int, prompt: list[int], p: ReFusionParams, mask_id: int, eos: set[int],
+                 on_commit: Callable | None, gen: torch.Generator | None) -> None:
+        self.row, self.prompt, self.p, self.mask_id, self.eos = row, prompt, p, mask_id, eos
+        self.on_commit, self.gen = on_commit, gen
+        self.P = len(prompt)
+        s = p.slot_size
+        per_block = p.gen_length // p.serial_blocks
+        self.blocks = [list(range(self.P + b * per_block, self.P + (b + 1) * per_block, s))
+                       for b in range(p.serial_blocks)]
+        self.block = 0
+        self.undecoded = list(self.blocks[0])  # slot start positions, ascending
+        self.C = 0  # committed cache columns
+        self.grp = np.full(self.P + p.gen_length + 1, -1, dtype=np.int64)  # -1 free, 0 committed, g>0 group
+        self.committed: dict[int, int] = {}  # position -> token
+        self.step_of: dict[int, int] = {}
+        self.eos_pos: int | None = None
+        self.stop_after_block = False
+        self.phase = PLAN
+        self.res = DecodeResult(prompt=list(prompt))
+        self.feed: tuple | None = None
+
+    # ---- what to feed -------------------------------------------------------------
+
+    def next_feed(self) -> tuple[list[int], list[int], list[int], list[int], int]:
+        """(ids, positions, cache columns, groups, how many trailing tokens need logits)."""
+        s, C = self.p.slot_size, self.C
+        self.grp[C:] = -1
+        if self.phase == PLAN:
+            slots = self.undecoded[:1] if self.p.left_to_right else self.undecoded
+            ids, pos, grp = [], [], []
+            if C == 0:  # the first pass carries the prompt, committed at once
+                ids, pos, grp = list(self.prompt), list(range(self.P)), [0] * self.P
+            for st in slots:
+                ids += [self.mask_id] * s
+                pos += list(range(st, st + s))
+                grp += [1] * s
+            self.plan_slots = slots
+            need = len(slots) * s
+            cols = list(range(len(ids))) if C == 0 else list(range(C, C + len(ids)))
+        elif self.phase in (VERIFY, RECOMPUTE):
+            if self.phase == VERIFY:
+                ids = [t for row in self.drafts for t in row]
+                pos = [st + j for st in self.chosen for j in range(s)]
+            else:
+                ids, pos = self.pending
+            cols = list(range(C, C + len(ids)))
+            grp = [1] * len(ids)
+            need = len(ids)
+        else:  # DRAFT or IVERIFY: every infill row from offset a on
+            a = self.a
+            ids, pos, cols, grp = [], [], [], []
+            for r, (st, row) in enumerate(zip(self.chosen, self.drafts)):
+                for j in range(a, s):
+                    masked = self.phase == DRAFT and j >= self.nacc[r]
+                    ids.append(self.mask_id if masked else row[j])
+                    pos.append(st + j)
+                    cols.append(C + r * s + j)
+                    grp.append(r + 1)
+            need = len(ids)
+        self.grp[cols] = grp
+        self.feed = (ids, pos, cols, grp)
+        self.res.forwards += 1
+        self.res.tokens_fed += len(ids)
+        return ids, pos, cols, grp, need
+
+    # ---- what to do with the model's answer ------------------------------------------
+
+    def consume(self, amax: np.ndarray, pmax: np.ndarray, pnext: np.ndarray, sampled: np.ndarray | None,
+                psampled: np.ndarray | None) -> None:
+        """amax/pmax/pnext: per fed token (aligned with the feed); pnext[i] = P(token i | token i-1)."""
+        getattr(self, "_after_" + self.phase)(amax, pmax, pnext, sampled, psampled)
+
+    def _after_plan(self, amax, pmax, pnext, sampled, psampled):
+        s = self.p.slot_size
+        n = len(self.plan_slots) * s
+        tok = (sampled if sampled is not None else amax)[-n:].reshape(-1, s)
+        prob = (psampled if psampled is not None else pmax)[-n:].reshape(-1, s)
+        if self.C == 0:
+            self.C = self.P  # the prompt's KV stays
+        score = prob[:, 0]
+        if self.p.left_to_right:
+            pick = [0]
+        else:
+            pick = np.nonzero(score > self.p.slot_threshold)[0].tolist() or [int(np.argmax(score))]
+        self.chosen = [self.plan_slots[i] for i in pick]  # already in position order
+        self.drafts = [tok[i].tolist() for i in pick]
+        self.first_prob = [float(prob[i, 0]) for i in pick]
+        self.phase = VERIFY
+
+    def _after_verify(self, amax, pmax, pnext, sampled, psampled):
+        s, k = self.p.slot_size, len(self.chosen)
+        flat = [t for row in self.drafts for t in row]
+        ok = pnext > self.p.token_threshold
+        ok[::s] = True  # token 0 of every slot keeps its draft and counts as accepted
+        n_acc = int(np.argmin(ok)) if not ok.all() else len(ok)
+        eos_at = next((i for i in range(n_acc) if flat[i] in self.eos), None)
+        if eos_at is not None:
+            c = eos_at // s
+            self.undecoded = [st for st in self.undecoded if st not in self.chosen[:c + 1]]
+            self._commit_cols(flat[: eos_at + 1], [self.chosen[i // s] + i % s for i in range(eos_at + 1)])
+            self._next_plan()
+        elif n_acc >= s:
+            w = n_acc // s
+            self._commit_cols(flat[: w * s], [self.chosen[i // s] + i % s for i in range(w * s)])
+            self.undecoded = [st for st in self.undecoded if st not in self.chosen[:w]]
+            self._next_plan()
+        else:
+            per = ok.reshape(k, s)
+            self.nacc = [int(np.argmin(r)) if not r.all() else s for r in per]
+            self.a = 0
+            self.phase = DRAFT
+
+    def _after_draft(self, amax, pmax, pnext, sampled, psampled):
+        s, a = self.p.slot_size, self.a
+        w = s - a
+        for r in range(len(self.chosen)):
+            for j in range(self.nacc[r], s):  # infill drafts are always greedy, at their own position
+                self.drafts[r][j] = int(amax[r * w + j - a])
+        self.phase = IVERIFY
+
+    def _after_iverify(self, amax, pmax, pnext, sampled, psampled):
+        s, a, tau = self.p.slot_size, self.a, self.p.token_threshold
+        w = s - a
+        eos_row = None
+        for r in range(len(self.chosen)):
+            old = self.nacc[r]
+            n = old
+            # the first token fed, and the one right after the previously accepted prefix, pass anyway
+            while n < s and (n <= old or pnext[r * w + n - a] > tau):
+                n += 1
+            self.nacc[r] = n
+            # (the whole accepted prefix is checked, so an EOS accepted by global verification
+            # inside a later slot is caught too)
+            if eos_row is None and any(t in self.eos for t in self.drafts[r][:n]):
+                eos_row = r
+        if eos_row is not None:
+            r = eos_row
+            j = next(j for j in range(s) if self.drafts[r][j] in self.eos)
+            self.chosen, self.drafts, self.nacc = self.chosen[:r + 1], self.drafts[:r + 1], self.nacc[:r + 1]
+            self.nacc[r] = s
+            self.eos_row = (r, j)
+        m = min(n - a for n in self.nacc)
+        done = all(n == s for n in self.nacc)
+        self.a = a + (m if done else m - 1)
+        if not done:
+            self.phase = DRAFT
+            return
+        # every row accepted: their KV is already in place after the committed prefix
+        cut = getattr(self, "eos_row", None)
+        toks, poss = [], []
+        for r, (st, row) in enumerate(zip(self.chosen, self.drafts)):
+            n = cut[1] + 1 if cut is not None and r == cut[0] else s
+            toks += row[:n]
+            poss += list(range(st, st + n))
+        self.eos_row = None
+        self.undecoded = [st for st in self.undecoded if st not in self.chosen]
+        if self.p.recompute_kv:
+            self.pending = (toks, poss)
+            self.phase = RECOMPUTE
+            return
+        self._commit_cols(toks, poss)
+        self._next_plan()
+
+    def _after_recompute(self, amax, pmax, pnext, sampled, psampled):
+        toks, poss = self.pending
+        self._commit_cols(toks, poss)
+        self._next_plan()
+
+    # ---- bookkeeping ----------------------------------------------------------------
+
+    def _commit_cols(self, toks: list[int], poss: list[int]) -> None:
+        """The first len(toks) scratch columns become committed (their KV is kept as computed)."""
+        n = len(toks)
+        self.grp[self.C: self.C + n] = 0
+        self.C += n
+        step = self.res.forwards - 1
+        for t, q in zip(toks, poss):
+            self.committed[q] = t
+            self.step_of[q] = step
+            if t in self.eos and (self.eos_pos is None or q < self.eos_pos):
+                self.eos_pos = q
+                self.stop_after_block = True
+        if self.on_commit is not None:
+            self.on_commit(self.row, poss, toks)
+
+    def _next_plan(self) -> None:
+        # The fixed EOS behaviour: drop the undecoded slots after the first EOS (by position), never
+        # earlier ones; those are still decoded, so the output has no holes.
+        self.undecoded = [st for st in self.undecoded if self.eos_pos is None or st < self.eos_pos]
+        while not self.undecoded:
+            self.block += 1
+            if self.stop_after_block or self.block >= len(self.blocks):
+                self.phase = DONE
+                return
+            self.undecoded = list(self.blocks[self.block])
+        self.phase = PLAN
+
+    def finish(self, seconds: float) -> DecodeResult:
+        pos = sorted(self.committed)
+        if self.eos_pos is not None:
+            pos = [q for q in pos if q <= self.eos_pos]
+        expected = list(range(self.P, self.P + len(pos)))
+        if pos != expected:  # a hole would be a bug in this file, never a property of the model
+            raise RuntimeError(f"plan-and-infill left holes in the output: {sorted(set(expected) - set(pos))}")
+        r = self.res
+        r.tokens = [self.committed[q] for q in pos]
+        r.positions = pos
+        r.steps = [self.step_of[q] for q in pos]
+        r.finished = self.eos_pos is not None
+        r.seconds = seconds
+        return r
+
+
+@torch.inference_mode()
+def generate_refusion(model: Transformer, prompts: list[list[int]], params: ReFusionParams | None = None,
+                      eos_ids: list[int] | None = None, seed: int | None = None,
+                      on_commit: Callable[[int, list[int], list[int]], None] | None = None,
+                      **overrides) -> list[DecodeResult]:
+    """Plan-and-infill for a batch of prompts; on_commit(row, positions, tokens) streams commits."""
+    p = params or ReFusionParams()
+    if overrides:
+        p = ReFusionParams(**{**p.__dict__, **overrides})
+    p.validate()
+    cfg = model.config
+    if cfg.mask_token_id is None:
+        raise ValueError("plan-and-infill needs a model with mask_token_id in its config (a ReFusion model)")
+    if not prompts or any(len(q) == 0 for q in prompts):
+        raise ValueError("every prompt needs at least one token")
+    eos = set(eos_ids if eos_ids is not None else cfg.eos_ids)
+    device = model.embed_tokens.weight.device
+    gens = [torch.Generator(device=device).manual_seed(seed if seed is not None else 0) for _ in prompts]
+    seqs = [_Seq(i, list(q), p, cfg.mask_token_id, eos, on_commit, gens[i] if p.temperature > 0 else None)
+            for i, q in enumerate(prompts)]
+    cap = max(len(q) for q in prompts) + p.gen_length + 1
+    cache = SlotKVCache(cfg.num_layers, len(prompts), cap, cfg.num_kv_heads, cfg.head_dim,
+                        model.embed_tokens.weight.dtype, device)
+    start = time.perf_counter()
+    while True:
+        active = [q for q in seqs if q.phase != DONE]
+        if not active:
+            break
+        _step(model, cache, active, len(seqs), p.temperature, device)
+    seconds = time.perf_counter() - start
+    return [q.finish(seconds) for q in seqs]
+
+
+def _step(model: Transformer, cache: SlotKVCache, active: list[_Seq], n_rows: int, temperature: float,
+          device: torch.device) -> None:
+    """One shared forward for every active sequence, left-padded so trailing tokens line up."""
+    feeds = [q.next_feed() for q in active]
+    T = max(len(f[0]) for f in feeds)
+    need = max(f[4] for f in feeds)
+    hi = max(max(max(f[2]), q.C) for q, f in zip(active, feeds)) + 1  # the pad column, seen by nobody
+    B = len(active)
+    ids = np.zeros((B, T), dtype=np.int64)
+    pos = np.zeros((B, T), dtype=np.int64)
+    col = np.full((B, T), hi, dtype=np.int64)
+    qgrp = np.zeros((B, T), dtype=np.int64)
+    kgrp = np.full((B, hi + 1), -1, dtype=np.int64)
+    for b, (q, (i, ps, c, g, _)) in enumerate(zip(active, feeds)):
+        n = len(i)
+        ids[b, T - n:], pos[b, T - n:], col[b, T - n:], qgrp[b, T - n:] = i, ps, c, g
+        m = min(hi, len(q.grp))
+        kgrp[b, :m] = q.grp[:m]
+    ids_t, pos_t, col_t = (torch.from_numpy(x).to(device) for x in (ids, pos, col))
+    qg, kg = torch.from_numpy(qgrp).to(device), torch.from_numpy(kgrp).to(device)
+    key = torch.arange(hi + 1, device=device)
+    # a query sees a column at or before its own that is committed or in its own group
+    mask = (key[None, None, :] <= col_t[:, :, None]) & ((kg[:, None, :] == 0) | (kg[:, None, :] == qg[:, :, None]))
+    cache.write_index = col_t
+    cache.rows = None if B == n_rows else torch.tensor([q.row for q in active], device=device)
+    cache.used = hi + 1
+    logits = model(ids_t, pos_t, attn_mask=mask[:, None], cache=cache, num_logits=need).float()
+    lse = logits.logsumexp(-1)
+    top, amax = logits.max(-1)
+    pmax = (top - lse).exp()
+    nxt = ids_t[:, T - need + 1:]
+    pnext = torch.ones_like(pmax)
+    pnext[:, 1:] = (logits[:, :-1].gather(-1, nxt[..., None]).squeeze(-1) - lse[:, :-1]).exp()
+    sampled = psampled = None
+    if temperature > 0 and any(q.phase == PLAN for q in active):
+        # Gumbel-max, with noise drawn per sequence from its own generator for its own masks only,
+        # so a sequence samples the same tokens whatever else is in the batch.
+        sampled, psampled = amax.clone(), pmax.clone()
+        for b, (q, f) in enumerate(zip(active, feeds)):
+            if q.phase == PLAN:
+                n = f[4]
+                lg = logits[b, need - n:]
+                u = torch.rand(lg.shape, generator=q.gen, device=device).clamp(1e-20, 1 - 1e-7)
+                tok = (lg / temperature - torch.log(-torch.log(u))).argmax(-1)
+                sampled[b, need - n:] = tok
+                psampled[b, need - n:] = (lg.gather(-1, tok[:, None]).squeeze(-1) - lse[b, need - n:]).exp()
+    host = [x.cpu().numpy() for x in (amax, pmax, pnext)]  # the one host transfer of the step
+    if sampled is not None:
+        host += [sampled.cpu().numpy(), psampled.cpu().numpy()]
+    for b, (q, f) in enumerate(zip(active, feeds)):
+        sl = slice(need - min(len(f[0]), f[4]), need)
+        plan_sampled = sampled is not None and q.phase == PLAN
+        q.consume(host[0][b, sl], host[1][b, sl], host[2][b, sl],
+                  host[3][b, sl] if plan_sampled else None, host[4][b, sl] if plan_sampled else None)
