@@ -39,6 +39,7 @@ class ModelConfig:
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
     mask_token_id: int | None = None
+    bidirectional: bool = False  # attention of a model trained with the MDM objective
     torch_dtype: str = "float32"
     extra: dict = field(default_factory=dict)  # unknown HF keys, written back unchanged
 
@@ -84,7 +85,7 @@ class ModelConfig:
             "architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta", "rope_scaling", "rope_parameters",
             "rms_norm_eps", "tie_word_embeddings", "max_position_embeddings", "bos_token_id", "eos_token_id",
-            "pad_token_id", "mask_token_id", "torch_dtype", "dtype", "attention_bias", "hidden_act",
+            "pad_token_id", "mask_token_id", "bidirectional_attention", "torch_dtype", "dtype", "attention_bias", "hidden_act",
         }
         if d.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"hidden_act {d['hidden_act']!r} is not supported (only silu / SwiGLU)")
@@ -110,6 +111,7 @@ class ModelConfig:
                 eos_token_id=d.get("eos_token_id"),
                 pad_token_id=d.get("pad_token_id"),
                 mask_token_id=d.get("mask_token_id"),
+                bidirectional=bool(d.get("bidirectional_attention", False)),
                 torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
                 extra={k: v for k, v in d.items() if k not in known},
             )
@@ -144,6 +146,8 @@ class ModelConfig:
             d["attention_bias"] = self.qkv_bias
         if self.mask_token_id is not None:
             d["mask_token_id"] = self.mask_token_id
+        if self.bidirectional:
+            d["bidirectional_attention"] = True
         return d
 
     def to_dict(self) -> dict[str, Any]:

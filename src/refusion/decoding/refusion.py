@@ -112,6 +112,7 @@ class _Seq:
             a = self.a
             ids, pos, cols, grp = [], [], [], []
             for r, (st, row) in enumerate(zip(self.chosen, self.drafts)):
+                self.grp[C + r * s: C + r * s + a] = r + 1  # the row's kept KV from earlier rounds
                 for j in range(a, s):
                     masked = self.phase == DRAFT and j >= self.nacc[r]
                     ids.append(self.mask_id if masked else row[j])

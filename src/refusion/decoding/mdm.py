@@ -1,0 +1,147 @@
+"""Masked-diffusion baselines on the same model and interface (spec section 5).
+
+LLaDA-style: the generation region starts all <|mask|>; it is decoded in semi-autoregressive
+blocks; each step predicts every mask and commits a fixed number of the most confident ones in the
+current block (low-confidence remasking). Fast-dLLM-style threshold: each step commits every mask
+of the block whose confidence exceeds a threshold, at least one.
+
+There is no exact KV cache for the masked region. With `prefix_cache`, the keys and values of the
+prompt and the finished blocks are computed once per block and reused (exact for a causal model,
+approximate for a bidirectional one, as in Fast-dLLM). Attention is bidirectional when the model
+was trained with the MDM objective (config `bidirectional`), causal otherwise.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..model import Transformer
+from .common import DecodeResult, left_pad
+
+
+@dataclass
+class MDMParams:
+    gen_length: int = 256
+    block_length: int = 32
+    steps: int = 256  # total over all blocks (fixed-count mode)
+    threshold: float | None = None  # set: Fast-dLLM-style parallel threshold mode
+    temperature: float = 0.0
+    prefix_cache: bool = False
+
+    def validate(self) -> None:
+        L, b = self.gen_length, self.block_length
+        if L < 1 or b < 1 or L % b:
+            raise ValueError(f"gen_length {L} must be a positive multiple of block_length {b}")
+        if self.threshold is None and (self.steps < L // b or self.steps % (L // b)):
+            raise ValueError(f"steps {self.steps} must be a positive multiple of the number of blocks {L // b}")
+        if self.threshold is not None and not 0.0 <= self.threshold <= 1.0:
+            raise ValueError(f"threshold must lie in [0, 1], got {self.threshold}")
+
+
+def _per_step_counts(n: int, steps: int) -> list[int]:
+    """Spread n commits over `steps` steps as evenly as possible, the remainder first (as LLaDA)."""
+    base, rem = divmod(n, steps)
+    return [base + (1 if i < rem else 0) for i in range(steps)]
+
+
+@torch.inference_mode()
+def generate_mdm(model: Transformer, prompts: list[list[int]], params: MDMParams | None = None,
+                 eos_ids: list[int] | None = None, seed: int | None = None, on_commit=None,
+                 **overrides) -> list[DecodeResult]:
+    p = params or MDMParams()
+    if overrides:
+        p = MDMParams(**{**p.__dict__, **overrides})
+    p.validate()
+    cfg = model.config
+    if cfg.mask_token_id is None:
+        raise ValueError("masked-diffusion decoding needs a model with mask_token_id in its config")
+    device = model.embed_tokens.weight.device
+    eos = sorted(set(eos_ids if eos_ids is not None else cfg.eos_ids))
+    eos_t = torch.tensor(eos or [-1], device=device)
+    gen = torch.Generator(device=device).manual_seed(seed if seed is not None else 0)
+    start = time.perf_counter()
+    B, L = len(prompts), p.gen_length
+    pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
+    ids, pos, valid = left_pad(prompts, pad, device)
+    P = ids.shape[1]
+    lens = torch.tensor([len(q) for q in prompts], device=device)
+    x = torch.cat([ids, torch.full((B, L), cfg.mask_token_id, device=device)], 1)
+    positions = torch.cat([pos, lens[:, None] + torch.arange(L, device=device)], 1)
+    key_valid = torch.cat([valid, torch.ones(B, L, dtype=torch.bool, device=device)], 1)
+    T = P + L
+    causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+    attn = key_valid[:, None, None, :] if cfg.bidirectional else key_valid[:, None, None, :] & causal
+    attn = attn | torch.eye(T, dtype=torch.bool, device=device)  # [B, 1, T, T]; no empty rows (pads)
+    step_of = torch.full((B, L), -1, dtype=torch.long, device=device)
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    forwards = torch.zeros(B, dtype=torch.long)
+    fed = torch.zeros(B, dtype=torch.long)
+    n_blocks = L // p.block_length
+    steps_per_block = p.steps // n_blocks
+    step = 0
+    for blk in range(n_blocks):
+        lo, hi = P + blk * p.block_length, P + (blk + 1) * p.block_length
+        cache = None
+        counts = _per_step_counts(p.block_length, steps_per_block)
+        i = 0
+        while True:
+            masked = (x[:, lo:hi] == cfg.mask_token_id) & ~done[:, None]
+            if not bool(masked.any()):
+                break
+            if p.threshold is None and i >= len(counts):
+                break
+            active = masked.any(1)
+            # feed everything, or (prefix cache, after the block's first step) only the block onwards
+            first = 0 if cache is None else lo
+            if p.prefix_cache and cache is None:
+                cache = model.new_cache()
+            logits = model(x[:, first:], positions[:, first:], attn_mask=attn[:, :, first:], cache=cache)
+            if cache is not None:
+                cache.crop(lo)  # keep the prompt and the finished blocks only
+            logits = logits[:, lo - first: hi - first].float()
+            logits[..., cfg.mask_token_id] = float("-inf")  # committing <|mask|> would never end
+            fed += ((T - first) * active.cpu()).long()
+            forwards += active.cpu().long()
+            if p.temperature > 0:
+                u = torch.rand(logits.shape, generator=gen, device=device).clamp(1e-20, 1 - 1e-7)
+                x0 = (logits / p.temperature - torch.log(-torch.log(u))).argmax(-1)
+            else:
+                x0 = logits.argmax(-1)
+            conf = logits.softmax(-1).gather(-1, x0[..., None]).squeeze(-1)
+            conf = conf.masked_fill(~masked, -1.0)
+            if p.threshold is None:
+                k = counts[i]
+                top = conf.topk(k, dim=1).indices
+                pick = torch.zeros_like(masked).scatter(1, top, True) & masked
+            else:
+                best = torch.zeros_like(masked).scatter(1, conf.argmax(1, keepdim=True), True)
+                pick = ((conf > p.threshold) | best) & masked
+            x[:, lo:hi] = torch.where(pick, x0, x[:, lo:hi])
+            step_of[:, lo - P: hi - P][pick] = step
+            if on_commit is not None:
+                for r in range(B):
+                    cols = pick[r].nonzero().squeeze(-1) + (lo - P)
+                    if cols.numel():
+                        on_commit(r, (lens[r] + cols).tolist(), x[r, P + cols].tolist())
+            step += 1
+            i += 1
+        # a finished block that holds an EOS ends that sequence (everything after is padding)
+        block_eos = torch.isin(x[:, lo:hi], eos_t).any(1)
+        done |= block_eos
+        if bool(done.all()):
+            break
+    seconds = time.perf_counter() - start
+    out, steps_h = x[:, P:].tolist(), step_of.tolist()
+    results = []
+    for r, q in enumerate(prompts):
+        toks = out[r]
+        cut = next((j + 1 for j, t in enumerate(toks) if t in eos), None)
+        n = cut if cut is not None else len([t for t in toks if t != cfg.mask_token_id])
+        res = DecodeResult(prompt=list(q), tokens=toks[:n], positions=[len(q) + j for j in range(n)],
+                           steps=steps_h[r][:n], forwards=int(forwards[r]), tokens_fed=int(fed[r]),
+                           seconds=seconds, finished=cut is not None)
+        results.append(res)
+    return results
