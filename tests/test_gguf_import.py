@@ -237,3 +237,25 @@ def test_greedy_answer_mentions_paris(smol):
     answer = tok.decode(gen[0, ids.shape[1]:], skip_special_tokens=True)
     print(f"\nanswer: {answer!r}")
     assert "Paris" in answer
+
+
+@pytest.mark.slow
+def test_refusion_itself_answers_paris_and_matches_transformers_logits(smol):
+    from refusion.checkpoint import load_model
+    from refusion.decoding import generate_ar
+    from refusion.tokenizer import Tokenizer
+
+    out = smol[1]
+    model, tok = load_model(out), Tokenizer.from_dir(out)
+    ids = tok.chat_prompt_ids("What is the capital of France?")
+    res = generate_ar(model, [ids], max_new_tokens=20)[0]
+    answer = tok.decode(res.tokens)
+    print(f"\nrefusion answer: {answer!r} ({len(res.tokens)} tokens, finished={res.finished})")
+    assert "Paris" in answer and res.finished
+    ref = transformers.LlamaForCausalLM.from_pretrained(out).eval()
+    x = torch.tensor([ids + res.tokens])
+    pos = torch.arange(x.shape[1])[None]
+    with torch.no_grad():
+        diff = (model(x, pos) - ref(input_ids=x, position_ids=pos).logits).abs().max().item()
+    print(f"max |logit difference| vs transformers LlamaForCausalLM: {diff:.2e}")
+    assert diff < 1e-4

@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from .decoding import DECODERS
 from .fetch import FetchError, cache_dir
 
 
@@ -35,16 +36,31 @@ def _parse_ids(text: str) -> list[int]:
     return ids
 
 
-def cmd_generate(args: argparse.Namespace) -> None:
-    import torch
+def decoder_params(args: argparse.Namespace, decoder: str) -> dict:
+    """The flags that belong to `decoder`, as keyword arguments of refusion.decoding.decode."""
+    if decoder in ("refusion", "refusion-l2r"):
+        return dict(gen_length=args.gen_length, slot_size=args.slot_size, serial_blocks=args.serial_blocks,
+                    slot_threshold=args.slot_threshold, token_threshold=args.token_threshold,
+                    temperature=args.temperature, recompute_kv=args.recompute_kv)
+    if decoder in ("mdm", "mdm-threshold"):
+        p = dict(gen_length=args.gen_length, block_length=args.block_length, temperature=args.temperature,
+                 prefix_cache=args.prefix_cache, steps=args.steps or args.gen_length)
+        if decoder == "mdm-threshold":
+            p["threshold"] = args.threshold
+        return p
+    return dict(max_new_tokens=args.gen_length, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
 
+
+def cmd_generate(args: argparse.Namespace) -> None:
     from .checkpoint import load_model
-    from .decoding import generate_ar
+    from .decoding import decode
     from .tokenizer import Tokenizer
+    from .view import SlotView
 
     model_dir = Path(args.model) if args.model else default_model_dir()
     model = load_model(model_dir, dtype=args.dtype, device=args.device)
     tok = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").exists() else None
+    decoder = args.decoder or ("refusion" if model.config.mask_token_id is not None else "ar")
     if args.prompt_ids is not None:
         prompt = args.prompt_ids
     elif args.prompt is None:
@@ -57,23 +73,20 @@ def cmd_generate(args: argparse.Namespace) -> None:
         prompt = tok.chat_prompt_ids(args.prompt, system=args.system)
     if max(prompt) >= model.config.vocab_size or min(prompt) < 0:
         raise ValueError(f"prompt ids must lie in [0, {model.config.vocab_size})")
-    torch.manual_seed(args.seed)
-    stream = None
-    if not args.json and not args.no_view and tok is not None:
-        def stream(row: int, position: int, token: int) -> None:
-            print(tok.decode([token]), end="", flush=True)
-    res = generate_ar(model, [prompt], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                      top_k=args.top_k, top_p=args.top_p, seed=args.seed, on_token=stream)[0]
+    view = None
+    if not args.json and not args.no_view and sys.stderr.isatty():
+        view = SlotView(tok, len(prompt), args.gen_length)
+    res = decode(model, [prompt], decoder, seed=args.seed, on_commit=view.on_commit if view else None,
+                 **decoder_params(args, decoder))[0]
     text = tok.decode(res.tokens) if tok is not None else None
     if args.json:
-        print(json.dumps({**res.to_dict(), "text": text, "decoder": "ar", "model": str(model_dir)}))
+        print(json.dumps({**res.to_dict(), "text": text, "decoder": decoder, "model": str(model_dir)}))
         return
-    if stream is None:
-        print(text if text is not None else " ".join(map(str, res.tokens)))
-    else:
-        print()
-    print(f"[ar] {len(res.tokens)} tokens, {res.forwards} forwards, TPF {res.tpf:.2f}, "
-          f"{res.tps:.1f} tokens/s", file=sys.stderr)
+    if view is not None:
+        view.close()
+    print(text if text is not None else " ".join(map(str, res.tokens)))
+    print(f"[{decoder}] {len(res.tokens)} tokens, {res.forwards} forwards, TPF {res.tpf:.2f}, "
+          f"{res.tps:.1f} tokens/s, {res.seconds:.2f} s", file=sys.stderr)
 
 
 def cmd_import_gguf(args: argparse.Namespace) -> None:
@@ -117,12 +130,24 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt-ids", type=_parse_ids, help="exact prompt token ids, e.g. 1,2,3")
     g.add_argument("--system", help="system message for the chat template")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    g.add_argument("--decoder", choices=["ar"], default="ar")
-    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--decoder", choices=DECODERS, help="default: refusion if the model has a mask token, else ar")
+    g.add_argument("--gen-length", type=int, default=128, help="tokens to generate (at most)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-k", type=int)
-    g.add_argument("--top-p", type=float)
     g.add_argument("--seed", type=int, default=0)
+    r = g.add_argument_group("plan-and-infill (refusion, refusion-l2r)")
+    r.add_argument("--slot-size", type=int, default=8)
+    r.add_argument("--serial-blocks", type=int, default=1)
+    r.add_argument("--slot-threshold", type=float, default=0.9)
+    r.add_argument("--token-threshold", type=float, default=0.4)
+    r.add_argument("--recompute-kv", action="store_true", help="recompute infilled slots' KV (ablation)")
+    m = g.add_argument_group("masked diffusion (mdm, mdm-threshold)")
+    m.add_argument("--block-length", type=int, default=32)
+    m.add_argument("--steps", type=int, help="total denoising steps for mdm (default: gen-length)")
+    m.add_argument("--threshold", type=float, default=0.9, help="confidence threshold for mdm-threshold")
+    m.add_argument("--prefix-cache", action="store_true", help="reuse the prompt's and finished blocks' KV")
+    a = g.add_argument_group("autoregressive (ar)")
+    a.add_argument("--top-k", type=int)
+    a.add_argument("--top-p", type=float)
     g.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     g.add_argument("--device", default="cpu")
     g.add_argument("--json", action="store_true", help="machine-readable output")
