@@ -6,9 +6,10 @@ current block (low-confidence remasking). Fast-dLLM-style threshold: each step c
 of the block whose confidence exceeds a threshold, at least one.
 
 There is no exact KV cache for the masked region. With `prefix_cache`, the keys and values of the
-prompt and the finished blocks are computed once per block and reused (exact for a causal model,
-approximate for a bidirectional one, as in Fast-dLLM). Attention is bidirectional when the model
-was trained with the MDM objective (config `bidirectional`), causal otherwise.
+prompt and the finished blocks are reused (exact for a causal model, approximate for a
+bidirectional one, as in Fast-dLLM): at a block's first step only the previous block onwards is
+fed, after that only the current block onwards. Attention is bidirectional when the model was
+trained with the MDM objective (config `bidirectional`), causal otherwise.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ class MDMParams:
             raise ValueError(f"gen_length {L} must be a positive multiple of block_length {b}")
         if self.threshold is None and (self.steps < L // b or self.steps % (L // b)):
             raise ValueError(f"steps {self.steps} must be a positive multiple of the number of blocks {L // b}")
+        if self.threshold is None and self.steps > L:
+            raise ValueError(f"steps {self.steps} exceeds gen_length {L}: every step must commit a token")
         if self.threshold is not None and not 0.0 <= self.threshold <= 1.0:
             raise ValueError(f"threshold must lie in [0, 1], got {self.threshold}")
 
@@ -82,9 +85,9 @@ def generate_mdm(model: Transformer, prompts: list[list[int]], params: MDMParams
     n_blocks = L // p.block_length
     steps_per_block = p.steps // n_blocks
     step = 0
+    cache = model.new_cache() if p.prefix_cache else None
     for blk in range(n_blocks):
         lo, hi = P + blk * p.block_length, P + (blk + 1) * p.block_length
-        cache = None
         counts = _per_step_counts(p.block_length, steps_per_block)
         i = 0
         while True:
@@ -94,10 +97,9 @@ def generate_mdm(model: Transformer, prompts: list[list[int]], params: MDMParams
             if p.threshold is None and i >= len(counts):
                 break
             active = masked.any(1)
-            # feed everything, or (prefix cache, after the block's first step) only the block onwards
-            first = 0 if cache is None else lo
-            if p.prefix_cache and cache is None:
-                cache = model.new_cache()
+            # feed everything, or (prefix cache) only what the cache does not hold: from the previous
+            # block on at a block's first step (that block has just been finished), the block on after
+            first = 0 if cache is None else len(cache)
             logits = model(x[:, first:], positions[:, first:], attn_mask=attn[:, :, first:], cache=cache)
             if cache is not None:
                 cache.crop(lo)  # keep the prompt and the finished blocks only
