@@ -11,12 +11,15 @@ from .decoding import DECODERS
 from .fetch import FetchError, cache_dir
 
 
-def default_model_dir() -> Path:
-    """The model `refusion generate` runs when none is named.
+BUNDLED = Path(__file__).parent / "assets" / "refusion-tiny"
 
-    Until a trained ReFusion model is bundled, this is SmolLM2-135M-Instruct, imported from its
-    GGUF package on first use (autoregressive decoding only).
-    """
+
+def default_model_dir() -> Path:
+    """The model `refusion generate` runs when none is named: the small ReFusion model shipped in
+    the package (configs/refusion-tiny.toml is its recipe) or, where it is absent, SmolLM2-135M-
+    Instruct imported from its GGUF package on first use (autoregressive decoding only)."""
+    if (BUNDLED / "config.json").exists():
+        return BUNDLED
     path = cache_dir() / "models" / "SmolLM2-135M-Instruct"
     if not (path / "config.json").exists():
         from .convert.gguf import import_smollm2
