@@ -174,6 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
     n = sub.add_parser("info", help="print a model directory's configuration")
     n.add_argument("model")
     n.set_defaults(func=cmd_info)
+
+    from . import train
+
+    train.add_parser(sub)
     return p
 
 

@@ -250,43 +250,49 @@ def token_ce(logits: Tensor, labels: Tensor) -> Tensor:
     return ce.view(B, T)
 
 
-def _ar_term(ce: Tensor, inputs: TrainInputs) -> tuple[Tensor, Tensor]:
+def _ar_term(ce: Tensor, inputs: TrainInputs, n_total: Tensor | None = None) -> tuple[Tensor, Tensor]:
     sel = (inputs.labels != IGNORE) & ~inputs.is_masked
     n = sel.sum()
     # a mean over nothing is 0, not NaN (the reference's all-masked-batch defect)
-    return torch.where(sel, ce, 0.0).sum() / n.clamp(min=1), n
+    return torch.where(sel, ce, 0.0).sum() / (n if n_total is None else n_total).clamp(min=1), n
 
 
-def _mdm_term(ce: Tensor, inputs: TrainInputs, response_len: Tensor) -> tuple[Tensor, Tensor]:
+def _mdm_term(ce: Tensor, inputs: TrainInputs, response_len: Tensor, b_total: int | None = None
+              ) -> tuple[Tensor, Tensor]:
     sel = inputs.is_masked & (inputs.labels != IGNORE)
     per_example = torch.where(sel, ce, 0.0).sum(1) / inputs.mask_rate.float()
     # examples with an empty response have no masked tokens: clamp only avoids 0 / 0
     per_example = per_example / response_len.to(ce.device).clamp(min=1)
-    return per_example.sum() / ce.shape[0], sel.sum()
+    return per_example.sum() / (b_total or ce.shape[0]), sel.sum()
 
 
-def refusion_loss(logits: Tensor, inputs: TrainInputs, response_len: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+def refusion_loss(logits: Tensor, inputs: TrainInputs, response_len: Tensor, n_ar_total: Tensor | None = None,
+                  b_total: int | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """AR + MDM. AR: mean CE over clean labelled tokens of the batch (0 if none).
-    MDM: (sum over masked tokens of CE / p / Lr) / B."""
+    MDM: (sum over masked tokens of CE / p / Lr) / B.
+
+    n_ar_total / b_total: the AR token count and example count of the whole (global) batch, when this
+    is one micro-batch of it, so that summing the micro-batch losses gives the global batch's loss."""
     ce = token_ce(logits, inputs.labels)
-    ar, n_ar = _ar_term(ce, inputs)
-    mdm, n_m = _mdm_term(ce, inputs, response_len)
+    ar, n_ar = _ar_term(ce, inputs, n_ar_total)
+    mdm, n_m = _mdm_term(ce, inputs, response_len, b_total)
     loss = ar + mdm
     return loss, dict(loss=loss.detach(), ar_loss=ar.detach(), mdm_loss=mdm.detach(), n_ar_tokens=n_ar,
                       n_masked_tokens=n_m)
 
 
-def ar_loss(logits: Tensor, inputs: TrainInputs) -> tuple[Tensor, dict[str, Tensor]]:
+def ar_loss(logits: Tensor, inputs: TrainInputs, n_ar_total: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """Mean next-token CE over labelled tokens (0 if none)."""
     ce = token_ce(logits, inputs.labels)
-    loss, n = _ar_term(ce, inputs)
+    loss, n = _ar_term(ce, inputs, n_ar_total)
     return loss, dict(loss=loss.detach(), ar_loss=loss.detach(), n_ar_tokens=n)
 
 
-def mdm_loss(logits: Tensor, inputs: TrainInputs, response_len: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+def mdm_loss(logits: Tensor, inputs: TrainInputs, response_len: Tensor, b_total: int | None = None
+             ) -> tuple[Tensor, dict[str, Tensor]]:
     """LLaDA loss: mean over examples of (sum over masked tokens of CE / p) / Lr (0 if nothing masked)."""
     ce = token_ce(logits, inputs.labels)
-    loss, n = _mdm_term(ce, inputs, response_len)
+    loss, n = _mdm_term(ce, inputs, response_len, b_total)
     return loss, dict(loss=loss.detach(), mdm_loss=loss.detach(), n_masked_tokens=n)
 
 
@@ -313,11 +319,17 @@ def build_inputs(name: str, batch: Batch, mask_id: int, gen: torch.Generator, **
     return ar_inputs(batch)
 
 
-def compute_loss(name: str, logits: Tensor, inputs: TrainInputs, batch: Batch) -> tuple[Tensor, dict[str, Tensor]]:
-    """Loss and detached stats for objective `name`."""
+def ar_token_count(inputs: TrainInputs) -> Tensor:
+    """Number of tokens the AR term averages over (clean, labelled): the global normaliser of a batch."""
+    return ((inputs.labels != IGNORE) & ~inputs.is_masked).sum()
+
+
+def compute_loss(name: str, logits: Tensor, inputs: TrainInputs, batch: Batch, n_ar_total: Tensor | None = None,
+                 b_total: int | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """Loss and detached stats for objective `name` (normalisers: see refusion_loss)."""
     _check_name(name)
     if name == "refusion":
-        return refusion_loss(logits, inputs, batch.response_len)
+        return refusion_loss(logits, inputs, batch.response_len, n_ar_total, b_total)
     if name == "mdm":
-        return mdm_loss(logits, inputs, batch.response_len)
-    return ar_loss(logits, inputs)
+        return mdm_loss(logits, inputs, batch.response_len, b_total)
+    return ar_loss(logits, inputs, n_ar_total)

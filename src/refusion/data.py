@@ -1,0 +1,173 @@
+"""Training data: query/response records, encoding with the chat template, length batching, a small BPE.
+
+Records use the reference's format: a JSON list, or JSONL, of {"query": str, "response": str}. The
+query is wrapped in the tokenizer's chat template (as a user turn, generation prompt added); the
+response is followed by EOS. Batches group examples of similar length (less padding) and are a pure
+function of (seed, epoch), so a resumed run sees exactly the batches an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from .tokenizer import Tokenizer
+
+MASK_TOKEN = "<|mask|>"
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+class DataError(ValueError):
+    pass
+
+
+@dataclass
+class Example:
+    prompt: list[int]  # chat-formatted query
+    response: list[int]  # response tokens + EOS
+
+    def __len__(self) -> int:
+        return len(self.prompt) + len(self.response)
+
+
+# ----------------------------------------------------------------------------------------------
+# records
+
+
+def _check_record(rec, where: str) -> dict:
+    if not isinstance(rec, dict):
+        raise DataError(f"{where}: expected an object with \"query\" and \"response\", got {type(rec).__name__}")
+    for key in ("query", "response"):
+        if key not in rec:
+            raise DataError(f"{where}: record has no {key!r} field (fields: {', '.join(map(str, rec)) or 'none'})")
+        if not isinstance(rec[key], str):
+            raise DataError(f"{where}: {key!r} must be a string, got {type(rec[key]).__name__}")
+    return {"query": rec["query"], "response": rec["response"]}
+
+
+def _json_list_items(text: str, path: Path):
+    """(line, item) for each item of a top-level JSON list, so errors can name the line."""
+    dec = json.JSONDecoder()
+    i = text.index("[") + 1
+    line, counted = 1, 0
+    while True:
+        while i < len(text) and text[i] in " \t\r\n,":
+            i += 1
+        if i >= len(text):
+            raise DataError(f"{path}:{text.count(chr(10)) + 1}: the JSON list is not closed with ']'")
+        if text[i] == "]":
+            return
+        line, counted = line + text.count("\n", counted, i), i
+        try:
+            item, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
+        yield line, item
+
+
+def load_records(path: str | Path) -> list[dict]:
+    """Read {"query", "response"} records from a JSON list or a JSONL file; errors name file and line."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"{path}: no such file")
+    text = path.read_text(encoding="utf-8")
+    records = []
+    if text.lstrip().startswith("["):
+        records = [_check_record(r, f"{path}:{line}") for line, r in _json_list_items(text, path)]
+    else:
+        records = _jsonl_records(text, path)
+    if not records:
+        raise DataError(f"{path}: no records")
+    return records
+
+
+def _jsonl_records(text: str, path: Path) -> list[dict]:
+    records = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{n}: invalid JSON ({e.msg})") from None
+        records.append(_check_record(rec, f"{path}:{n}"))
+    return records
+
+
+def encode_records(records: list[dict], tokenizer: Tokenizer, system: str | None = None) -> list[Example]:
+    """Chat template on each query, EOS after each response."""
+    eos = tokenizer.eos_id
+    if eos is None:
+        raise DataError("the tokenizer has no eos_token; set one in tokenizer_config.json")
+    prompts = [tokenizer.apply_chat_template(([{"role": "system", "content": system}] if system else [])
+                                             + [{"role": "user", "content": r["query"]}]) for r in records]
+    p_ids = tokenizer.tok.encode_batch(prompts, add_special_tokens=False)
+    r_ids = tokenizer.tok.encode_batch([r["response"] for r in records], add_special_tokens=False)
+    return [Example(p.ids, r.ids + [eos]) for p, r in zip(p_ids, r_ids)]
+
+
+def filter_by_length(examples: list[Example], max_length: int) -> tuple[list[Example], int]:
+    """Keep examples of at most max_length tokens (prompt + response); return (kept, number dropped)."""
+    kept = [e for e in examples if len(e) <= max_length]
+    return kept, len(examples) - len(kept)
+
+
+# ----------------------------------------------------------------------------------------------
+# batching
+
+
+def length_batches(lengths: list[int], batch_size: int, seed: int, epoch: int, pool: int = 50) -> list[list[int]]:
+    """One epoch of batches (lists of example indices) grouped by length.
+
+    Shuffle, cut into pools of `pool` batches, sort each pool by length, split it into batches and
+    shuffle the batch order: little padding, yet every epoch differs. Deterministic in (seed, epoch).
+    The last incomplete batch is dropped so every step has the same global batch size.
+    """
+    rng = random.Random(seed * 1_000_003 + epoch)
+    idx = list(range(len(lengths)))
+    rng.shuffle(idx)
+    batches = []
+    step = batch_size * pool
+    for start in range(0, len(idx), step):
+        chunk = sorted(idx[start:start + step], key=lambda i: lengths[i])
+        batches += [chunk[i:i + batch_size] for i in range(0, len(chunk) - batch_size + 1, batch_size)]
+    rng.shuffle(batches)
+    return batches
+
+
+# ----------------------------------------------------------------------------------------------
+# a tokenizer for models trained from scratch
+
+
+def train_bpe_tokenizer(texts: list[str], vocab_size: int = 1024, min_frequency: int = 2) -> Tokenizer:
+    """A byte-level BPE trained on `texts`, with ChatML special tokens and the mask token.
+
+    Special ids: <|endoftext|> 0 (pad), <|im_start|> 1, <|im_end|> 2 (eos), <|mask|> 3.
+    """
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", MASK_TOKEN]
+    tok = HFTokenizer(models.BPE())
+    # digits split one by one: arithmetic is easier to learn and numbers tokenise consistently
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=special,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    config = {"chat_template": CHATML_TEMPLATE, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+              "mask_token": MASK_TOKEN, "bos_token": None, "model_max_length": 4096}
+    return Tokenizer(tok, config)
+
+
+def synthetic_records(n: int, seed: int = 0, split: str = "train") -> list[dict]:
+    """A mixture of the synthetic task families (refusion.tasks.synthetic) as training records."""
+    from .tasks.synthetic import mixture
+
+    return [{"query": r["query"], "response": r["response"]} for r in mixture(split, n, seed)]

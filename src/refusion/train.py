@@ -1,0 +1,531 @@
+"""The training loop: one process or many (torchrun), three objectives, exact resume.
+
+    refusion train --config configs/refusion-tiny.toml --set lr=3e-4 --set max_steps=2000
+    torchrun --nproc-per-node 2 -m refusion.cli train --config ...
+
+Every step takes one global batch (the same examples whatever the number of processes), builds the
+objective's layout for the whole global batch from one generator, and gives each process its rows;
+each process splits its rows into micro-batches (gradient accumulation). Losses are normalised by
+the global batch's counts, so N processes x M micro-batches compute the same loss and gradient as
+one process with the whole batch. Checkpoints are Hugging Face directories written atomically,
+with the optimizer, scheduler, data position and RNG states in training_state.pt: a run killed at
+any point and resumed from its last checkpoint continues bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import math
+import os
+import random
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .checkpoint import DTYPES, add_mask_token, load_model, save_model
+from .config import ModelConfig
+from .data import DataError, encode_records, filter_by_length, length_batches, load_records, synthetic_records
+from .data import train_bpe_tokenizer
+from .model import Transformer
+from .objectives import OBJECTIVES, IGNORE, TrainInputs, ar_token_count, build_inputs, compute_loss, make_batch
+from .tokenizer import Tokenizer
+
+STATE_FILE = "training_state.pt"
+
+
+@dataclass
+class TrainConfig:
+    # what to train
+    objective: str = "refusion"  # refusion | ar | mdm
+    init: str | None = None  # a checkpoint directory to start from; None: a fresh model from `model`
+    model: dict = field(default_factory=dict)  # ModelConfig fields of a fresh model
+    tokenizer: str | None = None  # a directory with tokenizer.json for a fresh model; None: train a BPE
+    vocab_size: int = 1024  # of the BPE trained on the data when `tokenizer` is None
+    # data
+    data: str = "synthetic"  # a JSON / JSONL file of {"query", "response"}, or "synthetic"
+    synthetic_examples: int = 20000
+    max_length: int = 512  # prompt + response tokens; longer examples are dropped (and counted)
+    slot_sizes: list[int] = field(default_factory=lambda: [4, 8, 16, 32])
+    eps: float = 1e-3
+    # optimisation
+    batch_size: int = 16  # examples per optimizer step, over all processes
+    micro_batch_size: int | None = None  # examples per forward per process; None: batch_size / processes
+    max_steps: int = 1000
+    stop_after: int | None = None  # end this invocation after this step; the schedule still spans max_steps
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    grad_clip: float = 1.0
+    dtype: str = "float32"  # float32 | bfloat16 (autocast)
+    gradient_checkpointing: bool = False
+    lora: dict | None = None  # e.g. {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
+    seed: int = 0
+    # output
+    out_dir: str = "runs/refusion"
+    save_every: int = 200
+    keep_checkpoints: int = 2
+    save_dtype: str = "float32"  # of the final model (checkpoints stay float32 for exact resume)
+    device: str = "auto"
+
+    def validate(self) -> "TrainConfig":
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        for name in ("batch_size", "max_steps", "max_length", "save_every"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.warmup_steps <= self.max_steps:
+            raise ValueError(f"warmup_steps must be in [0, max_steps], got {self.warmup_steps}")
+        unknown = set(self.model) - {f.name for f in dataclasses.fields(ModelConfig)}
+        if unknown:
+            raise ValueError(f"unknown model fields: {', '.join(sorted(unknown))}")
+        return self
+
+
+# ----------------------------------------------------------------------------------------------
+# configuration files
+
+
+def _parse_value(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text  # a bare string
+
+
+def load_train_config(path: str | Path | None = None, overrides: list[str] = ()) -> TrainConfig:
+    """A TrainConfig from a TOML or YAML file, then `key=value` overrides (values parsed as JSON,
+    else taken as strings; `model.hidden_size=128` sets a field of the model table)."""
+    raw: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.exists():
+            raise ValueError(f"config file {path} does not exist")
+        if path.suffix == ".toml":
+            import tomllib
+
+            raw = tomllib.loads(path.read_text())
+        elif path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            raw = yaml.safe_load(path.read_text()) or {}
+        else:
+            raise ValueError(f"config file {path}: use .toml, .yaml or .yml")
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set takes key=value, got {item!r}")
+        *parents, leaf = key.strip().split(".")
+        d = raw
+        for p in parents:
+            d = d.setdefault(p, {})
+        d[leaf] = _parse_value(value)
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = set(raw) - names
+    if unknown:
+        raise ValueError(f"unknown training options: {', '.join(sorted(unknown))} (known: {', '.join(sorted(names))})")
+    return TrainConfig(**raw).validate()
+
+
+# ----------------------------------------------------------------------------------------------
+# pieces of the loop
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up to lr, then cosine down to lr * min_lr_ratio at max_steps (step counts from 0)."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    t = (step - cfg.warmup_steps) / max(cfg.max_steps - cfg.warmup_steps, 1)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
+
+
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    # no weight decay on norms, biases and embeddings (the usual choice for transformers)
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim < 2 or "embed_tokens" in name or "norm" in name else decay).append(p)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), foreach=True)
+
+
+def _rows(inputs: TrainInputs, lo: int, hi: int) -> TrainInputs:
+    """Rows lo:hi, with the columns cut to the longest of them (padding is always at the end)."""
+    T = int((~inputs.pad[lo:hi]).sum(1).max())
+    sub = {}
+    for f in dataclasses.fields(inputs):
+        v = getattr(inputs, f.name)
+        if isinstance(v, Tensor) and v.ndim >= 2:
+            v = v[lo:hi, ..., :T, :T] if f.name == "attn_mask" else v[lo:hi, :T]
+        elif isinstance(v, Tensor):
+            v = v[lo:hi]
+        sub[f.name] = v
+    return TrainInputs(**sub)
+
+
+def _batch_rows(batch, lo: int, hi: int):
+    return dataclasses.replace(batch, prompt_ids=batch.prompt_ids[lo:hi], prompt_len=batch.prompt_len[lo:hi],
+                               response_ids=batch.response_ids[lo:hi], response_len=batch.response_len[lo:hi])
+
+
+def _rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+
+
+def _set_rng_state(s: dict) -> None:
+    torch.set_rng_state(s["torch"])
+    random.setstate(s["python"])
+    np.random.set_state(s["numpy"])
+
+
+def _apply_lora(model: Transformer, lora: dict) -> None:
+    try:
+        from peft import LoraConfig, inject_adapter_in_model
+    except ImportError:
+        raise RuntimeError("LoRA needs the peft package: pip install peft") from None
+    conf = LoraConfig(r=lora.get("r", 8), lora_alpha=lora.get("alpha", 16), lora_dropout=lora.get("dropout", 0.0),
+                      target_modules=lora.get("target_modules", ["q_proj", "k_proj", "v_proj", "o_proj"]))
+    inject_adapter_in_model(conf, model)
+    for name, p in model.named_parameters():
+        p.requires_grad = "lora_" in name
+
+
+def merged_state_dict(model: Transformer) -> dict[str, Tensor]:
+    """The model's weights with any LoRA adapters folded in, under the plain model's names."""
+    sd = {}
+    lora_layers = {n: m for n, m in model.named_modules() if hasattr(m, "get_delta_weight") and hasattr(m, "base_layer")}
+    for name, t in model.state_dict().items():
+        if "lora_" in name:
+            continue
+        owner = name.rsplit(".base_layer.", 1)[0] if ".base_layer." in name else None
+        if owner in lora_layers and name.endswith("weight"):
+            t = t + lora_layers[owner].get_delta_weight("default").to(t.dtype)
+        sd[name.replace(".base_layer.", ".")] = t
+    return sd
+
+
+# ----------------------------------------------------------------------------------------------
+# the trainer
+
+
+class Trainer:
+    """Owns the model, optimizer, data order and checkpoints of one run (one per process)."""
+
+    def __init__(self, cfg: TrainConfig, resume: bool = True, progress: bool = True) -> None:
+        self.cfg = cfg.validate()
+        self.out = Path(cfg.out_dir)
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        if self.world > 1 and not dist.is_initialized():
+            dist.init_process_group("nccl" if torch.cuda.is_available() and cfg.device != "cpu" else "gloo")
+        dev = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        if dev == "cuda" and self.world > 1:
+            dev = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+        self.device = torch.device(dev)
+        self.progress = progress and self.rank == 0
+        self.micro = cfg.micro_batch_size or max(cfg.batch_size // self.world, 1)
+        if cfg.batch_size % (self.world * self.micro):
+            raise ValueError(f"batch_size {cfg.batch_size} must be a multiple of processes ({self.world}) x "
+                             f"micro_batch_size ({self.micro})")
+        self.ckpt = self._latest_checkpoint()
+        if self.ckpt is not None and not resume:
+            raise ValueError(f"{self.out} already has {self.ckpt.name}; resume it, or choose another out_dir")
+        self.tokenizer = self._tokenizer()
+        self.model = self._model()
+        self.examples = self._examples()
+        self.lengths = [len(e) for e in self.examples]
+        if len(self.examples) < cfg.batch_size:
+            raise DataError(f"only {len(self.examples)} examples after filtering, fewer than batch_size {cfg.batch_size}")
+        self.optimizer = make_optimizer(self.model, cfg)
+        self.layout_gen = torch.Generator().manual_seed(cfg.seed)
+        self.step = 0
+        if self.ckpt is not None:
+            self._load_state(self.ckpt)
+        self.ddp = None
+        if self.world > 1:
+            self.ddp = torch.nn.parallel.DistributedDataParallel(
+                self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+
+    # ---- set-up ---------------------------------------------------------------------
+
+    def _log(self, msg: str) -> None:
+        if self.rank == 0:
+            print(f"refusion train: {msg}", file=sys.stderr)
+
+    def _latest_checkpoint(self) -> Path | None:
+        found = sorted(self.out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+        found = [p for p in found if (p / STATE_FILE).exists()]
+        return found[-1] if found else None
+
+    def _tokenizer(self) -> Tokenizer:
+        cfg = self.cfg
+        if self.ckpt is not None:
+            return Tokenizer.from_dir(self.ckpt)
+        if cfg.init is not None:
+            return Tokenizer.from_dir(cfg.init)
+        if cfg.tokenizer is not None:
+            return Tokenizer.from_dir(cfg.tokenizer)
+        # train a BPE on the data; rank 0 writes it and every process reads the same file
+        tok_dir = self.out / "tokenizer"
+        if self.rank == 0 and not (tok_dir / "tokenizer.json").exists():
+            texts = [t for r in self._records() for t in (r["query"], r["response"])]
+            tok = train_bpe_tokenizer(texts, cfg.vocab_size)
+            tok_dir.mkdir(parents=True, exist_ok=True)
+            tok.save(tok_dir)
+            self._log(f"trained a {len(tok)}-token BPE tokenizer -> {tok_dir}")
+        if self.world > 1:
+            dist.barrier()
+        return Tokenizer.from_dir(tok_dir)
+
+    def _records(self) -> list[dict]:
+        if not hasattr(self, "_recs"):
+            cfg = self.cfg
+            self._recs = (synthetic_records(cfg.synthetic_examples, cfg.seed) if cfg.data == "synthetic"
+                          else load_records(cfg.data))
+        return self._recs
+
+    def _model(self) -> Transformer:
+        cfg, tok = self.cfg, self.tokenizer
+        needs_mask = cfg.objective in ("refusion", "mdm")
+        # LoRA resumes from the base weights plus the saved adapters (checkpoints hold merged weights)
+        start = cfg.init if cfg.lora else (self.ckpt or cfg.init)
+        if start is not None:
+            model = load_model(start, dtype=torch.float32)
+            if needs_mask and model.config.mask_token_id is None:
+                mask_id = add_mask_token(model, tok)
+                self._log(f"added the mask token to {cfg.init} (id {mask_id})")
+        else:
+            if tok.eos_id is None:
+                raise DataError("the tokenizer has no eos_token")
+            mcfg = ModelConfig(**{"vocab_size": len(tok), "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id,
+                                  "mask_token_id": tok.mask_id if needs_mask else None, **cfg.model})
+            if mcfg.vocab_size < len(tok):
+                raise ValueError(f"model.vocab_size {mcfg.vocab_size} is smaller than the tokenizer ({len(tok)})")
+            model = Transformer(mcfg).init_weights(seed=cfg.seed)
+        model.config.bidirectional = cfg.objective == "mdm"
+        if cfg.lora and self.ckpt is None:
+            _apply_lora(model, cfg.lora)
+        model.gradient_checkpointing = cfg.gradient_checkpointing
+        return model.to(self.device).train()
+
+    def _examples(self):
+        ex = encode_records(self._records(), self.tokenizer)
+        kept, dropped = filter_by_length(ex, self.cfg.max_length)
+        n_tok = sum(len(e) for e in kept)
+        self._log(f"{len(kept)} examples ({n_tok} tokens); dropped {dropped} longer than {self.cfg.max_length} tokens")
+        return kept
+
+    # ---- one step -------------------------------------------------------------------
+
+    def batch_indices(self, step: int) -> list[int]:
+        per_epoch = len(self.examples) // self.cfg.batch_size
+        epoch, i = divmod(step, per_epoch)
+        return length_batches(self.lengths, self.cfg.batch_size, self.cfg.seed, epoch)[i]
+
+    def train_step(self) -> dict[str, float]:
+        cfg, model = self.cfg, self.ddp or self.model
+        idx = self.batch_indices(self.step)
+        pad_id = self.tokenizer.pad_id if self.tokenizer.pad_id is not None else 0
+        batch = make_batch([self.examples[i].prompt for i in idx], [self.examples[i].response for i in idx], pad_id)
+        kw = {} if cfg.objective == "ar" else {"eps": cfg.eps}
+        if cfg.objective == "refusion":
+            kw["slot_sizes"] = tuple(cfg.slot_sizes)
+        mask_id = self.model.config.mask_token_id
+        t0 = time.perf_counter()
+        inputs = build_inputs(cfg.objective, batch, mask_id if mask_id is not None else -1, self.layout_gen, **kw)
+        layout_s = time.perf_counter() - t0
+        n_ar, B = ar_token_count(inputs), len(idx)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr_at(self.step, cfg)
+        # this process's rows, in micro-batches
+        per_rank = B // self.world
+        starts = range(self.rank * per_rank, (self.rank + 1) * per_rank, self.micro)
+        totals: dict[str, Tensor] = {}
+        tokens = 0
+        autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if cfg.dtype == "bfloat16"
+                    else nullcontext())
+        for k, lo in enumerate(starts):
+            sub = _rows(inputs, lo, lo + self.micro).to(self.device)
+            sub_batch = _batch_rows(batch, lo, lo + self.micro).to(self.device)
+            tokens += int((~sub.pad).sum())
+            last = k == len(starts) - 1
+            sync = nullcontext() if (self.ddp is None or last) else self.ddp.no_sync()
+            with sync:
+                with autocast:
+                    # causal objectives: padding is at the end, so plain causal attention is exact there
+                    mask = sub.attn_mask if sub.attention == "bidirectional" else None
+                    logits = model(sub.input_ids, sub.position_ids, mask)
+                loss, stats = compute_loss(cfg.objective, logits, sub, sub_batch, n_ar.to(self.device), B)
+                # DDP averages gradients over processes; the global loss is their sum
+                (loss * self.world).backward()
+            for key, v in stats.items():
+                totals[key] = totals.get(key, 0) + v
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip) if cfg.grad_clip > 0 else torch.tensor(0.0)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        out = {k: v.float() for k, v in totals.items() if "loss" in k}
+        if self.world > 1:  # the global batch's loss is the sum of the processes' parts
+            vec = torch.stack([out[k] for k in sorted(out)] + [torch.tensor(float(tokens))]).to(self.device)
+            dist.all_reduce(vec)
+            out = dict(zip(sorted(out), vec[:-1]))
+            tokens = int(vec[-1])
+        rec = {k: float(v) for k, v in out.items()}
+        rec.update(step=self.step, lr=lr_at(self.step - 1, cfg), grad_norm=float(grad_norm), tokens=tokens,
+                   layout_s=layout_s)
+        return rec
+
+    # ---- checkpoints ----------------------------------------------------------------
+
+    def _state(self) -> bytes:
+        buf = io.BytesIO()
+        torch.save({"step": self.step, "optimizer": self.optimizer.state_dict(), "layout_gen": self.layout_gen.get_state(),
+                    "rng": _rng_state(), "config": dataclasses.asdict(self.cfg),
+                    "lora": {k: v for k, v in self.model.state_dict().items() if "lora_" in k}}, buf)
+        return buf.getvalue()
+
+    def _load_state(self, path: Path) -> None:
+        s = torch.load(path / STATE_FILE, weights_only=False)
+        if self.cfg.lora:
+            _apply_lora(self.model, self.cfg.lora)
+            self.model.load_state_dict(s["lora"], strict=False)
+            self.model.to(self.device)
+            self.optimizer = make_optimizer(self.model, self.cfg)
+        self.optimizer.load_state_dict(s["optimizer"])
+        self.layout_gen.set_state(s["layout_gen"])
+        _set_rng_state(s["rng"])
+        self.step = s["step"]
+        self._log(f"resumed from {path} at step {self.step}")
+
+    def _save_model(self, path: Path, dtype: torch.dtype | None, extra: dict | None) -> None:
+        model = self.model
+        if self.cfg.lora:  # save the merged weights under the plain names
+            model = Transformer(self.model.config)
+            model.load_state_dict(merged_state_dict(self.model))
+        save_model(model, path, self.tokenizer, dtype=dtype, overwrite=True, extra_files=extra)
+
+    def save_checkpoint(self) -> Path | None:
+        if self.rank != 0:
+            return None
+        path = self.out / f"checkpoint-{self.step}"
+        self._save_model(path, None, {STATE_FILE: self._state()})
+        old = sorted(self.out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+        for p in old[:-self.cfg.keep_checkpoints]:
+            import shutil
+
+            shutil.rmtree(p, ignore_errors=True)
+        return path
+
+    # ---- the loop -------------------------------------------------------------------
+
+    def fit(self) -> Path:
+        cfg = self.cfg
+        self.out.mkdir(parents=True, exist_ok=True)
+        metrics = self.out / "metrics.jsonl"
+        if self.rank == 0:
+            (self.out / "train_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+            _truncate_metrics(metrics, self.step)  # a killed run may have logged steps past its checkpoint
+        writer = _tensorboard(self.out) if self.rank == 0 else None
+        bar = None
+        if self.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=cfg.max_steps, initial=self.step, desc=f"train {cfg.objective}", unit="step",
+                       dynamic_ncols=True)
+        log = open(metrics, "a") if self.rank == 0 else None
+        try:
+            end = min(cfg.max_steps, cfg.stop_after or cfg.max_steps)
+            while self.step < end:
+                t0 = time.perf_counter()
+                rec = self.train_step()
+                rec["seconds"] = time.perf_counter() - t0
+                rec["tokens_per_s"] = rec["tokens"] / rec["seconds"]
+                if log is not None:
+                    log.write(json.dumps(rec) + "\n")
+                    log.flush()
+                if writer is not None:
+                    for k in ("loss", "ar_loss", "mdm_loss", "lr", "grad_norm", "tokens_per_s"):
+                        if k in rec:
+                            writer.add_scalar(f"train/{k}", rec[k], self.step)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}")
+                if self.step % cfg.save_every == 0 or self.step == end:
+                    self.save_checkpoint()
+        finally:
+            if bar is not None:
+                bar.close()
+            if log is not None:
+                log.close()
+            if writer is not None:
+                writer.close()
+        final = self.out / "model"
+        if self.rank == 0 and self.step >= cfg.max_steps:
+            self._save_model(final, DTYPES[cfg.save_dtype], None)
+            self._log(f"saved {final}")
+        if self.world > 1:
+            dist.barrier()
+        return final if self.step >= cfg.max_steps else self.out / f"checkpoint-{self.step}"
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    if not path.exists():
+        return
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
+    path.write_text("".join(ln + "\n" for ln in lines))
+
+
+def _tensorboard(out: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # TensorBoard is optional; metrics.jsonl always has everything
+        return None
+    return SummaryWriter(str(out / "tensorboard"))
+
+
+def train(cfg: TrainConfig, resume: bool = True, progress: bool = True) -> Path:
+    """Train (or resume) a run; returns the final model directory."""
+    return Trainer(cfg, resume=resume, progress=progress).fit()
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("train", help="train a ReFusion (or AR / MDM baseline) model",
+                       description="Train with a config file (TOML or YAML) and overrides. Resumes from the "
+                                   "newest checkpoint in out_dir unless --no-resume. Under torchrun, data "
+                                   "parallel over the processes.")
+    p.add_argument("--config", help="a TOML or YAML file of TrainConfig fields")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a field (JSON value), e.g. --set lr=3e-4 --set model.num_layers=2")
+    p.add_argument("--objective", choices=OBJECTIVES)
+    p.add_argument("--init", help="start from this checkpoint directory")
+    p.add_argument("--data", help="JSON / JSONL file of {query, response}, or 'synthetic'")
+    p.add_argument("--out", dest="out_dir", help="output directory (checkpoints, metrics.jsonl, model/)")
+    p.add_argument("--max-steps", type=int)
+    p.add_argument("--no-resume", action="store_true", help="start over even if out_dir has checkpoints")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=run)
+
+
+def run(args) -> None:
+    overrides = list(args.set)
+    for name in ("objective", "init", "data", "out_dir", "max_steps"):
+        v = getattr(args, name)
+        if v is not None:
+            overrides.append(f"{name}={json.dumps(v)}")
+    cfg = load_train_config(args.config, overrides)
+    final = train(cfg, resume=not args.no_resume, progress=not args.no_progress)
+    print(final)

@@ -1,0 +1,253 @@
+"""The trainer: schedule, config files, data errors, falling loss, exact resume after a kill, torchrun."""
+
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from refusion.checkpoint import load_model, save_model
+from refusion.config import ModelConfig
+from refusion.data import (DataError, Example, encode_records, filter_by_length, length_batches, load_records,
+                           train_bpe_tokenizer)
+from refusion.model import Transformer
+from refusion.tokenizer import Tokenizer
+from refusion.train import TrainConfig, Trainer, load_train_config, lr_at, train
+
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2}
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory) -> Path:
+    """Addition problems with a worked answer: learnable in a few dozen steps."""
+    rng = random.Random(0)
+    recs = []
+    for _ in range(300):
+        a, b = rng.randint(1, 30), rng.randint(1, 30)
+        recs.append({"query": f"What is {a} plus {b}?", "response": f"{a} + {b} = {a + b}. The answer is {a + b}."})
+    path = tmp_path_factory.mktemp("data") / "add.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in recs))
+    return path
+
+
+def tiny_config(data_file: Path, out: Path, **kw) -> TrainConfig:
+    base = dict(data=str(data_file), out_dir=str(out), vocab_size=300, model=dict(TINY), batch_size=8,
+                max_steps=20, warmup_steps=3, lr=3e-3, save_every=1000)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def losses(out: Path) -> list[dict]:
+    keep = ("step", "loss", "ar_loss", "mdm_loss", "grad_norm", "lr", "tokens")
+    return [{k: r[k] for k in keep if k in r} for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
+
+
+# ---- pieces ------------------------------------------------------------------------------
+
+
+def test_lr_schedule_warmup_then_cosine():
+    cfg = TrainConfig(lr=1.0, warmup_steps=4, max_steps=14, min_lr_ratio=0.1)
+    assert [lr_at(s, cfg) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_at(4, cfg) == pytest.approx(1.0)
+    assert lr_at(9, cfg) == pytest.approx(0.1 + 0.9 * 0.5)  # half way down the cosine
+    assert lr_at(14, cfg) == pytest.approx(0.1)
+
+
+def test_config_file_and_overrides(tmp_path):
+    toml = tmp_path / "c.toml"
+    toml.write_text('objective = "mdm"\nlr = 0.01\n[model]\nhidden_size = 32\nnum_heads = 2\n')
+    cfg = load_train_config(toml, ["lr=5e-4", "model.num_layers=3", "out_dir=runs/x", "slot_sizes=[2,4]"])
+    assert (cfg.objective, cfg.lr, cfg.out_dir, cfg.slot_sizes) == ("mdm", 5e-4, "runs/x", [2, 4])
+    assert cfg.model == {"hidden_size": 32, "num_heads": 2, "num_layers": 3}
+    yml = tmp_path / "c.yaml"
+    yml.write_text("objective: ar\nbatch_size: 4\n")
+    assert load_train_config(yml).batch_size == 4
+    with pytest.raises(ValueError, match="unknown training options: lrr"):
+        load_train_config(None, ["lrr=1"])
+    with pytest.raises(ValueError, match="objective must be one of"):
+        load_train_config(None, ["objective=bert"])
+    with pytest.raises(ValueError, match="unknown model fields: hiden"):
+        load_train_config(None, ["model.hiden=3"])
+
+
+def test_data_errors_name_file_and_line(tmp_path):
+    f = tmp_path / "bad.jsonl"
+    f.write_text('{"query": "a", "response": "b"}\n\n{"query": "a", "answer": "b"}\n')
+    with pytest.raises(DataError, match=r"bad.jsonl:3: record has no 'response' field"):
+        load_records(f)
+    f.write_text('{"query": "a", "response": "b"}\n{"query": "a", "response": \n')
+    with pytest.raises(DataError, match=r"bad.jsonl:2: invalid JSON"):
+        load_records(f)
+    g = tmp_path / "bad.json"
+    g.write_text('[\n  {"query": "a", "response": "b"},\n  {"query": "a", "response": 3}\n]')
+    with pytest.raises(DataError, match=r"bad.json:3: 'response' must be a string, got int"):
+        load_records(g)
+    g.write_text('[{"query": "a", "response": "b"}, {"query": "c", "response": "d"}]')
+    assert load_records(g) == [{"query": "a", "response": "b"}, {"query": "c", "response": "d"}]
+    with pytest.raises(DataError, match="no such file"):
+        load_records(tmp_path / "missing.jsonl")
+
+
+def test_encoding_and_length_filter():
+    tok = train_bpe_tokenizer(["What is 2 plus 3?", "2 + 3 = 5."] * 20, vocab_size=280)
+    (ex,) = encode_records([{"query": "What is 2 plus 3?", "response": "5"}], tok)
+    assert tok.decode(ex.prompt, skip_special_tokens=False) == "<|im_start|>user\nWhat is 2 plus 3?<|im_end|>\n<|im_start|>assistant\n"
+    assert ex.response == tok.encode("5") + [tok.eos_id]
+    assert (tok.eos_id, tok.pad_id, tok.mask_id) == (2, 0, 3)
+    exs = [Example([1] * 3, [2] * n) for n in (1, 5, 9)]
+    kept, dropped = filter_by_length(exs, 8)
+    assert [len(e) for e in kept] == [4, 8] and dropped == 1
+
+
+def test_length_batches_cover_epoch_once_and_are_deterministic():
+    rng = random.Random(1)
+    lengths = [rng.randint(1, 100) for _ in range(103)]
+    a = length_batches(lengths, 8, seed=3, epoch=0, pool=4)
+    assert a == length_batches(lengths, 8, seed=3, epoch=0, pool=4)
+    assert a != length_batches(lengths, 8, seed=3, epoch=1, pool=4)
+    flat = [i for b in a for i in b]
+    assert len(flat) == len(set(flat)) and all(len(b) == 8 for b in a)
+    assert len(a) == 12  # the pools of 32 give 4 + 4 + 4 batches, the last 7 examples are dropped
+    # batches are groups of similar length: padding well below a random split's
+    pad = sum(max(lengths[i] for i in b) * 8 - sum(lengths[i] for i in b) for b in a)
+    rnd = list(range(103))
+    random.Random(0).shuffle(rnd)
+    pad_rnd = sum(max(lengths[i] for i in rnd[k:k + 8]) * 8 - sum(lengths[i] for i in rnd[k:k + 8])
+                  for k in range(0, 96, 8))
+    assert pad < 0.5 * pad_rnd
+
+
+# ---- training ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("objective", ["refusion", "ar", "mdm"])
+def test_loss_falls_for_every_objective(objective, data_file, tmp_path):
+    torch.manual_seed(0)
+    final = train(tiny_config(data_file, tmp_path, objective=objective, max_steps=40), progress=False)
+    ls = [r["loss"] for r in losses(tmp_path)]
+    assert len(ls) == 40 and all(math.isfinite(x) for x in ls)
+    assert sum(ls[-5:]) / 5 < 0.6 * sum(ls[:5]) / 5
+    model = load_model(final)
+    assert model.config.bidirectional == (objective == "mdm")
+    assert (model.config.mask_token_id is None) == (objective == "ar")
+
+
+def test_micro_batches_and_gradient_checkpointing_match_one_batch(data_file, tmp_path):
+    ref = losses_of(tiny_config(data_file, tmp_path / "a", max_steps=4))
+    acc = losses_of(tiny_config(data_file, tmp_path / "b", max_steps=4, micro_batch_size=2))
+    ckp = losses_of(tiny_config(data_file, tmp_path / "c", max_steps=4, gradient_checkpointing=True))
+    for a, b, c in zip(ref, acc, ckp):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["tokens"] == b["tokens"]
+        assert a["loss"] == c["loss"]  # recomputing the forward changes nothing in float32
+
+
+def losses_of(cfg: TrainConfig) -> list[dict]:
+    train(cfg, progress=False)
+    return losses(Path(cfg.out_dir))
+
+
+def test_bfloat16_autocast_trains(data_file, tmp_path):
+    ls = [r["loss"] for r in losses_of(tiny_config(data_file, tmp_path, dtype="bfloat16", max_steps=30))]
+    assert all(math.isfinite(x) for x in ls) and sum(ls[-5:]) < 0.7 * sum(ls[:5])
+
+
+def test_refuses_to_overwrite_a_run_without_resume(data_file, tmp_path):
+    cfg = tiny_config(data_file, tmp_path, max_steps=2, warmup_steps=1)
+    train(cfg, progress=False)
+    with pytest.raises(ValueError, match="already has checkpoint-2"):
+        Trainer(cfg, resume=False)
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "refusion.cli", "train", *args]
+
+
+def test_resume_after_kill_is_bit_exact(data_file, tmp_path):
+    common = [f"--data={data_file}", "--set=vocab_size=300", f"--set=model={json.dumps(TINY)}", "--set=batch_size=8",
+              "--set=max_steps=1000", "--set=warmup_steps=3", "--set=save_every=5", "--no-progress"]
+    # an uninterrupted run of 20 steps (of a 1000-step schedule)
+    ref = tmp_path / "ref"
+    subprocess.run(_cli(*common, f"--out={ref}", "--set=stop_after=20"), check=True, capture_output=True)
+    # the same run, killed with SIGKILL some steps after its first checkpoint
+    run = tmp_path / "run"
+    proc = subprocess.Popen(_cli(*common, f"--out={run}"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = run / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 7):
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    ckpts = sorted(int(p.name.split("-")[1]) for p in run.glob("checkpoint-*"))
+    assert ckpts and ckpts[-1] < 20, f"the run was not killed in time (checkpoints {ckpts})"
+    # resume to step 20: every logged number equals the uninterrupted run's
+    subprocess.run(_cli(*common, f"--out={run}", "--set=stop_after=20"), check=True, capture_output=True)
+    assert losses(run) == losses(ref)
+    a, b = load_model(ref / "checkpoint-20"), load_model(run / "checkpoint-20")
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def test_two_processes_match_one(data_file, tmp_path):
+    common = [f"--data={data_file}", "--set=vocab_size=300", f"--set=model={json.dumps(TINY)}", "--set=batch_size=8",
+              "--set=max_steps=6", "--set=warmup_steps=2", "--no-progress"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    subprocess.run(_cli(*common, f"--out={one}"), check=True, capture_output=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "-m", "refusion.cli", "train", *common, f"--out={two}"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    la, lb = losses(one), losses(two)
+    assert len(la) == len(lb) == 6
+    for a, b in zip(la, lb):
+        assert a["tokens"] == b["tokens"] and a["lr"] == b["lr"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-6)
+    ma, mb = load_model(one / "model"), load_model(two / "model")
+    for (k, x), y in zip(ma.state_dict().items(), mb.state_dict().values()):
+        assert torch.allclose(x, y, atol=1e-5), k
+
+
+def _tokenizer_without_mask(data_file: Path) -> Tokenizer:
+    tok = train_bpe_tokenizer([r["query"] + r["response"] for r in load_records(data_file)], vocab_size=300)
+    from tokenizers import Tokenizer as HF
+
+    raw = json.loads(tok.tok.to_str())
+    gone = tok.mask_id  # drop it and close the gap in the ids (merges refer to strings, not ids)
+    raw["added_tokens"] = [dict(t, id=t["id"] - (t["id"] > gone)) for t in raw["added_tokens"] if t["id"] != gone]
+    raw["model"]["vocab"] = {k: v - (v > gone) for k, v in raw["model"]["vocab"].items() if v != gone}
+    cfg = {k: v for k, v in tok.config.items() if k != "mask_token"}
+    return Tokenizer(HF.from_str(json.dumps(raw)), cfg)
+
+
+def test_init_from_a_causal_checkpoint_adds_the_mask_token_and_lora(data_file, tmp_path):
+    tok = _tokenizer_without_mask(data_file)
+    assert tok.token_id("<|mask|>") is None
+    n = max(tok.tok.get_vocab().values()) + 1
+    base = Transformer(ModelConfig(vocab_size=n, eos_token_id=tok.eos_id, model_type="llama", qk_norm=False,
+                                   **TINY)).init_weights(seed=1)
+    save_model(base, tmp_path / "base", tok)
+    cfg = tiny_config(data_file, tmp_path / "lora", init=str(tmp_path / "base"), max_steps=6, save_every=3,
+                      lora={"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]})
+    trainer = Trainer(cfg, progress=False)
+    trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    final = trainer.fit()
+    model = load_model(final)
+    assert model.config.mask_token_id == n and model.config.vocab_size == n + 1
+    assert Tokenizer.from_dir(final).token_id("<|mask|>") == n
+    # only the adapted projections moved; the merged weights are what the adapters give
+    assert torch.equal(model.layers[0].mlp.up_proj.weight, base.layers[0].mlp.up_proj.weight)
+    assert not torch.equal(model.layers[0].self_attn.q_proj.weight, base.layers[0].self_attn.q_proj.weight)
+    # a LoRA run resumed from its checkpoint continues exactly
+    ref = losses(tmp_path / "lora")
+    shutil.rmtree(tmp_path / "lora" / "checkpoint-6")
+    shutil.rmtree(tmp_path / "lora" / "model")
+    Trainer(cfg, progress=False).fit()
+    assert losses(tmp_path / "lora") == ref
