@@ -123,16 +123,8 @@ def cmd_info(args: argparse.Namespace) -> None:
     print(json.dumps(cfg.to_dict(), indent=2))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="refusion", description="ReFusion: train, decode, evaluate.")
-    sub = p.add_subparsers(dest="command", required=True)
-
-    g = sub.add_parser("generate", help="generate a response to a prompt")
-    g.add_argument("prompt", nargs="?", help="prompt text (the chat template is applied unless --raw)")
-    g.add_argument("--model", help="Hugging Face model directory (default: the bundled default model)")
-    g.add_argument("--prompt-ids", type=_parse_ids, help="exact prompt token ids, e.g. 1,2,3")
-    g.add_argument("--system", help="system message for the chat template")
-    g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+def add_decoder_flags(g: argparse.ArgumentParser) -> None:
+    """--decoder and every decoder's parameters (shared by generate and eval)."""
     g.add_argument("--decoder", choices=DECODERS, help="default: refusion if the model has a mask token, else ar")
     g.add_argument("--gen-length", type=int, default=128, help="tokens to generate (at most)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -151,6 +143,53 @@ def build_parser() -> argparse.ArgumentParser:
     a = g.add_argument_group("autoregressive (ar)")
     a.add_argument("--top-k", type=int)
     a.add_argument("--top-p", type=float)
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    from .checkpoint import load_model
+    from .evaluate import EvalConfig, evaluate, result_stem
+    from .tasks import get_task
+    from .tokenizer import Tokenizer
+
+    model_dir = Path(args.model) if args.model else default_model_dir()
+    model = load_model(model_dir, dtype=args.dtype, device=args.device)
+    tok = Tokenizer.from_dir(model_dir)
+    decoder = args.decoder or ("refusion" if model.config.mask_token_id is not None else "ar")
+    name = args.label or model_dir.name
+    out = Path(args.out)
+    for task_name in args.task.split(","):
+        task = get_task(task_name)
+        cfg = EvalConfig(task=task_name, decoder=decoder, params=decoder_params(args, decoder), n=args.n,
+                         split=args.split, batch_size=args.batch_size, seed=args.seed, system=args.system)
+        stem = result_stem(name, task_name, decoder + (f"-{args.tag}" if args.tag else ""))
+        summary = evaluate(model, tok, task, cfg, model_name=name, records_path=out / f"{stem}.jsonl",
+                           progress=not args.no_progress)
+        if args.tag:
+            summary["decoder"] = f"{decoder}-{args.tag}"
+        (out / f"{stem}.json").write_text(json.dumps(summary, indent=2))
+        lo, hi = summary["ci95"]
+        print(f"{name} {task_name} {summary['decoder']}: accuracy {100 * summary['accuracy']:.1f}% "
+              f"[{100 * lo:.1f}, {100 * hi:.1f}] over {summary['n']}, {summary['tps']:.1f} tokens/s, "
+              f"TPF {summary['tpf']:.2f} -> {out / stem}.json")
+
+
+def cmd_report(args: argparse.Namespace) -> None:
+    from .report import report
+
+    print(report(args.paths, out=args.out, plot=args.plot))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="refusion", description="ReFusion: train, decode, evaluate.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate a response to a prompt")
+    g.add_argument("prompt", nargs="?", help="prompt text (the chat template is applied unless --raw)")
+    g.add_argument("--model", help="Hugging Face model directory (default: the bundled default model)")
+    g.add_argument("--prompt-ids", type=_parse_ids, help="exact prompt token ids, e.g. 1,2,3")
+    g.add_argument("--system", help="system message for the chat template")
+    g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    add_decoder_flags(g)
     g.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     g.add_argument("--device", default="cpu")
     g.add_argument("--json", action="store_true", help="machine-readable output")
@@ -174,6 +213,28 @@ def build_parser() -> argparse.ArgumentParser:
     n = sub.add_parser("info", help="print a model directory's configuration")
     n.add_argument("model")
     n.set_defaults(func=cmd_info)
+
+    e = sub.add_parser("eval", help="evaluate a model on tasks with a decoder (accuracy and speed)")
+    e.add_argument("--model", help="model directory (default: the bundled default model)")
+    e.add_argument("--task", required=True, help="task name(s), comma-separated (see refusion.tasks)")
+    e.add_argument("--n", type=int, help="number of samples (default: the whole split)")
+    e.add_argument("--split", default="test")
+    e.add_argument("--batch-size", type=int, default=1)
+    e.add_argument("--system", help="system message for the chat template")
+    e.add_argument("--label", help="model name in the results (default: the directory name)")
+    e.add_argument("--tag", help="suffix for the decoder name, to tell parameter settings apart")
+    e.add_argument("--out", default="results", help="directory for <model>__<task>__<decoder>.json/.jsonl")
+    e.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    e.add_argument("--device", default="cpu")
+    e.add_argument("--no-progress", action="store_true")
+    add_decoder_flags(e)
+    e.set_defaults(func=cmd_eval)
+
+    rp = sub.add_parser("report", help="markdown table and accuracy-vs-speed plot from eval results")
+    rp.add_argument("paths", nargs="+", help="result directories or summary .json files")
+    rp.add_argument("--out", help="write the markdown here too")
+    rp.add_argument("--plot", help="write the accuracy-vs-TPS plot here (PNG; needs matplotlib)")
+    rp.set_defaults(func=cmd_report)
 
     from . import train
 

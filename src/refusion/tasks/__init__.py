@@ -41,6 +41,7 @@ class Task:
     load: Callable[..., list[Example]]  # load(split, n=None, seed=0) -> examples (first n after a seeded shuffle)
     score: Callable[[Example, str], Score]
     description: str = ""
+    score_many: Callable[[list[Example], list[str]], list[Score]] | None = None  # batched (e.g. parallel sandbox)
 
 
 _MODULES = ("synthetic", "gsm8k", "math", "code", "multiple_choice")

@@ -1,0 +1,113 @@
+"""Run a task with a decoder: per-sample records (JSONL) and a summary (JSON) with accuracy and speed.
+
+    refusion eval --model runs/refusion/model --task arith --decoder refusion --n 200 --out results/
+
+Speed is measured the way the paper reports it: TPS = generated tokens (up to and including EOS) /
+wall seconds of the decode calls, TPF = generated tokens / model forward passes. With a batch size
+above 1 the wall time of a batch is shared by its sequences, so TPS is the throughput of the batch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .decoding import decode
+from .model import Transformer
+from .tasks import Example, Score, Task
+from .tokenizer import Tokenizer
+
+
+@dataclass
+class EvalConfig:
+    task: str
+    decoder: str = "refusion"
+    params: dict = field(default_factory=dict)  # the decoder's parameters (gen_length, slot_size, ...)
+    n: int | None = None  # samples (after a seeded shuffle); None: the whole split
+    split: str = "test"
+    batch_size: int = 1
+    seed: int = 0
+    system: str | None = None  # system message for the chat template
+
+
+def wilson_interval(correct: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a binomial proportion (sensible at 0% and 100%, unlike the normal one)."""
+    if n == 0:
+        return 0.0, 0.0
+    p = correct / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def _score_all(task: Task, examples: list[Example], outputs: list[str]) -> list[Score]:
+    if task.score_many is not None:
+        return task.score_many(examples, outputs)
+    return [task.score(ex, out) for ex, out in zip(examples, outputs)]
+
+
+def evaluate(model: Transformer, tokenizer: Tokenizer, task: Task, cfg: EvalConfig, model_name: str = "model",
+             records_path: str | Path | None = None, progress: bool = True) -> dict:
+    """Decode every example, score the outputs, write records (if a path is given), return the summary."""
+    examples = task.load(cfg.split, n=cfg.n, seed=cfg.seed)
+    if not examples:
+        raise ValueError(f"task {task.name!r} split {cfg.split!r} has no examples")
+    eos = model.config.eos_ids or ([tokenizer.eos_id] if tokenizer.eos_id is not None else [])
+    prompts = [tokenizer.chat_prompt_ids(ex.prompt, system=cfg.system) for ex in examples]
+    results, batch_seconds = [], []
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(examples), desc=f"{task.name} {cfg.decoder}", unit="sample", dynamic_ncols=True)
+    n_tok = 0
+    wall = 0.0
+    for start in range(0, len(prompts), cfg.batch_size):
+        chunk = prompts[start:start + cfg.batch_size]
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            res = decode(model, chunk, cfg.decoder, eos_ids=eos, seed=cfg.seed + start, **cfg.params)
+        dt = time.perf_counter() - t0
+        wall += dt
+        results += res
+        batch_seconds += [dt] * len(res)
+        n_tok += sum(len(r.tokens) for r in res)
+        if bar is not None:
+            bar.update(len(chunk))
+            bar.set_postfix(tps=f"{n_tok / wall:.0f}")
+    if bar is not None:
+        bar.close()
+    outputs = [tokenizer.decode([t for t in r.tokens if t not in eos]) for r in results]
+    scores = _score_all(task, examples, outputs)
+    records = [{"id": ex.id, "task": task.name, "prompt": ex.prompt, "output": out, "extracted": sc.extracted,
+                "answer": ex.answer if isinstance(ex.answer, (str, int, float)) else None, "correct": sc.correct,
+                "tokens": len(r.tokens), "forwards": r.forwards, "seconds": s, "finished": r.finished}
+               for ex, out, sc, r, s in zip(examples, outputs, scores, results, batch_seconds)]
+    if records_path is not None:
+        Path(records_path).parent.mkdir(parents=True, exist_ok=True)
+        with open(records_path, "w") as f:
+            for rec in records:
+                f.write(json.dumps(rec) + "\n")
+    correct = sum(r["correct"] for r in records)
+    lo, hi = wilson_interval(correct, len(records))
+    forwards = sum(r.forwards for r in results)
+    latencies = sorted(batch_seconds)
+    return {
+        "model": model_name, "task": task.name, "split": cfg.split, "decoder": cfg.decoder, "params": cfg.params,
+        "n": len(records), "batch_size": cfg.batch_size, "seed": cfg.seed,
+        "accuracy": correct / len(records), "ci95": [lo, hi],
+        "tokens": n_tok, "forwards": forwards, "seconds": wall,
+        "tps": n_tok / wall if wall > 0 else 0.0, "tpf": n_tok / max(forwards, 1),
+        "latency_mean": sum(latencies) / len(latencies), "latency_p50": latencies[len(latencies) // 2],
+        "latency_p90": latencies[min(int(0.9 * len(latencies)), len(latencies) - 1)],
+        "finished": sum(r.finished for r in results) / len(results),
+    }
+
+
+def result_stem(model_name: str, task: str, decoder: str) -> str:
+    return f"{model_name}__{task}__{decoder}".replace("/", "_")

@@ -1,0 +1,78 @@
+"""The eval harness and report on a tiny random model and a hand-made task."""
+
+import json
+
+import pytest
+import torch
+
+from refusion.cli import main
+from refusion.checkpoint import save_model
+from refusion.config import ModelConfig
+from refusion.data import train_bpe_tokenizer
+from refusion.evaluate import EvalConfig, evaluate, wilson_interval
+from refusion.model import Transformer
+from refusion.report import averages, load_summaries, report
+from refusion.tasks import Example, Score, Task
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    tok = train_bpe_tokenizer([f"what is {i} plus {i + 1}? {2 * i + 1}" for i in range(50)], vocab_size=280)
+    cfg = ModelConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+                      num_kv_heads=1, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id, mask_token_id=tok.mask_id)
+    return Transformer(cfg).init_weights(seed=0).eval(), tok
+
+
+def echo_task(n: int = 5) -> Task:
+    """Correct when the output's length is even: the outcome depends on the model, as a real task's does."""
+    exs = [Example(f"echo/test/{i}", f"what is {i} plus {i}?", None, i) for i in range(n)]
+    return Task("echo", "math", ("test",), lambda split, n=None, seed=0: exs[:n],
+                lambda ex, out: Score(str(len(out)), len(out) % 2 == 0))
+
+
+def test_wilson_interval_hand_computed():
+    lo, hi = wilson_interval(8, 10)
+    assert (round(lo, 4), round(hi, 4)) == (0.4902, 0.9433)
+    assert wilson_interval(0, 5)[0] == 0.0 and wilson_interval(5, 5)[1] == 1.0
+
+
+@pytest.mark.parametrize("decoder,params", [("ar", {"max_new_tokens": 12}),
+                                            ("refusion", {"gen_length": 16, "slot_size": 4}),
+                                            ("mdm", {"gen_length": 16, "block_length": 8, "steps": 8})])
+def test_records_and_summary_are_consistent(tiny, tmp_path, decoder, params):
+    model, tok = tiny
+    task = echo_task()
+    s1 = evaluate(model, tok, task, EvalConfig("echo", decoder, params), records_path=tmp_path / "r.jsonl",
+                  progress=False)
+    recs = [json.loads(x) for x in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in recs] == [f"echo/test/{i}" for i in range(5)]
+    assert all(r["correct"] == (len(r["output"]) % 2 == 0) for r in recs)
+    assert s1["accuracy"] == sum(r["correct"] for r in recs) / 5
+    assert s1["tokens"] == sum(r["tokens"] for r in recs) and s1["tps"] == pytest.approx(s1["tokens"] / s1["seconds"])
+    assert s1["tpf"] == pytest.approx(s1["tokens"] / s1["forwards"])
+    # a batch of 3 gives every sample the output it gets alone
+    s3 = evaluate(model, tok, task, EvalConfig("echo", decoder, params, batch_size=3),
+                  records_path=tmp_path / "r3.jsonl", progress=False)
+    recs3 = [json.loads(x) for x in (tmp_path / "r3.jsonl").read_text().splitlines()]
+    assert [r["output"] for r in recs3] == [r["output"] for r in recs] and s3["accuracy"] == s1["accuracy"]
+
+
+def test_cli_eval_then_report(tiny, tmp_path, monkeypatch, capsys):
+    model, tok = tiny
+    save_model(model, tmp_path / "m", tok)
+    import refusion.tasks as tasks
+
+    monkeypatch.setattr(tasks, "all_tasks", lambda: {"echo": echo_task(4)})
+    out = tmp_path / "res"
+    for dec in ("ar", "refusion"):
+        assert main(["eval", "--model", str(tmp_path / "m"), "--task", "echo", "--decoder", dec, "--gen-length", "8",
+                     "--slot-size", "4", "--out", str(out), "--no-progress"]) == 0
+    rows = load_summaries([out])
+    assert sorted(r["decoder"] for r in rows) == ["ar", "refusion"] and all(r["n"] == 4 for r in rows)
+    text = report([out], out=tmp_path / "r.md", plot=tmp_path / "p.png")
+    assert "| m | echo | ar | 4 |" in text and (tmp_path / "p.png").stat().st_size > 1000
+    avg = averages(rows)
+    assert [a["decoder"] for a in avg] == ["ar", "refusion"]
+    assert main(["report", str(tmp_path / "nothing")]) == 2
+    assert "no such file" in capsys.readouterr().err
