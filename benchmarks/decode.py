@@ -1,6 +1,6 @@
 """Decoding speed of every decoder on the same model and prompts: TPF, TPS, wall time, batch 1 and 8.
 
-    python benchmarks/decode.py --model runs/tiny/final --prompts 16 --gen-length 64
+    python benchmarks/decode.py --model runs/refusion-tiny/model --prompts 16 --gen-length 128
 
 Writes benchmarks/results/decode.json and prints a markdown table. TPF = committed tokens / forward
 passes (every pass counted); TPS = generated tokens (prompt excluded, up to and including EOS) /
@@ -29,7 +29,7 @@ def load_prompts(model_dir: Path, n: int, seed: int, source: str | None) -> list
     else:
         from refusion.data import synthetic_records
 
-        queries = [r["query"] for r in synthetic_records(n, seed=seed + 10_000)]
+        queries = [r["query"] for r in synthetic_records(n, seed=seed, split="test")]
     return [tok.chat_prompt_ids(q) for q in queries[:n]]
 
 

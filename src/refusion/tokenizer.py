@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -118,10 +119,16 @@ def _raise(msg: str) -> None:
     raise TokenizerError(f"chat template: {msg}")
 
 
-def _render(template: str, **ctx: Any) -> str:
-    # The same sandbox, trimming and helpers transformers gives chat templates.
+@functools.lru_cache(maxsize=8)
+def _compile(template: str):
+    # The same sandbox, trimming and helpers transformers gives chat templates. Compiled once:
+    # encoding a training set renders the template for every record.
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, ensure_ascii=False, indent=indent)
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(template).render(**ctx)
+    return env.from_string(template)
+
+
+def _render(template: str, **ctx: Any) -> str:
+    return _compile(template).render(**ctx)
