@@ -237,8 +237,10 @@ def build_parser() -> argparse.ArgumentParser:
     rp.set_defaults(func=cmd_report)
 
     from . import train
+    from .tasks import sources
 
     train.add_parser(sub)
+    sources.add_parser(sub)
     return p
 
 

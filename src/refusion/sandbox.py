@@ -54,7 +54,7 @@ for name in ("kill", "killpg", "fork", "forkpty", "setsid", "setpgid", "setpgrp"
              "execve", "execvp", "execvpe", "execl", "execle", "execlp", "execlpe", "spawnv", "spawnve", "spawnvp",
              "spawnvpe", "spawnl", "spawnle", "posix_spawn", "posix_spawnp", "remove", "unlink", "rmdir",
              "removedirs", "rename", "renames", "replace", "truncate", "chmod", "chown", "lchown", "link",
-             "symlink", "putenv", "unsetenv", "register_at_fork", "setuid", "setgid", "nice"):
+             "symlink", "putenv", "unsetenv", "setuid", "setgid", "nice"):
     if hasattr(os, name):
         setattr(os, name, _refuse)
 shutil.rmtree = shutil.move = shutil.chown = _refuse

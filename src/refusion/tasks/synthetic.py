@@ -19,6 +19,7 @@ import re
 from collections.abc import Callable
 
 from . import Example, Score, Task
+from .common import extract_code, extract_final_number, extract_letter, numbers_equal
 
 NAMES = ["Ann", "Ben", "Cara", "Dan", "Eve", "Finn", "Gia", "Hal", "Ivy", "Jon", "Kai", "Lea", "Max", "Nia",
          "Omar", "Pia", "Raj", "Sam", "Tess", "Uma"]
@@ -71,22 +72,9 @@ def make_arith(rng: random.Random) -> tuple[str, str, int]:
     return " ".join(story), "\n".join(work + [f"#### {x}"]), x
 
 
-_NUM = re.compile(r"-?\d+(?:\.\d+)?")
-
-
-def extract_final_number(text: str) -> str | None:
-    """The number after the last "####", else the last number in the text."""
-    if "####" in text:
-        m = _NUM.search(text.rsplit("####", 1)[1].replace(",", ""))
-        if m:
-            return m.group()
-    nums = _NUM.findall(text.replace(",", ""))
-    return nums[-1] if nums else None
-
-
 def score_arith(ex: Example, output: str) -> Score:
     got = extract_final_number(output)
-    return Score(got, got is not None and float(got) == float(ex.answer))
+    return Score(got, numbers_equal(got, str(ex.answer)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -158,11 +146,6 @@ def make_code(rng: random.Random) -> tuple[str, str, dict]:
     return prompt, target, {"tests": tests, "entry_point": name}
 
 
-def extract_code(output: str) -> str:
-    m = re.search(r"```(?:python)?\n(.*?)(?:```|$)", output, re.S)
-    return (m.group(1) if m else output).strip()
-
-
 def _program(ex: Example, output: str) -> str:
     return extract_code(output) + "\n\n" + ex.answer["tests"] + "\n"
 
@@ -212,14 +195,6 @@ def make_choice(rng: random.Random) -> tuple[str, str, str]:
     letter = LETTERS[opts.index(gold)]
     prompt = q + "\n" + "\n".join(f"{LETTERS[i]}. {o}" for i, o in enumerate(opts))
     return prompt, f"{why}\nAnswer: {letter}", letter
-
-
-def extract_letter(output: str) -> str | None:
-    m = re.findall(r"[Aa]nswer(?: is)?:?\s*\(?([A-Da-d])\b", output)
-    if m:
-        return m[-1].upper()
-    m = re.findall(r"\b([A-D])\b", output)
-    return m[-1] if m else None
 
 
 def score_choice(ex: Example, output: str) -> Score:

@@ -1,0 +1,62 @@
+"""MBPP (500 test problems) and HumanEval (164), scored by running their tests in the sandbox."""
+
+from __future__ import annotations
+
+import ast
+
+from . import Example, Score, Task
+from .common import extract_code, subset
+from .sources import request_docs
+
+
+def load_mbpp(split: str = "test", n: int | None = None, seed: int = 0) -> list[Example]:
+    if split != "test":
+        raise ValueError("mbpp has only a 'test' split here")
+    exs = []
+    for d in request_docs("mbpp"):
+        tests = ast.literal_eval(d["test_list"]) if isinstance(d["test_list"], str) else d["test_list"]
+        prompt = f"{d['text']}\nYour code should pass these tests:\n\n" + "\n".join(tests)
+        exs.append(Example(f"mbpp/{d['task_id']}", prompt, d["code"].replace("\r\n", "\n"),
+                           {"tests": tests, "setup": d.get("test_setup_code") or ""}))
+    return subset(exs, n, seed)
+
+
+def load_humaneval(split: str = "test", n: int | None = None, seed: int = 0) -> list[Example]:
+    if split != "test":
+        raise ValueError("humaneval has only a 'test' split here")
+    exs = []
+    for d in request_docs("humaneval"):
+        prompt = f"Complete the following Python function.\n```python\n{d['prompt']}```"
+        exs.append(Example(d["task_id"], prompt, d["prompt"] + d["canonical_solution"],
+                           {"prompt": d["prompt"], "test": d["test"], "entry_point": d["entry_point"]}))
+    return subset(exs, n, seed)
+
+
+def program_for(ex: Example, output: str) -> str:
+    """The program whose exit status decides the sample: the model's code, then the task's tests."""
+    code = extract_code(output)
+    if "entry_point" in ex.answer:  # HumanEval: a bare body continues the given signature
+        if f"def {ex.answer['entry_point']}" not in code:
+            code = ex.answer["prompt"] + code
+        return f"{code}\n\n{ex.answer['test']}\n\ncheck({ex.answer['entry_point']})\n"
+    return "\n".join([code, ex.answer["setup"], *ex.answer["tests"]]) + "\n"
+
+
+def score_code(ex: Example, output: str) -> Score:
+    from ..sandbox import run_python
+
+    return Score(extract_code(output), run_python(program_for(ex, output), timeout_s=10).passed)
+
+
+def score_code_many(examples: list[Example], outputs: list[str]) -> list[Score]:
+    from ..sandbox import run_many
+
+    results = run_many([program_for(ex, out) for ex, out in zip(examples, outputs)], timeout_s=10)
+    return [Score(extract_code(out), r.passed) for out, r in zip(outputs, results)]
+
+
+TASKS: dict[str, Task] = {
+    "mbpp": Task("mbpp", "code", ("test",), load_mbpp, score_code, "MBPP test (500), its asserts", score_code_many),
+    "humaneval": Task("humaneval", "code", ("test",), load_humaneval, score_code, "HumanEval (164), check()",
+                      score_code_many),
+}

@@ -1,0 +1,59 @@
+"""Helpers shared by the benchmark task modules: seeded subsets and answer extraction."""
+
+from __future__ import annotations
+
+import random
+import re
+
+from . import Example
+
+
+def subset(examples: list[Example], n: int | None, seed: int) -> list[Example]:
+    """All examples in file order (n=None), else the first n after a shuffle seeded by `seed`."""
+    if n is None:
+        return examples
+    order = list(range(len(examples)))
+    random.Random(seed).shuffle(order)
+    return [examples[i] for i in order[:n]]
+
+
+_NUM = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def extract_final_number(text: str) -> str | None:
+    """The number after the last "####", else the last number in the text (commas and $ ignored)."""
+    text = text.replace(",", "").replace("$", "")
+    if "####" in text:
+        m = _NUM.search(text.rsplit("####", 1)[1])
+        if m:
+            return m.group()
+    nums = _NUM.findall(text)
+    return nums[-1] if nums else None
+
+
+def numbers_equal(a: str | None, b: str | None) -> bool:
+    if a is None or b is None:
+        return False
+    try:
+        return abs(float(a) - float(b)) < 1e-6
+    except ValueError:
+        return False
+
+
+def extract_letter(output: str, letters: str = "ABCD") -> str | None:
+    """The chosen option: "Answer: X" / "answer is X" (last one), else a lone letter opening the output."""
+    cls = f"[{letters}{letters.lower()}]"
+    m = re.findall(rf"[Aa]nswer(?: is)?\s*:?\s*\(?({cls})\b", output)
+    if m:
+        return m[-1].upper()
+    m = re.match(rf"\s*\(?([{letters}])\b", output)
+    if m:
+        return m.group(1)
+    m = re.findall(rf"\b([{letters}])\b", output)
+    return m[-1] if m else None
+
+
+def extract_code(output: str) -> str:
+    """The first fenced code block (```python or ```), else the whole output."""
+    m = re.search(r"```[a-zA-Z0-9_+-]*\n(.*?)(?:```|$)", output, re.S)
+    return (m.group(1) if m else output).strip("\n")

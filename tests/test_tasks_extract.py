@@ -1,0 +1,76 @@
+"""Answer extraction and normalisation on hand-written outputs (no download)."""
+
+import pytest
+
+from refusion.tasks import Example
+from refusion.tasks.common import extract_code, extract_final_number, extract_letter, subset
+from refusion.tasks.maths import last_boxed, math_equal, normalize_math, score_gsm8k
+from refusion.tasks.code import program_for
+from refusion.sandbox import run_python
+
+
+def test_gsm8k_numbers():
+    ex = Example("g", "", None, "1234")
+    assert score_gsm8k(ex, "so she pays $1,234.\n#### 1,234").correct
+    assert score_gsm8k(ex, "The answer is 1234.0").correct
+    assert not score_gsm8k(ex, "#### 1235\nor maybe 1234").correct  # the #### line wins over later numbers
+    assert extract_final_number("nothing here") is None
+
+
+@pytest.mark.parametrize("text,boxed", [
+    ("so \\boxed{5}.", "5"),
+    ("first \\boxed{1} then \\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
+    ("\\boxed{\\{1, 2\\}}", "\\{1, 2\\}"),
+    ("nested \\boxed{\\sqrt{x^{2}}}", "\\sqrt{x^{2}}"),
+    ("\\fbox{7}", "7"),
+    ("$\\boxed 9$", "9"),
+    ("no box", None),
+    ("\\boxed{unclosed", None),
+])
+def test_last_boxed(text, boxed):
+    assert last_boxed(text) == boxed
+
+
+@pytest.mark.parametrize("a,b,same", [
+    ("\\dfrac{1}{2}", "\\frac12", True),
+    ("\\left( 3, \\frac{\\pi}{2} \\right)", "(3,\\frac{\\pi}{2})", True),
+    ("10\\text{ cm}", "10", True),
+    ("90^\\circ", "90", True),
+    ("\\$5.00", "5", True),
+    ("x = 3", "3", True),
+    ("1,000", "1000", True),
+    ("5.", "5", True),
+    ("0.5", "\\frac{1}{2}", False),  # needs algebra: counted wrong, as in the Minerva scorer
+    ("2", "3", False),
+    ("\\text{(B)}", "(B)", True),
+])
+def test_math_normalisation(a, b, same):
+    assert math_equal(a, b) is same, (normalize_math(a), normalize_math(b))
+
+
+def test_letters_and_code_extraction():
+    assert extract_letter("Answer: c") == "C"
+    assert extract_letter("The answer is (B).") == "B"
+    assert extract_letter("D. because the others are wrong") == "D"
+    assert extract_letter("Answer: E", "ABCDE") == "E" and extract_letter("Answer: E") is None
+    assert extract_code("text\n```python\nx = 1\n```\nmore ```y```") == "x = 1"
+    assert extract_code("```\ny = 2\n```") == "y = 2"
+    assert extract_code("    return x\n") == "    return x"  # a bare body keeps its indentation
+
+
+def test_humaneval_program_accepts_a_bare_body_or_a_whole_function():
+    ex = Example("HumanEval/x", "", None, {"prompt": "def add(a, b):\n    \"\"\"Add.\"\"\"\n",
+                                           "test": "def check(f):\n    assert f(2, 3) == 5\n", "entry_point": "add"})
+    assert run_python(program_for(ex, "    return a + b\n")).passed
+    assert run_python(program_for(ex, "```python\ndef add(a, b):\n    return a + b\n```")).passed
+    assert not run_python(program_for(ex, "    return a - b\n")).passed
+    mbpp = Example("mbpp/1", "", None, {"tests": ["assert sq(3) == 9"], "setup": ""})
+    assert run_python(program_for(mbpp, "def sq(x):\n    return x * x")).passed
+    assert not run_python(program_for(mbpp, "def sq(x):\n    return x + x")).passed
+
+
+def test_subset_is_seeded():
+    exs = [Example(str(i), "", None, i) for i in range(50)]
+    assert subset(exs, None, 0) == exs
+    a, b = subset(exs, 10, 1), subset(exs, 10, 1)
+    assert a == b and a != subset(exs, 10, 2) and len({e.id for e in a}) == 10
