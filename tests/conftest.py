@@ -47,3 +47,12 @@ def refusion_layout_dir(tmp_path_factory):
     config = json.loads((path / "config.json").read_text())
     assert config["mask_token_id"] == MASK_ID and (path / "model.safetensors.index.json").exists()
     return path
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny matrices: one thread is much faster, and immune to a busy second core."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

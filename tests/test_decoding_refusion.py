@@ -32,13 +32,7 @@ _rng = random.Random(1234)
 CANDIDATES = [[_rng.randrange(2, MASK) for _ in range(_rng.randrange(2, 8))] for _ in range(60)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # tiny matrices: one thread is much faster, and immune to a busy second core
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @functools.lru_cache(maxsize=None)
