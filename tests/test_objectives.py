@@ -427,3 +427,15 @@ def test_validation_errors():
     with pytest.raises(ValueError, match="prompts"):
         make_batch([[1]], [], PAD)
     assert isinstance(batch, Batch)
+
+
+def test_pad_responses_with_eos_llada_style():
+    from refusion.objectives import pad_responses
+
+    b = make_batch([[1, 2], [3]], [[5, 6, 9], [7, 9]], pad_id=0)
+    p = pad_responses(b, eos_id=9, length=4)
+    assert p.response_ids.tolist() == [[5, 6, 9, 9], [7, 9, 9, 9]] and p.response_len.tolist() == [4, 4]
+    q = pad_responses(b, eos_id=9, length=2)  # longer responses are never cut
+    assert q.response_ids.tolist() == [[5, 6, 9], [7, 9, 0]] and q.response_len.tolist() == [3, 2]
+    inp = mdm_inputs(p, mask_id=4, gen=torch.Generator().manual_seed(0))
+    assert inp.input_ids.shape == (2, 6) and not inp.pad[:, :5].any()

@@ -92,6 +92,19 @@ def make_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: int
 # layout helpers
 
 
+def pad_responses(batch: Batch, eos_id: int, length: int) -> Batch:
+    """LLaDA's SFT recipe for MDMs: extend every response to at least `length` tokens with EOS, which
+    then count as response tokens (masked, predicted, in the loss). Without it an MDM learns the answer's
+    length from the number of masks it is given, which a decoder with a fixed gen_length never gives it."""
+    B, R = batch.response_ids.shape
+    R2 = max(R, length)
+    new_len = batch.response_len.clamp(min=length)
+    i = torch.arange(R2, device=batch.response_ids.device)[None, :]
+    resp = torch.cat([batch.response_ids, batch.response_ids.new_full((B, R2 - R), batch.pad_id)], 1)
+    resp = torch.where((i >= batch.response_len[:, None]) & (i < new_len[:, None]), eos_id, resp)
+    return Batch(batch.prompt_ids, batch.prompt_len, resp, new_len, batch.pad_id)
+
+
 def _pack(batch: Batch, resp_tok: Tensor, resp_pos: Tensor, resp_lab: Tensor, resp_msk: Tensor
           ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Place the prompt, then the response fields [B, R] (already in feed order), then padding.

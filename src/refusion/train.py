@@ -36,7 +36,8 @@ from .config import ModelConfig
 from .data import DataError, encode_records, filter_by_length, length_batches, load_records, synthetic_records
 from .data import train_bpe_tokenizer
 from .model import Transformer
-from .objectives import OBJECTIVES, IGNORE, TrainInputs, ar_token_count, build_inputs, compute_loss, make_batch
+from .objectives import (OBJECTIVES, TrainInputs, ar_token_count, build_inputs, compute_loss, make_batch,
+                         pad_responses)
 from .tokenizer import Tokenizer
 
 STATE_FILE = "training_state.pt"
@@ -56,6 +57,7 @@ class TrainConfig:
     max_length: int = 512  # prompt + response tokens; longer examples are dropped (and counted)
     slot_sizes: list[int] = field(default_factory=lambda: [4, 8, 16, 32])
     eps: float = 1e-3
+    mdm_eos_pad_to: int | None = None  # MDM only: EOS-pad responses to this length (LLaDA SFT), e.g. the eval gen_length
     # optimisation
     batch_size: int = 16  # examples per optimizer step, over all processes
     micro_batch_size: int | None = None  # examples per forward per process; None: batch_size / processes
@@ -340,6 +342,8 @@ class Trainer:
         idx = self.batch_indices(self.step)
         pad_id = self.tokenizer.pad_id if self.tokenizer.pad_id is not None else 0
         batch = make_batch([self.examples[i].prompt for i in idx], [self.examples[i].response for i in idx], pad_id)
+        if cfg.objective == "mdm" and cfg.mdm_eos_pad_to:
+            batch = pad_responses(batch, self.model.config.eos_ids[0], cfg.mdm_eos_pad_to)
         kw = {} if cfg.objective == "ar" else {"eps": cfg.eps}
         if cfg.objective == "refusion":
             kw["slot_sizes"] = tuple(cfg.slot_sizes)
