@@ -11,7 +11,7 @@ R=${REFUSION:-.venv/bin/refusion}
 N=${N:-100}
 OUT=${OUT:-results/study}
 TASKS=arith,code,choice,table
-GEN=256
+GEN=160
 
 $R train --config configs/refusion-tiny.toml --no-progress
 $R train --config configs/refusion-tiny.toml --objective ar --out runs/ar-tiny --no-progress
