@@ -115,6 +115,13 @@ def _atomic_dir(path: Path, overwrite: bool):
 
 
 def _commit_dir(tmp: Path, path: Path) -> None:
+    # mkdtemp makes a private (0700) directory: give it the permissions a plain mkdir would have
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)
+    for f in tmp.iterdir():
+        if f.is_file():
+            os.chmod(f, 0o666 & ~umask)
     # rename is atomic; the old directory (if any) is moved aside first and removed after.
     old = None
     if path.exists():

@@ -84,7 +84,6 @@ def generate_mdm(model: Transformer, prompts: list[list[int]], params: MDMParams
     fed = torch.zeros(B, dtype=torch.long)
     n_blocks = L // p.block_length
     steps_per_block = p.steps // n_blocks
-    step = 0
     cache = model.new_cache() if p.prefix_cache else None
     for blk in range(n_blocks):
         lo, hi = P + blk * p.block_length, P + (blk + 1) * p.block_length
@@ -122,13 +121,14 @@ def generate_mdm(model: Transformer, prompts: list[list[int]], params: MDMParams
                 best = torch.zeros_like(masked).scatter(1, conf.argmax(1, keepdim=True), True)
                 pick = ((conf > p.threshold) | best) & masked
             x[:, lo:hi] = torch.where(pick, x0, x[:, lo:hi])
-            step_of[:, lo - P: hi - P][pick] = step
+            # a token's step is its own sequence's forward count, so it does not depend on the batch
+            own_step = (forwards - 1).to(device)[:, None].expand_as(pick)
+            step_of[:, lo - P: hi - P][pick] = own_step[pick]
             if on_commit is not None:
                 for r in range(B):
                     cols = pick[r].nonzero().squeeze(-1) + (lo - P)
                     if cols.numel():
                         on_commit(r, (lens[r] + cols).tolist(), x[r, P + cols].tolist())
-            step += 1
             i += 1
         # a finished block that holds an EOS ends that sequence (everything after is padding)
         block_eos = torch.isin(x[:, lo:hi], eos_t).any(1)
