@@ -43,6 +43,21 @@ def test_last_boxed(text, boxed):
     ("0.5", "\\frac{1}{2}", False),  # needs algebra: counted wrong, as in the Minerva scorer
     ("2", "3", False),
     ("\\text{(B)}", "(B)", True),
+    ("\\frac{68}{3}\\text{ pounds}", "\\frac{68}{3}", True),  # units after a non-number too
+    ("18\\text{ ways.}", "18", True),
+    ("8\\sqrt{3} \\text { square inches}", "8\\sqrt3", True),
+    ("\\frac 9{20}", "\\frac{9}{20}", True),  # unbraced arguments, as MATH solutions often write them
+    ("\\frac{\\sqrt6}3", "\\frac{\\sqrt{6}}{3}", True),
+    ("\\frac\\pi4", "\\frac{\\pi}{4}", True),
+    ("1/2", "\\frac12", True),
+    ("1+\\sqrt 2,\\ 1-\\sqrt 2", "1+\\sqrt{2},1-\\sqrt{2}", True),
+    ("\\text{Evelyn}", "Evelyn", True),  # a word alone is the answer, not a unit
+    ("3+4\\mathrm{i}", "3+4", False),  # \\mathrm{i} is a number, never a unit
+    ("x^2 + y^2 = 13", "13", False),  # only a lone "x =" is dropped
+    ("\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", "\\begin{pmatrix}1\\\\2\\end{pmatrix}", True),
+    ("50\\%", "50", True),
+    ("12{,}000", "12000", True),
+    ("\\frac{1}{3}", "\\frac{1}{4}", False),
 ])
 def test_math_normalisation(a, b, same):
     assert math_equal(a, b) is same, (normalize_math(a), normalize_math(b))
@@ -67,6 +82,16 @@ def test_humaneval_program_accepts_a_bare_body_or_a_whole_function():
     mbpp = Example("mbpp/1", "", None, {"tests": ["assert sq(3) == 9"], "setup": ""})
     assert run_python(program_for(mbpp, "def sq(x):\n    return x * x")).passed
     assert not run_python(program_for(mbpp, "def sq(x):\n    return x + x")).passed
+
+
+def test_humaneval_program_keeps_the_prompts_helpers():
+    # HumanEval prompts sometimes define helpers and imports; a model that rewrites only the entry point
+    # still has them.
+    prompt = "from typing import List\n\ndef double(x):\n    return 2 * x\n\ndef f(xs: List[int]):\n    \"\"\"Doc.\"\"\"\n"
+    ex = Example("HumanEval/y", "", None, {"prompt": prompt, "entry_point": "f",
+                                           "test": "def check(g):\n    assert g([1, 2]) == [2, 4]\n"})
+    assert run_python(program_for(ex, "```python\ndef f(xs: List[int]):\n    return [double(x) for x in xs]\n```")).passed
+    assert not run_python(program_for(ex, "def f_other(xs):\n    return xs\n")).passed  # not the entry point
 
 
 def test_subset_is_seeded():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 
 from . import Example, Score, Task
 from .common import extract_code, subset
@@ -35,9 +36,12 @@ def load_humaneval(split: str = "test", n: int | None = None, seed: int = 0) -> 
 def program_for(ex: Example, output: str) -> str:
     """The program whose exit status decides the sample: the model's code, then the task's tests."""
     code = extract_code(output)
-    if "entry_point" in ex.answer:  # HumanEval: a bare body continues the given signature
-        if f"def {ex.answer['entry_point']}" not in code:
-            code = ex.answer["prompt"] + code
+    if "entry_point" in ex.answer:  # HumanEval
+        # A bare body continues the given signature. A whole function still gets the prompt first: it
+        # brings the imports and helper functions some problems define there (the docstring-only
+        # definition in the prompt is valid Python and the model's own definition replaces it).
+        defines = re.search(rf"^\s*def\s+{re.escape(ex.answer['entry_point'])}\s*\(", code, re.M)
+        code = ex.answer["prompt"] + ("\n\n" if defines else "") + code
         return f"{code}\n\n{ex.answer['test']}\n\ncheck({ex.answer['entry_point']})\n"
     return "\n".join([code, ex.answer["setup"], *ex.answer["tests"]]) + "\n"
 

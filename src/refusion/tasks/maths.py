@@ -1,9 +1,11 @@
 """GSM8K, MATH (all 5000 test problems) and MATH-500, zero-shot for chat models.
 
 GSM8K answers are read after the last "####" (else the last number); MATH answers from the last
-\\boxed{} of the output, compared after the usual normalisation (spaces, \\left/\\right, \\dfrac, units
-in \\text{}, degrees, dollars, "x =", thousands separators, trailing ".0"). Equivalent forms that
-need algebra (0.5 vs \\frac{1}{2}, 2\\sqrt{2} vs \\sqrt{8}) are counted wrong, as in the Minerva scorer.
+\\boxed{} of the output, compared after the usual string normalisation (spaces, \\left/\\right, \\dfrac,
+"\\frac12" and "1/2" -> "\\frac{1}{2}", "\\sqrt2", trailing units in \\text{}, degrees, percent,
+dollars, "x =", thousands separators, trailing "." and ".0"), then numerically when both are plain numbers.
+Equivalent forms that need algebra (0.5 vs \\frac{1}{2}, 2\\sqrt{2} vs \\sqrt{8}, reordered sets)
+are counted wrong, as in the Minerva and Hendrycks scorers.
 """
 
 from __future__ import annotations
@@ -54,25 +56,72 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
+def _arg_end(s: str, k: int) -> int:
+    """End of one TeX argument starting at s[k]: a {group}, a \\command, or one character."""
+    if s[k] == "{":
+        depth = 0
+        for e in range(k, len(s)):
+            depth += {"{": 1, "}": -1}.get(s[e], 0)
+            if depth == 0:
+                return e + 1
+        return len(s)
+    if s[k] == "\\":
+        m = re.match(r"\\[a-zA-Z]+", s[k:])
+        return k + (m.end() if m else 2)
+    return k + 1
+
+
+def _brace_args(s: str, cmd: str, nargs: int) -> str:
+    """Write `cmd`'s arguments in braces: "\\frac12", "\\frac 1{72}" -> "\\frac{1}{2}"; "\\sqrt2" -> "\\sqrt{2}"."""
+    out, i = "", 0
+    while (j := s.find(cmd, i)) >= 0:
+        k = j + len(cmd)
+        out += s[i:k]
+        if cmd == "\\sqrt" and s.startswith("[", k):  # \sqrt[3]{x}: keep the index as written
+            e = s.find("]", k)
+            e = len(s) if e < 0 else e + 1
+            out, k = out + s[k:e], e
+        for _ in range(nargs):
+            if k >= len(s):
+                break
+            e = _arg_end(s, k)
+            arg = s[k + 1:e - 1] if s[k] == "{" and s[e - 1] == "}" else s[k:e]
+            out += "{" + _brace_args(arg, cmd, nargs) + "}"  # nested fractions too
+            k = e
+        i = k
+    return out + s[i:]
+
+
+# A trailing unit in words after the answer: "10\text{ cm}", "18\text{ ways.}", "8\sqrt{3}\text { square inches}".
+# Not \mathrm (\mathrm{i} is a number) and not one letter without MATH's leading space ("\text{m}" stays).
+_UNIT = re.compile(r"^(.+?)\s*\\(?:text|textbf|mbox)\s*\{(?:\s+[A-Za-z][A-Za-z.\s]*|[A-Za-z][A-Za-z.\s]+)\}"
+                   r"(?:\^\{?\d\}?)?\s*\.?$")
+
+
 def normalize_math(s: str) -> str:
+    """Canonical string form of a MATH answer (Minerva/Hendrycks-style string normalisation)."""
     s = s.strip()
+    # Spacing and sizing commands, degrees, percent and dollar signs carry no value.
     for a, b in (("\\!", ""), ("\\,", ""), ("\\;", ""), ("\\:", ""), ("\\left", ""), ("\\right", ""),
-                 ("dfrac", "frac"), ("tfrac", "frac"), ("^\\circ", ""), ("^{\\circ}", ""), ("\\%", ""), ("%", ""),
-                 ("\\$", ""), ("$", ""), ("\\displaystyle", "")):
+                 ("\\displaystyle", ""), ("dfrac", "frac"), ("tfrac", "frac"), ("^\\circ", ""), ("^{\\circ}", ""),
+                 ("\\degree", ""), ("°", ""), ("\\%", ""), ("%", ""), ("\\$", ""), ("$", "")):
         s = s.replace(a, b)
-    s = re.sub(r"(\d)\s*\\(?:text|mbox|mathrm)\{\s*[a-zA-Z ]+\}(\^\d)?$", r"\1", s)  # units after a number
-    s = re.sub(r"\\(?:text|mbox|mathrm)\{([^{}]*)\}", r"\1", s)
-    if re.match(r"^[a-zA-Z]\s*=", s) and s.count("=") == 1:
-        s = s.split("=", 1)[1]
-    s = s.replace(" ", "").rstrip(".")
-    s = re.sub(r"\\frac(\d)(\d)", r"\\frac{\1}{\2}", s)
-    s = re.sub(r"\\frac\{([^{}]*)\}(\d)", r"\\frac{\1}{\2}", s)
-    s = re.sub(r"\\sqrt(\d)", r"\\sqrt{\1}", s)
+    if m := _UNIT.match(s):  # units only when something precedes them: "\text{Evelyn}" is an answer
+        s = m.group(1)
+    s = re.sub(r"\\(?:text|textbf|mbox|mathrm)\s*\{([^{}]*)\}", r"\1", s)
+    left, eq, right = s.partition("=")
+    if eq and "=" not in right and len(left.strip()) <= 2:  # "x = 3" -> "3" (but keep "x^2+y^2=13")
+        s = right
+    s = re.sub(r"(?<!\\)\\ ", "", s)  # "\ " is a space; "\\ " (a matrix row break) is not
+    s = re.sub(r"\s+", "", s).rstrip(".")
+    s = _brace_args(_brace_args(s, "\\frac", 2), "\\sqrt", 1)
+    if m := re.fullmatch(r"(-?\d+)/(\d+)", s):  # "1/2" -> "\frac{1}{2}"
+        s = f"\\frac{{{m.group(1)}}}{{{m.group(2)}}}"
     if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s) or re.fullmatch(r"-?\d{1,3}(\{,\}\d{3})+(\.\d+)?", s):
-        s = s.replace("{,}", "").replace(",", "")
+        s = s.replace("{,}", "").replace(",", "")  # thousands separators, only in a lone number
     if re.fullmatch(r"-?\d+\.0+", s):
         s = s.split(".")[0]
-    if s.startswith("0.") is False and re.fullmatch(r"-?\.\d+", s):
+    if re.fullmatch(r"-?\.\d+", s):
         s = s.replace(".", "0.", 1)
     return s
 

@@ -65,7 +65,9 @@ def request_docs(name: str) -> list[dict]:
     docs = []
     for path in benchmark_files(name):
         with gzip.open(path, "rt", encoding="utf-8") as f:
-            docs += [_doc(json.loads(line)) | {"_native_id": json.loads(line).get("native_id")} for line in f]
+            for line in f:
+                row = json.loads(line)
+                docs.append(_doc(row) | {"_native_id": row.get("native_id")})
     return docs
 
 
@@ -95,6 +97,9 @@ def add_parser(sub) -> None:
 
 def run(args) -> None:
     names = args.names or list(BENCHMARKS)
+    unknown = [n for n in names if n not in BENCHMARKS]
+    if unknown:
+        raise ValueError(f"unknown benchmark(s) {', '.join(unknown)}; known: {', '.join(BENCHMARKS)}")
     if args.list:
         for n in BENCHMARKS:
             print(f"{n:15s} {'cached' if cached(n) else 'not downloaded':15s} {len(BENCHMARKS[n])} file(s)")
