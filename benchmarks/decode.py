@@ -1,6 +1,6 @@
 """Decoding speed of every decoder on the same model and prompts: TPF, TPS, wall time, batch 1 and 8.
 
-    python benchmarks/decode.py --model runs/refusion-tiny/model --prompts 16 --gen-length 128
+    python benchmarks/decode.py --model src/refusion/assets/refusion-tiny --prompts 16 --gen-length 160 --serial-blocks 1,5
 
 Writes benchmarks/results/decode.json and prints a markdown table. TPF = committed tokens / forward
 passes (every pass counted); TPS = generated tokens (prompt excluded, up to and including EOS) /
@@ -33,12 +33,15 @@ def load_prompts(model_dir: Path, n: int, seed: int, source: str | None) -> list
     return [tok.chat_prompt_ids(q) for q in queries[:n]]
 
 
-def configs(gen_length: int, slot_size: int, blocks: int, ts: float, tt: float) -> list[tuple[str, str, dict]]:
-    rf = dict(gen_length=gen_length, slot_size=slot_size, serial_blocks=blocks, slot_threshold=ts, token_threshold=tt)
-    return [
-        ("refusion", "refusion", rf),
-        ("refusion recompute_kv", "refusion", {**rf, "recompute_kv": True}),
-        ("refusion left-to-right", "refusion-l2r", rf),
+def configs(gen_length: int, slot_size: int, blocks: list[int], ts: float, tt: float) -> list[tuple[str, str, dict]]:
+    out = []
+    for i, b in enumerate(blocks):
+        rf = dict(gen_length=gen_length, slot_size=slot_size, serial_blocks=b, slot_threshold=ts, token_threshold=tt)
+        out.append((f"refusion B={b}", "refusion", rf))
+        if i == 0:  # the ablations at the first block count
+            out.append((f"refusion B={b} recompute_kv", "refusion", {**rf, "recompute_kv": True}))
+            out.append((f"refusion B={b} left-to-right", "refusion-l2r", rf))
+    return out + [
         ("ar", "ar", dict(max_new_tokens=gen_length)),
         ("mdm (llada, 1 tok/step)", "mdm", dict(gen_length=gen_length, block_length=32, steps=gen_length)),
         ("mdm threshold 0.9", "mdm-threshold", dict(gen_length=gen_length, block_length=32, threshold=0.9,
@@ -66,9 +69,9 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--prompt-file", help="JSONL with a 'query' field (default: synthetic task prompts)")
-    ap.add_argument("--gen-length", type=int, default=64)
+    ap.add_argument("--gen-length", type=int, default=160)
     ap.add_argument("--slot-size", type=int, default=8)
-    ap.add_argument("--serial-blocks", type=int, default=1)
+    ap.add_argument("--serial-blocks", default="1", help="comma-separated: one refusion row per value")
     ap.add_argument("--slot-threshold", type=float, default=0.9)
     ap.add_argument("--token-threshold", type=float, default=0.4)
     ap.add_argument("--batch-sizes", default="1,8")
@@ -82,7 +85,8 @@ def main() -> None:
     decode(model, prompts[:2], "ar", max_new_tokens=4)  # warm-up
     rows = []
     for bs in [int(b) for b in args.batch_sizes.split(",")]:
-        for name, decoder, params in configs(args.gen_length, args.slot_size, args.serial_blocks,
+        for name, decoder, params in configs(args.gen_length, args.slot_size,
+                                             [int(b) for b in args.serial_blocks.split(",")],
                                              args.slot_threshold, args.token_threshold):
             r = run(model, prompts, decoder, params, bs)
             rows.append(dict(name=name, decoder=decoder, params=params, batch_size=bs,

@@ -20,6 +20,7 @@ import json
 import math
 import os
 import random
+import shutil
 import sys
 import time
 from contextlib import nullcontext
@@ -429,8 +430,6 @@ class Trainer:
         self._save_model(path, None, {STATE_FILE: self._state()})
         old = sorted(self.out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
         for p in old[:-self.cfg.keep_checkpoints]:
-            import shutil
-
             shutil.rmtree(p, ignore_errors=True)
         return path
 
