@@ -21,11 +21,15 @@ from refusion.decoding import decode
 from refusion.tokenizer import Tokenizer
 
 
-def load_prompts(model_dir: Path, n: int, seed: int, source: str | None) -> list[list[int]]:
+def load_prompts(model_dir: Path, n: int, seed: int, source: str | None, task: str | None) -> list[list[int]]:
     tok = Tokenizer.from_dir(model_dir)
     if source:
         rows = [json.loads(line) for line in Path(source).read_text().splitlines() if line.strip()]
         queries = [r["query"] for r in rows]
+    elif task:
+        from refusion.tasks import get_task
+
+        queries = [ex.prompt for ex in get_task(task).load("test", n=n, seed=seed)]
     else:
         from refusion.data import synthetic_records
 
@@ -50,7 +54,7 @@ def configs(gen_length: int, slot_size: int, blocks: list[int], ts: float, tt: f
 
 
 def run(model, prompts, decoder, params, batch_size) -> dict:
-    tokens = forwards = 0
+    tokens = forwards = fed = 0
     seconds = 0.0
     outputs = []
     for i in range(0, len(prompts), batch_size):
@@ -59,9 +63,10 @@ def run(model, prompts, decoder, params, batch_size) -> dict:
         seconds += time.perf_counter() - t
         tokens += sum(len(r.tokens) for r in res)
         forwards += sum(r.forwards for r in res)
+        fed += sum(r.tokens_fed for r in res)
         outputs += [r.tokens for r in res]
     return dict(tokens=tokens, forwards=forwards, seconds=seconds, tpf=tokens / forwards, tps=tokens / seconds,
-                outputs=outputs)
+                fed_per_forward=fed / forwards, ms_per_forward=1000 * seconds / forwards, outputs=outputs)
 
 
 def main() -> None:
@@ -69,6 +74,7 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--prompt-file", help="JSONL with a 'query' field (default: synthetic task prompts)")
+    ap.add_argument("--task", help="prompts from this task's test split instead (e.g. code, arith)")
     ap.add_argument("--gen-length", type=int, default=160)
     ap.add_argument("--slot-size", type=int, default=8)
     ap.add_argument("--serial-blocks", default="1", help="comma-separated: one refusion row per value")
@@ -81,7 +87,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model = load_model(args.model)
-    prompts = load_prompts(Path(args.model), args.prompts, args.seed, args.prompt_file)
+    prompts = load_prompts(Path(args.model), args.prompts, args.seed, args.prompt_file, args.task)
     decode(model, prompts[:2], "ar", max_new_tokens=4)  # warm-up
     rows = []
     for bs in [int(b) for b in args.batch_sizes.split(",")]:
@@ -94,10 +100,11 @@ def main() -> None:
             print(f"batch {bs:>2} {name:<26} TPF {r['tpf']:5.2f}  TPS {r['tps']:8.1f}  {r['seconds']:6.2f} s",
                   flush=True)
     ar = {r["batch_size"]: r["tps"] for r in rows if r["decoder"] == "ar"}
-    print("\n| batch | decoder | TPF | TPS | wall s | TPS / AR |\n|---|---|---|---|---|---|")
+    print("\n| batch | decoder | tokens | TPF | TPS | wall s | TPS / AR | tokens fed / forward | ms / forward |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['batch_size']} | {r['name']} | {r['tpf']:.2f} | {r['tps']:.1f} | {r['seconds']:.2f} | "
-              f"{r['tps'] / ar[r['batch_size']]:.2f}x |")
+        print(f"| {r['batch_size']} | {r['name']} | {r['tokens']} | {r['tpf']:.2f} | {r['tps']:.1f} | {r['seconds']:.2f} | "
+              f"{r['tps'] / ar[r['batch_size']]:.2f}x | {r['fed_per_forward']:.1f} | {r['ms_per_forward']:.2f} |")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(model=args.model, args=vars(args), threads=args.threads,
