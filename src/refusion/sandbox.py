@@ -1,26 +1,50 @@
-"""Run untrusted, model-written Python: one process per program, limits, no network, cleanup.
+"""Run untrusted, model-written Python (HumanEval, MBPP, synthetic tasks): one process per program.
+
+Every program gets a fresh `python -I` in its own session, a fresh scratch directory as cwd, HOME
+and TMPDIR (removed afterwards), a minimal environment, stdin from /dev/null, and stdout/stderr
+written to files and read back with a size cap. The harness survives whatever the program does.
 
 Layers, outermost first:
-  - Linux namespaces (util-linux `unshare`, where the kernel allows it, checked once): a new network
-    namespace (no interfaces but a down loopback: no network) and a new PID namespace whose init is
-    the program; when it ends or is killed, the kernel kills every process left inside, so nothing a
-    program forks survives it.
-  - resource limits set in the child before exec: address space (memory_mb), CPU seconds, file
-    size, open files, no core dumps; a new session, so signals to the parent's group miss it and
-    the whole group can be killed at once.
-  - a wall-clock timeout in the parent, then SIGKILL to the process group; a sweep of /proc for
-    any process still running in the scratch directory.
-  - a Python guard installed before the program runs: fork/exec/kill/setsid and friends removed,
-    files opened for writing only inside the scratch directory, sockets refused. This is defence
-    in depth against accidents, not a security boundary: Python code can get around it.
-Each program runs with a fresh scratch directory as cwd, HOME and TMPDIR, removed afterwards.
-Where namespaces are unavailable, the other layers still apply (see `isolation()`).
+
+1. Linux namespaces, where `unshare --user` works unprivileged (probed once, see `isolation()`):
+   - network namespace: only a down loopback, so no network at all, whatever the program calls;
+   - pid namespace: the program cannot see or signal any process outside it (os.getppid() is 0 or
+     1), and when its init ends or is killed the kernel kills everything left inside, including
+     processes that called setsid(); pid_max of the namespace is set to 301, the kernel's minimum,
+     which caps processes + threads even for root (RLIMIT_NPROC does not apply to root);
+   - mount namespace: every mount is made read-only (mount_setattr, recursive) and a small tmpfs
+     (SCRATCH_MB) is mounted on the scratch directory, so writing anywhere else fails with EROFS
+     and the program cannot fill the disk;
+   - then all capabilities are dropped (bounding set too) and no_new_privs is set, so the program,
+     root only inside its user namespace, cannot undo any of this.
+   Init of the namespace is our bootstrap: it forks the program, waits, and reports its exit status.
+2. Resource limits set before the program starts: RLIMIT_AS (memory_mb), RLIMIT_CPU (timeout + 1 s),
+   RLIMIT_FSIZE (FILE_MB, stdout/stderr included), RLIMIT_NOFILE, RLIMIT_CORE 0, RLIMIT_NPROC
+   (MAX_TASKS within the namespace; without namespaces, the user's current task count + MAX_TASKS,
+   because RLIMIT_NPROC counts every task of the user; ignored by the kernel for root).
+3. The harness: a wall-clock timeout, then SIGKILL to the process group, and a /proc sweep that
+   kills, until none is left, every live process in the program's group, session or pid namespace
+   or with its cwd in the scratch directory. It runs before the group leader is reaped, so the pids
+   it matches on cannot have been reused.
+4. A Python guard installed before the program runs: os.kill/killpg/fork/exec*/spawn*/system/setsid,
+   subprocess, _posixsubprocess, resource.setrlimit/prlimit refused; sockets refused (socketpair
+   kept, so asyncio works); open/os.open for writing, remove/rename/mkdir/... allowed only inside
+   the scratch directory. This is defence in depth against accidents, NOT a security boundary:
+   ctypes, `import posix` or reloading `os` get around it.
+
+Without namespaces (unshare missing or user namespaces disabled) only layers 2-4 apply, and then
+the Python guard is all that stands between a deliberately hostile program and the network, the
+filesystem and your other processes (ctypes can kill(-1), fork without limit as root, write files,
+setsid and chdir out of the sweep's reach). Reading files is never restricted: a program can read
+whatever the user running the harness can (with no network, only into its own stdout/stderr).
+A SIGKILL the harness did not send (the OOM killer's signal) is reported as "memory".
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
-import resource
 import shutil
 import signal
 import subprocess
@@ -32,45 +56,206 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-# Runs in the child before the program: the guard, then the program as __main__.
-_BOOTSTRAP = r"""
-import builtins, io, os, shutil, socket, subprocess, sys
-scratch = os.path.realpath(sys.argv[1])
-src = open(os.path.join(scratch, "program.py")).read()
+FILE_MB = 16  # largest file a program may write (RLIMIT_FSIZE); stdout and stderr are files too
+SCRATCH_MB = 64  # size of the scratch tmpfs (namespaces only)
+MAX_TASKS = 64  # processes + threads a program may add (RLIMIT_NPROC; the kernel ignores it for root)
+PID_MAX = 301  # pid_max of the program's pid namespace: the kernel's minimum, a cap that holds for root
+OPEN_FILES = 256
 
-def _refuse(*a, **k):
-    raise PermissionError("not allowed in the sandbox")
+_UNSHARE = ["unshare", "--user", "--map-root-user", "--net", "--pid", "--fork", "--kill-child",
+            "--mount", "--propagation", "private"]
 
-_open = builtins.open
-def _guarded_open(file, mode="r", *a, **k):
-    if isinstance(file, (str, bytes, os.PathLike)) and any(c in mode for c in "wax+"):
-        path = os.path.realpath(os.fsdecode(file))
-        if path != scratch and not path.startswith(scratch + os.sep):
-            raise PermissionError(f"writing outside the sandbox: {path}")
-    return _open(file, mode, *a, **k)
-builtins.open = io.open = _guarded_open
+# Runs as `python -I -c _BOOTSTRAP CONFIG` in the scratch directory; inside the namespaces it is pid 1.
+_BOOTSTRAP = r'''
+import builtins, io, json, os, resource, shutil, signal, socket, subprocess, sys, _posixsubprocess
+cfg = json.loads(sys.argv[1])
+scratch, ns = cfg["scratch"], cfg["ns"]
+with open(os.path.join(scratch, "program.py"), encoding="utf-8") as f:
+    src = f.read()
 
-for name in ("kill", "killpg", "fork", "forkpty", "setsid", "setpgid", "setpgrp", "system", "popen", "execv",
-             "execve", "execvp", "execvpe", "execl", "execle", "execlp", "execlpe", "spawnv", "spawnve", "spawnvp",
-             "spawnvpe", "spawnl", "spawnle", "posix_spawn", "posix_spawnp", "remove", "unlink", "rmdir",
-             "removedirs", "rename", "renames", "replace", "truncate", "chmod", "chown", "lchown", "link",
-             "symlink", "putenv", "unsetenv", "setuid", "setgid", "nice"):
-    if hasattr(os, name):
-        setattr(os, name, _refuse)
-shutil.rmtree = shutil.move = shutil.chown = _refuse
-subprocess.Popen = subprocess.run = subprocess.call = subprocess.check_call = subprocess.check_output = _refuse
-socket.socket = socket.create_connection = socket.socketpair = _refuse
-sys.modules["multiprocessing"] = None  # import fails cleanly
-exec(compile(src, "program.py", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
-"""
+
+def warn(what, e):
+    print(f"sandbox setup: {what} failed: {e}", file=sys.stderr, flush=True)
+
+
+def setup_namespaces():
+    # We are root in fresh user/pid/mount/net namespaces, and nowhere else.
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def check(ret, what):
+        if ret != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"{what}: {os.strerror(err)}")
+    try:  # per-namespace pid_max (Linux >= 6.14): a cap on tasks that also holds for root
+        with open("/proc/sys/kernel/pid_max", "w") as f:
+            f.write(str(cfg["pid_max"]))
+    except OSError:
+        pass  # older kernels: one global pid_max we may not write (isolation() reports it)
+    try:  # every mount read-only: mount_setattr(AT_FDCWD, "/", AT_RECURSIVE, {attr_set=RDONLY})
+        attr = (ctypes.c_uint64 * 4)(1, 0, 0, 0)
+        check(libc.syscall(442, -100, b"/", 0x8000, attr, ctypes.sizeof(attr)), "mount_setattr")
+        # then a fresh writable tmpfs on the scratch directory (MS_NOSUID | MS_NODEV)
+        opts = f"size={cfg['scratch_mb']}m,mode=0700".encode()
+        check(libc.mount(b"tmpfs", scratch.encode(), b"tmpfs", 2 | 4, opts), "mount tmpfs")
+        os.chdir(scratch)  # enter the tmpfs: our cwd was the directory underneath it
+    except OSError as e:
+        warn("read-only filesystem", e)
+    # Drop every capability, the bounding set first, so none of the above can be undone.
+    for cap in range(64):
+        if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP; fails past the last capability
+            break
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+    try:
+        check(libc.capset(header, (ctypes.c_uint32 * 6)()), "capset")
+    except OSError as e:
+        warn("dropping capabilities", e)
+    libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
+
+
+def user_tasks():
+    # RLIMIT_NPROC counts every task (threads too) of the real user, so measure them.
+    uid, n = os.getuid(), 0
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+            if int(fields["Uid"].split()[0]) == uid:
+                n += int(fields["Threads"])
+        except (OSError, KeyError, ValueError):
+            pass
+    return n
+
+
+def set_limits():
+    limits = {resource.RLIMIT_AS: cfg["memory_mb"] << 20, resource.RLIMIT_FSIZE: cfg["file_mb"] << 20,
+              resource.RLIMIT_NOFILE: cfg["open_files"], resource.RLIMIT_CORE: 0}
+    if ns:
+        limits[resource.RLIMIT_NPROC] = cfg["max_tasks"]  # counted per user namespace: ours is new
+    elif os.getuid() != 0:
+        limits[resource.RLIMIT_NPROC] = user_tasks() + cfg["max_tasks"]
+    for res, value in limits.items():
+        resource.setrlimit(res, (value, value))
+    resource.setrlimit(resource.RLIMIT_CPU, (cfg["cpu_s"], cfg["cpu_s"] + 1))  # SIGXCPU, then SIGKILL
+
+
+def refuse(*args, **kwargs):
+    raise PermissionError(13, "not allowed in the sandbox")
+
+
+def install_guard():
+    real_open, real_os_open, readlink, realpath = builtins.open, os.open, os.readlink, os.path.realpath
+
+    def where(path, dir_fd=None, follow=True):
+        if isinstance(path, int):
+            return readlink(f"/proc/self/fd/{path}")
+        p = os.fsdecode(path)
+        if dir_fd is not None and not p.startswith("/"):
+            p = os.path.join(readlink(f"/proc/self/fd/{dir_fd}"), p)
+        p = os.path.abspath(p)
+        if follow:
+            return realpath(p)
+        head, tail = os.path.split(p)  # the entry itself (a symlink is removed, not followed)
+        return os.path.join(realpath(head), tail)
+
+    def check(path, dir_fd=None, follow=True):
+        p = where(path, dir_fd, follow)
+        if p != scratch and not p.startswith(scratch + "/") and p != "/dev/null":
+            raise PermissionError(13, "writing outside the sandbox scratch directory", str(path))
+
+    def guarded_open(file, mode="r", *args, **kwargs):
+        if not isinstance(file, int) and set(mode) & set("wax+"):
+            check(file)
+        return real_open(file, mode, *args, **kwargs)
+    builtins.open = io.open = guarded_open
+
+    writing = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+
+    def guarded_os_open(path, flags, mode=0o777, *, dir_fd=None):
+        if flags & writing:
+            check(path, dir_fd)
+        return real_os_open(path, flags, mode, dir_fd=dir_fd)
+    os.open = guarded_os_open
+
+    def guarded(fn, *paths):  # paths: (argument index, its dir_fd keyword, follow symlinks)
+        def wrapper(*args, **kwargs):
+            for i, fd_kw, follow in paths:
+                if i < len(args):
+                    check(args[i], kwargs.get(fd_kw), follow)
+            return fn(*args, **kwargs)
+        return wrapper
+    for name in ("remove", "unlink", "rmdir", "mkdir", "mkfifo", "mknod"):
+        setattr(os, name, guarded(getattr(os, name), (0, "dir_fd", False)))
+    for name in ("truncate", "chmod", "utime"):
+        setattr(os, name, guarded(getattr(os, name), (0, "dir_fd", True)))
+    for name in ("rename", "replace"):
+        setattr(os, name, guarded(getattr(os, name), (0, "src_dir_fd", False), (1, "dst_dir_fd", False)))
+    os.symlink = guarded(os.symlink, (1, "dir_fd", False))
+    os.link = guarded(os.link, (1, "dst_dir_fd", False))
+
+    for name in ("kill", "killpg", "fork", "forkpty", "setsid", "setpgid", "setpgrp", "system", "popen",
+                 "execv", "execve", "execl", "execle", "execlp", "execlpe", "execvp", "execvpe",
+                 "spawnv", "spawnve", "spawnvp", "spawnvpe", "spawnl", "spawnle", "spawnlp", "spawnlpe",
+                 "posix_spawn", "posix_spawnp", "chroot", "chown", "lchown", "fchown", "setpriority",
+                 "setuid", "setgid", "seteuid", "setegid", "setreuid", "setregid", "setresuid", "setresgid"):
+        if hasattr(os, name):
+            setattr(os, name, refuse)
+    signal.pidfd_send_signal = refuse
+    resource.setrlimit = resource.prlimit = refuse
+    shutil.chown = refuse
+    _posixsubprocess.fork_exec = refuse  # what subprocess and multiprocessing's spawn use
+
+    class NoPopen(subprocess.Popen):  # a subclass, so code that subclasses Popen still imports
+        def __init__(self, *args, **kwargs):
+            raise PermissionError(13, "starting processes is not allowed in the sandbox")
+    subprocess.Popen = NoPopen
+
+    class NoNetSocket(socket.socket):  # wrapping an existing fd (socketpair, fromfd) stays allowed
+        def __init__(self, family=-1, type=-1, proto=-1, fileno=None):
+            if fileno is None:
+                raise PermissionError(13, "network access is disabled in the sandbox")
+            super().__init__(family, type, proto, fileno)
+    socket.socket = NoNetSocket
+
+
+if ns:
+    setup_namespaces()
+set_limits()
+if ns:
+    child = os.fork()
+    if child:  # init of the pid namespace: report the program's wait status; exiting kills the rest
+        os.write(cfg["status_fd"], str(os.waitpid(child, 0)[1]).encode())
+        os._exit(0)
+os.close(cfg["status_fd"])
+install_guard()
+import linecache, traceback
+# Tracebacks with the program's source lines, starting at the program, not at this bootstrap.
+linecache.cache["program.py"] = (len(src), None, src.splitlines(True), "program.py")
+sys.excepthook = lambda typ, value, tb: traceback.print_exception(typ, value, tb and tb.tb_next)
+sys.argv = ["program.py"]
+exec(compile(src, "program.py", "exec"), {"__name__": "__main__", "__builtins__": builtins})
+'''
+
+# Run inside the namespaces once, to report what actually took effect on this machine.
+_PROBE = r'''
+import json, os, socket
+with open("/proc/self/status") as f:
+    cap_eff = [line.split()[1] for line in f if line.startswith("CapEff")][0]
+with open("/proc/sys/kernel/pid_max") as f:
+    pid_max = int(f.read())
+print(json.dumps({"pid": os.getpid(), "pid_max": pid_max, "interfaces": [n for _, n in socket.if_nameindex()],
+                  "root_read_only": bool(os.statvfs("/").f_flag & os.ST_RDONLY),
+                  "scratch_writable": not os.statvfs(".").f_flag & os.ST_RDONLY,
+                  "capabilities": int(cap_eff, 16)}))
+'''
 
 
 @dataclass
 class ExecResult:
-    status: str  # passed | failed | timeout | memory
-    returncode: int | None
-    stdout: str
-    stderr: str
+    status: str  # passed | failed | timeout | memory | error
+    returncode: int | None  # None on timeout and error; negative: killed by that signal
+    stdout: str  # the first max_output bytes
+    stderr: str  # the last max_output bytes (where the traceback is)
     seconds: float
 
     @property
@@ -78,89 +263,148 @@ class ExecResult:
         return self.status == "passed"
 
 
-_UNSHARE = ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--kill-child", "--net"]
-
-
 @lru_cache(maxsize=1)
-def _namespaces_work() -> bool:
+def _namespaces() -> dict | None:
+    """What the namespace layer achieves here (the probe's report), or None where it does not work."""
+    if shutil.which("unshare") is None:
+        return None
+    r = _run(_PROBE, 20.0, 512, 10_000, ns=True)
+    if not r.passed:
+        return None
     try:
-        return subprocess.run(_UNSHARE + ["true"], capture_output=True, timeout=10).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
+        report = json.loads(r.stdout)
+    except ValueError:
+        return None
+    report["warnings"] = r.stderr.strip()
+    return report
 
 
 def isolation() -> str:
-    """Which isolation is active on this machine (for logs and reports)."""
-    ns = "pid+network namespaces" if _namespaces_work() else "no namespaces (unshare unavailable)"
-    return f"{ns}, rlimits, process-group kill, Python guard"
+    """The isolation active on this machine, in words (for logs and reports)."""
+    common = "rlimits (AS, CPU, FSIZE, NOFILE, NPROC, CORE), process-group/session kill + /proc sweep, Python guard"
+    ns = _namespaces()
+    if ns is None:
+        return f"no namespaces (unshare --user unavailable); {common}"
+    parts = [f"user+pid+mount+network namespaces (interfaces: {', '.join(ns['interfaces']) or 'none'}"]
+    parts.append(f"pid_max {ns['pid_max']}" if ns["pid_max"] <= PID_MAX else "pid_max not settable")
+    if ns["root_read_only"] and ns["scratch_writable"]:
+        parts.append(f"filesystem read-only outside a {SCRATCH_MB} MiB tmpfs scratch")
+    else:
+        parts.append("filesystem NOT read-only")
+    parts.append("no capabilities)" if ns["capabilities"] == 0 else "capabilities NOT dropped)")
+    return ", ".join(parts) + f"; {common}"
 
 
-def _limits(timeout_s: float, memory_mb: int):
-    def apply() -> None:
-        mem = memory_mb * 1024 * 1024
-        resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-        cpu = int(timeout_s) + 1
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (16 << 20, 16 << 20))
-        resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    return apply
-
-
-def _sweep(scratch: Path) -> None:
-    """Kill any process still running with its cwd in the scratch directory (belt and braces)."""
-    root = str(scratch)
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if os.readlink(f"/proc/{pid}/cwd").startswith(root):
-                os.kill(int(pid), signal.SIGKILL)
-        except OSError:
-            pass
-
-
-def _read(path: Path, limit: int) -> str:
+def _stat(pid: str) -> tuple[str, int, int, int] | None:
+    """(state, ppid, pgrp, session) of a process, None if it is gone."""
     try:
-        with open(path, "rb") as f:
-            return f.read(limit).decode("utf-8", errors="replace")
-    except OSError:
-        return ""
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return fields[0].decode(), int(fields[1]), int(fields[2]), int(fields[3])
 
 
-def run_python(program: str, timeout_s: float = 10.0, memory_mb: int = 1024, max_output: int = 10_000) -> ExecResult:
-    """Run `program` in a fresh sandboxed interpreter; exit status 0 is a pass."""
+def _leftovers(leader: int, scratch: str, namespaces: set[str]) -> list[int]:
+    """Live processes of the run led by `leader`: its group, its session, its pid namespace (recorded in
+    `namespaces` as group members are seen), or with a cwd in the scratch directory."""
+    me, my_ns, found = os.getpid(), os.readlink("/proc/self/ns/pid"), []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == me or (st := _stat(pid)) is None or st[0] in "ZX":
+            continue
+        try:
+            ns = os.readlink(f"/proc/{pid}/ns/pid")
+        except OSError:
+            continue
+        ours = leader in (st[2], st[3])
+        if ours and ns != my_ns:
+            namespaces.add(ns)
+        ours = ours or ns in namespaces
+        if not ours:
+            try:
+                cwd = os.readlink(f"/proc/{pid}/cwd")
+            except OSError:
+                continue
+            ours = cwd == scratch or cwd.startswith(scratch + "/")
+        if ours:
+            found.append(int(pid))
+    return found
+
+
+def _kill_everything(proc: subprocess.Popen, scratch: str) -> None:
+    """SIGKILL every process of the run until none is left, then reap the leader. Until it is reaped the
+    leader's pid, which names the group and the session, cannot be reused by an unrelated process."""
+    namespaces: set[str] = set()
+    deadline = time.monotonic() + 10
+    while True:
+        found = _leftovers(proc.pid, scratch, namespaces)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        for pid in found:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if not found or time.monotonic() > deadline:
+            break
+        time.sleep(0.005)
+    proc.wait()
+
+
+def _read_head(path: Path, limit: int) -> str:
+    with open(path, "rb") as f:
+        return f.read(limit).decode("utf-8", errors="replace")
+
+
+def _read_tail(path: Path, limit: int) -> str:
+    with open(path, "rb") as f:
+        f.seek(max(0, os.fstat(f.fileno()).st_size - limit))
+        return f.read(limit).decode("utf-8", errors="replace")
+
+
+def _run(program: str, timeout_s: float, memory_mb: int, max_output: int, ns: bool) -> ExecResult:
+    t0 = time.perf_counter()
     scratch = Path(tempfile.mkdtemp(prefix="refusion-sandbox-")).resolve()
     try:
-        (scratch / "program.py").write_text(program)
-        env = {"PATH": "/usr/bin:/bin", "HOME": str(scratch), "TMPDIR": str(scratch), "LANG": "C.UTF-8",
-               "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1"}
-        cmd = [sys.executable, "-I", "-c", _BOOTSTRAP, str(scratch)]
-        if _namespaces_work():
-            cmd = _UNSHARE + cmd
-        t0 = time.perf_counter()
-        with open(scratch / ".stdout", "wb") as out, open(scratch / ".stderr", "wb") as err:
-            proc = subprocess.Popen(cmd, cwd=scratch, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                    start_new_session=True, preexec_fn=_limits(timeout_s, memory_mb))
+        (scratch / "program.py").write_text(program, encoding="utf-8", errors="replace")
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(scratch), "TMPDIR": str(scratch),
+               "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        # (one BLAS thread: per-core thread pools would count against MAX_TASKS and RLIMIT_AS)
+        with open(scratch / ".stdout", "wb") as out, open(scratch / ".stderr", "wb") as err, \
+                open(scratch / ".status", "wb") as status:
+            cfg = {"scratch": str(scratch), "ns": ns, "status_fd": status.fileno(), "memory_mb": memory_mb,
+                   "cpu_s": math.ceil(timeout_s) + 1, "file_mb": FILE_MB, "open_files": OPEN_FILES,
+                   "max_tasks": MAX_TASKS, "pid_max": PID_MAX, "scratch_mb": SCRATCH_MB}
+            cmd = [sys.executable, "-I", "-c", _BOOTSTRAP, json.dumps(cfg)]
+            try:
+                proc = subprocess.Popen(_UNSHARE + cmd if ns else cmd, cwd=scratch, env=env,
+                                        stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                        pass_fds=(status.fileno(),), start_new_session=True)
+            except OSError as e:
+                return ExecResult("error", None, "", f"could not start: {e}", time.perf_counter() - t0)
             timed_out = False
             try:
                 proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 timed_out = True
             finally:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait()
-                _sweep(scratch)
+                _kill_everything(proc, str(scratch))
         seconds = time.perf_counter() - t0
-        stdout, stderr = _read(scratch / ".stdout", max_output), _read(scratch / ".stderr", max_output)
-        rc = None if timed_out else proc.returncode
+        stdout = _read_head(scratch / ".stdout", max_output)
+        stderr = _read_tail(scratch / ".stderr", max_output)
+        reported = (scratch / ".status").read_text()  # the program's wait status, from the namespace init
+        rc = os.waitstatus_to_exitcode(int(reported)) if reported else proc.returncode
+        tail = stderr.rstrip().rsplit("\n", 1)[-1]
         if timed_out or rc == -signal.SIGXCPU:
-            status = "timeout"
-        elif rc == 0:
+            return ExecResult("timeout", None, stdout, stderr, seconds)
+        if rc == 0:
             status = "passed"
-        elif "MemoryError" in stderr or rc == -signal.SIGKILL:
+        elif tail.startswith("MemoryError") or (rc == -signal.SIGKILL and (reported or not ns)):
             status = "memory"
+        elif ns and not reported and stderr.startswith("unshare:"):
+            return ExecResult("error", None, stdout, stderr, seconds)  # the program never ran
         else:
             status = "failed"
         return ExecResult(status, rc, stdout, stderr, seconds)
@@ -168,8 +412,15 @@ def run_python(program: str, timeout_s: float = 10.0, memory_mb: int = 1024, max
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def run_many(programs: list[str], timeout_s: float = 10.0, memory_mb: int = 1024, workers: int | None = None
-             ) -> list[ExecResult]:
-    """run_python over many programs in parallel; results in input order."""
+def run_python(program: str, timeout_s: float = 10.0, memory_mb: int = 1024, max_output: int = 10_000
+               ) -> ExecResult:
+    """Run `program` as __main__ in a fresh sandboxed interpreter; exit status 0 is a pass."""
+    return _run(program, timeout_s, memory_mb, max_output, ns=_namespaces() is not None)
+
+
+def run_many(programs: list[str], timeout_s: float = 10.0, memory_mb: int = 1024, workers: int | None = None,
+             max_output: int = 10_000) -> list[ExecResult]:
+    """run_python over many programs in parallel (threads driving subprocesses); results in input order."""
+    _namespaces()  # probe once, before the threads race to
     with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
-        return list(pool.map(lambda p: run_python(p, timeout_s, memory_mb), programs))
+        return list(pool.map(lambda p: run_python(p, timeout_s, memory_mb, max_output), programs))
