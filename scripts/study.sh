@@ -2,13 +2,13 @@
 # The small-scale reproduction of the paper's comparison (issue 5, README "The study"):
 # three models of one size, one data mixture, one budget; each evaluated with its natural decoders.
 #   bash scripts/study.sh            # about an hour on 2 CPU cores
-#   N=50 bash scripts/study.sh       # fewer test samples per task
+#   N=200 bash scripts/study.sh      # more test samples per task (default 50)
 # Trained models go to runs/, results to results/study/ (per-sample JSONL + summary JSON per run),
 # the table to results/study/report.md and the plot to results/study/accuracy_vs_tps.png.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 R=${REFUSION:-.venv/bin/refusion}
-N=${N:-100}
+N=${N:-50}
 OUT=${OUT:-results/study}
 TASKS=arith,code,choice,table
 GEN=160
