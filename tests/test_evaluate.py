@@ -43,7 +43,7 @@ def test_wilson_interval_hand_computed():
 def test_records_and_summary_are_consistent(tiny, tmp_path, decoder, params):
     model, tok = tiny
     task = echo_task()
-    s1 = evaluate(model, tok, task, EvalConfig("echo", decoder, params), records_path=tmp_path / "r.jsonl",
+    s1 = evaluate(model, tok, task, EvalConfig(decoder, params), records_path=tmp_path / "r.jsonl",
                   progress=False)
     recs = [json.loads(x) for x in (tmp_path / "r.jsonl").read_text().splitlines()]
     assert [r["id"] for r in recs] == [f"echo/test/{i}" for i in range(5)]
@@ -52,7 +52,7 @@ def test_records_and_summary_are_consistent(tiny, tmp_path, decoder, params):
     assert s1["tokens"] == sum(r["tokens"] for r in recs) and s1["tps"] == pytest.approx(s1["tokens"] / s1["seconds"])
     assert s1["tpf"] == pytest.approx(s1["tokens"] / s1["forwards"])
     # a batch of 3 gives every sample the output it gets alone
-    s3 = evaluate(model, tok, task, EvalConfig("echo", decoder, params, batch_size=3),
+    s3 = evaluate(model, tok, task, EvalConfig(decoder, params, batch_size=3),
                   records_path=tmp_path / "r3.jsonl", progress=False)
     recs3 = [json.loads(x) for x in (tmp_path / "r3.jsonl").read_text().splitlines()]
     assert [r["output"] for r in recs3] == [r["output"] for r in recs] and s3["accuracy"] == s1["accuracy"]
@@ -74,5 +74,10 @@ def test_cli_eval_then_report(tiny, tmp_path, monkeypatch, capsys):
     assert "| m | echo | ar | 4 |" in text and (tmp_path / "p.png").stat().st_size > 1000
     avg = averages(rows)
     assert [a["decoder"] for a in avg] == ["ar", "refusion"]
+    tagged = tmp_path / "tagged"
+    assert main(["eval", "--model", str(tmp_path / "m"), "--task", "echo", "--decoder", "refusion", "--gen-length", "8",
+                 "--slot-size", "4", "--tag", "s4", "--out", str(tagged), "--no-progress"]) == 0
+    assert [r["decoder"] for r in load_summaries([tagged])] == ["refusion-s4"]
+    assert (tagged / "m__echo__refusion-s4.jsonl").exists()
     assert main(["report", str(tmp_path / "nothing")]) == 2
     assert "no such file" in capsys.readouterr().err

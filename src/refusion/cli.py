@@ -159,13 +159,11 @@ def cmd_eval(args: argparse.Namespace) -> None:
     out = Path(args.out)
     for task_name in args.task.split(","):
         task = get_task(task_name)
-        cfg = EvalConfig(task=task_name, decoder=decoder, params=decoder_params(args, decoder), n=args.n,
-                         split=args.split, batch_size=args.batch_size, seed=args.seed, system=args.system)
-        stem = result_stem(name, task_name, decoder + (f"-{args.tag}" if args.tag else ""))
+        cfg = EvalConfig(decoder=decoder, params=decoder_params(args, decoder), n=args.n, split=args.split,
+                         batch_size=args.batch_size, seed=args.seed, system=args.system, tag=args.tag)
+        stem = result_stem(name, task_name, cfg.label)
         summary = evaluate(model, tok, task, cfg, model_name=name, records_path=out / f"{stem}.jsonl",
                            progress=not args.no_progress)
-        if args.tag:
-            summary["decoder"] = f"{decoder}-{args.tag}"
         (out / f"{stem}.json").write_text(json.dumps(summary, indent=2))
         lo, hi = summary["ci95"]
         print(f"{name} {task_name} {summary['decoder']}: accuracy {100 * summary['accuracy']:.1f}% "

@@ -13,9 +13,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from .tokenizer import Tokenizer
+from .tokenizer import MASK_TOKEN, Tokenizer
 
-MASK_TOKEN = "<|mask|>"
 CHATML_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

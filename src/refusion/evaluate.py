@@ -25,7 +25,6 @@ from .tokenizer import Tokenizer
 
 @dataclass
 class EvalConfig:
-    task: str
     decoder: str = "refusion"
     params: dict = field(default_factory=dict)  # the decoder's parameters (gen_length, slot_size, ...)
     n: int | None = None  # samples (after a seeded shuffle); None: the whole split
@@ -33,6 +32,11 @@ class EvalConfig:
     batch_size: int = 1
     seed: int = 0
     system: str | None = None  # system message for the chat template
+    tag: str | None = None  # appended to the decoder's name in results, to tell parameter settings apart
+
+    @property
+    def label(self) -> str:
+        return f"{self.decoder}-{self.tag}" if self.tag else self.decoder
 
 
 def wilson_interval(correct: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -98,7 +102,7 @@ def evaluate(model: Transformer, tokenizer: Tokenizer, task: Task, cfg: EvalConf
     forwards = sum(r.forwards for r in results)
     latencies = sorted(batch_seconds)
     return {
-        "model": model_name, "task": task.name, "split": cfg.split, "decoder": cfg.decoder, "params": cfg.params,
+        "model": model_name, "task": task.name, "split": cfg.split, "decoder": cfg.label, "params": cfg.params,
         "n": len(records), "batch_size": cfg.batch_size, "seed": cfg.seed,
         "accuracy": correct / len(records), "ci95": [lo, hi],
         "tokens": n_tok, "forwards": forwards, "seconds": wall,

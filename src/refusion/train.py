@@ -250,6 +250,7 @@ class Trainer:
         self.model = self._model()
         self.examples = self._examples()
         self.lengths = [len(e) for e in self.examples]
+        self._epoch_batches: tuple[int, list[list[int]]] = (-1, [])
         if len(self.examples) < cfg.batch_size:
             raise DataError(f"only {len(self.examples)} examples after filtering, fewer than batch_size {cfg.batch_size}")
         self.optimizer = make_optimizer(self.model, cfg)
@@ -336,7 +337,9 @@ class Trainer:
     def batch_indices(self, step: int) -> list[int]:
         per_epoch = len(self.examples) // self.cfg.batch_size
         epoch, i = divmod(step, per_epoch)
-        return length_batches(self.lengths, self.cfg.batch_size, self.cfg.seed, epoch)[i]
+        if self._epoch_batches[0] != epoch:  # a pure function of (seed, epoch): built once per epoch
+            self._epoch_batches = (epoch, length_batches(self.lengths, self.cfg.batch_size, self.cfg.seed, epoch))
+        return self._epoch_batches[1][i]
 
     def train_step(self) -> dict[str, float]:
         cfg, model = self.cfg, self.ddp or self.model

@@ -61,26 +61,26 @@ def generate_ar(model: Transformer, prompts: list[list[int]], max_new_tokens: in
 
     done = torch.zeros(B, dtype=torch.bool, device=device)
     out = torch.empty(B, max_new_tokens, dtype=torch.long, device=device)
+    keys_valid = torch.cat([valid, torch.ones(B, max_new_tokens, dtype=torch.bool, device=device)], 1)
     n_steps = 0
     for step in range(max_new_tokens):
         tok = sample(logits, temperature, top_k, top_p, gen)
         tok = torch.where(done, torch.full_like(tok, pad), tok)
         out[:, step] = tok
         n_steps = step + 1
-        if on_token is not None:
-            for r in range(B):
-                if not done[r]:
-                    on_token(r, len(prompts[r]) + step, int(tok[r]))
+        if on_token is not None:  # streaming only: one transfer for the whole batch
+            for r, (t, d) in enumerate(zip(tok.tolist(), done.tolist())):
+                if not d:
+                    on_token(r, len(prompts[r]) + step, t)
         done |= torch.isin(tok, eos_t)
         if step + 1 == max_new_tokens or bool(done.all()):
             break
-        key_valid = torch.cat([valid, torch.ones(B, step + 1, dtype=torch.bool, device=device)], 1)
-        logits = model(tok[:, None], (lens + step)[:, None], attn_mask=key_valid[:, None, None, :],
+        logits = model(tok[:, None], (lens + step)[:, None], attn_mask=keys_valid[:, None, None, :P + step + 1],
                        cache=cache)[:, -1]
 
     # Host-side bookkeeping once at the end, not per step.
-    seconds = time.perf_counter() - start
     out = out[:, :n_steps].tolist()
+    seconds = time.perf_counter() - start  # after the transfer, which waits for the device
     for r, res in enumerate(results):
         toks = out[r]
         cut = next((i + 1 for i, t in enumerate(toks) if t in eos), len(toks))

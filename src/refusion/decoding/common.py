@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +39,13 @@ class DecodeResult:
         return dict(prompt=self.prompt, tokens=self.tokens, positions=self.positions, steps=self.steps,
                     forwards=self.forwards, tokens_fed=self.tokens_fed, seconds=self.seconds,
                     finished=self.finished, tpf=self.tpf, tps=self.tps)
+
+
+def resolve_params(cls, params, overrides: dict):
+    """A decoder's parameter dataclass: `params` (or the defaults) with keyword overrides, validated."""
+    p = dataclasses.replace(params or cls(), **overrides)
+    p.validate()
+    return p
 
 
 def sample(logits: Tensor, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..model import Transformer
-from .common import DecodeResult, left_pad
+from .common import DecodeResult, left_pad, resolve_params
 
 
 @dataclass
@@ -54,10 +54,7 @@ def _per_step_counts(n: int, steps: int) -> list[int]:
 def generate_mdm(model: Transformer, prompts: list[list[int]], params: MDMParams | None = None,
                  eos_ids: list[int] | None = None, seed: int | None = None, on_commit=None,
                  **overrides) -> list[DecodeResult]:
-    p = params or MDMParams()
-    if overrides:
-        p = MDMParams(**{**p.__dict__, **overrides})
-    p.validate()
+    p = resolve_params(MDMParams, params, overrides)
     cfg = model.config
     if cfg.mask_token_id is None:
         raise ValueError("masked-diffusion decoding needs a model with mask_token_id in its config")
@@ -80,8 +77,8 @@ def generate_mdm(model: Transformer, prompts: list[list[int]], params: MDMParams
     attn = attn | torch.eye(T, dtype=torch.bool, device=device)  # [B, 1, T, T]; no empty rows (pads)
     step_of = torch.full((B, L), -1, dtype=torch.long, device=device)
     done = torch.zeros(B, dtype=torch.bool, device=device)
-    forwards = torch.zeros(B, dtype=torch.long)
-    fed = torch.zeros(B, dtype=torch.long)
+    forwards = torch.zeros(B, dtype=torch.long, device=device)  # counters stay on the device: no sync
+    fed = torch.zeros(B, dtype=torch.long, device=device)
     n_blocks = L // p.block_length
     steps_per_block = p.steps // n_blocks
     cache = model.new_cache() if p.prefix_cache else None
@@ -90,12 +87,12 @@ def generate_mdm(model: Transformer, prompts: list[list[int]], params: MDMParams
         counts = _per_step_counts(p.block_length, steps_per_block)
         i = 0
         while True:
-            masked = (x[:, lo:hi] == cfg.mask_token_id) & ~done[:, None]
-            if not bool(masked.any()):
-                break
             if p.threshold is None and i >= len(counts):
                 break
+            masked = (x[:, lo:hi] == cfg.mask_token_id) & ~done[:, None]
             active = masked.any(1)
+            if not bool(active.any()):  # the one host sync of a step
+                break
             # feed everything, or (prefix cache) only what the cache does not hold: from the previous
             # block on at a block's first step (that block has just been finished), the block on after
             first = 0 if cache is None else len(cache)
@@ -104,8 +101,8 @@ def generate_mdm(model: Transformer, prompts: list[list[int]], params: MDMParams
                 cache.crop(lo)  # keep the prompt and the finished blocks only
             logits = logits[:, lo - first: hi - first].float()
             logits[..., cfg.mask_token_id] = float("-inf")  # committing <|mask|> would never end
-            fed += ((T - first) * active.cpu()).long()
-            forwards += active.cpu().long()
+            fed += (T - first) * active
+            forwards += active
             if p.temperature > 0:
                 u = torch.rand(logits.shape, generator=gen, device=device).clamp(1e-20, 1 - 1e-7)
                 x0 = (logits / p.temperature - torch.log(-torch.log(u))).argmax(-1)
@@ -122,7 +119,7 @@ def generate_mdm(model: Transformer, prompts: list[list[int]], params: MDMParams
                 pick = ((conf > p.threshold) | best) & masked
             x[:, lo:hi] = torch.where(pick, x0, x[:, lo:hi])
             # a token's step is its own sequence's forward count, so it does not depend on the batch
-            own_step = (forwards - 1).to(device)[:, None].expand_as(pick)
+            own_step = (forwards - 1)[:, None].expand_as(pick)
             step_of[:, lo - P: hi - P][pick] = own_step[pick]
             if on_commit is not None:
                 for r in range(B):
@@ -135,15 +132,15 @@ def generate_mdm(model: Transformer, prompts: list[list[int]], params: MDMParams
         done |= block_eos
         if bool(done.all()):
             break
-    seconds = time.perf_counter() - start
-    out, steps_h = x[:, P:].tolist(), step_of.tolist()
+    out, steps_h, forwards_h, fed_h = x[:, P:].tolist(), step_of.tolist(), forwards.tolist(), fed.tolist()
+    seconds = time.perf_counter() - start  # after the transfer, which waits for the device
     results = []
     for r, q in enumerate(prompts):
         toks = out[r]
         cut = next((j + 1 for j, t in enumerate(toks) if t in eos), None)
         n = cut if cut is not None else len([t for t in toks if t != cfg.mask_token_id])
         res = DecodeResult(prompt=list(q), tokens=toks[:n], positions=[len(q) + j for j in range(n)],
-                           steps=steps_h[r][:n], forwards=int(forwards[r]), tokens_fed=int(fed[r]),
+                           steps=steps_h[r][:n], forwards=forwards_h[r], tokens_fed=fed_h[r],
                            seconds=seconds, finished=cut is not None)
         results.append(res)
     return results

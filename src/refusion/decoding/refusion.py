@@ -25,7 +25,7 @@ import torch
 
 from ..cache import SlotKVCache
 from ..model import Transformer
-from .common import DecodeResult
+from .common import DecodeResult, resolve_params
 
 PLAN, VERIFY, DRAFT, IVERIFY, RECOMPUTE, DONE = "plan", "verify", "draft", "iverify", "recompute", "done"
 
@@ -280,10 +280,7 @@ def generate_refusion(model: Transformer, prompts: list[list[int]], params: ReFu
                       on_commit: Callable[[int, list[int], list[int]], None] | None = None,
                       **overrides) -> list[DecodeResult]:
     """Plan-and-infill for a batch of prompts; on_commit(row, positions, tokens) streams commits."""
-    p = params or ReFusionParams()
-    if overrides:
-        p = ReFusionParams(**{**p.__dict__, **overrides})
-    p.validate()
+    p = resolve_params(ReFusionParams, params, overrides)
     cfg = model.config
     if cfg.mask_token_id is None:
         raise ValueError("plan-and-infill needs a model with mask_token_id in its config (a ReFusion model)")

