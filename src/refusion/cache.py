@@ -185,6 +185,7 @@ class RaggedKVCache:
         self.write_index: Tensor | None = None
         self.used = 0
         self.length = 0  # read by the model only to pick a default mask; the decoder always passes one
+        self._rows: Tensor | None = None  # batch row -> cache row, built once per forward (at layer 0)
 
     @property
     def rows(self) -> int:
@@ -219,8 +220,9 @@ class RaggedKVCache:
 
     def update(self, i: int, k_new: Tensor, v_new: Tensor) -> tuple[Tensor, Tensor]:
         B = k_new.shape[0]
-        rows = torch.arange(self.row0, self.row0 + B, device=k_new.device)[:, None]
-        self.k[i][rows, :, self.write_index] = k_new.transpose(1, 2).to(self.dtype)
-        self.v[i][rows, :, self.write_index] = v_new.transpose(1, 2).to(self.dtype)
+        if i == 0 or self._rows is None or self._rows.shape[0] != B:
+            self._rows = torch.arange(self.row0, self.row0 + B, device=k_new.device)[:, None]
+        self.k[i][self._rows, :, self.write_index] = k_new.transpose(1, 2).to(self.dtype)
+        self.v[i][self._rows, :, self.write_index] = v_new.transpose(1, 2).to(self.dtype)
         sl = slice(self.row0, self.row0 + B)
         return self.k[i][sl, :, : self.used], self.v[i][sl, :, : self.used]

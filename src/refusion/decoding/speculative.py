@@ -152,10 +152,13 @@ class _Seq:
             # after a full accept `extra` took the first mask's position
             self.draft = self.draft[j + 1:] + mask_preds if j < k else mask_preds[1:]
             if self.p.adaptive and self.p.draft_length > 0:
-                self.width = min(self.p.draft_length, self.width + 2) if j == k else max(1, self.width - 1)
+                self._adapt(j, k)
         self.x = extra
         if self.on_commit is not None and commit:
             self.on_commit(positions, commit)
+
+    def _adapt(self, j: int, k: int) -> None:
+        self.width = min(self.p.draft_length, self.width + 2) if j == k else max(1, self.width - 1)
 
     def result(self) -> DecodeResult:
         self.res.seconds = time.perf_counter() - self.start
