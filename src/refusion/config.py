@@ -13,6 +13,9 @@ ARCHITECTURES = {
 }
 
 
+OBJECTIVES = ("refusion", "ar", "mdm")  # the training objectives (objectives.py); ModelConfig.training_objective
+
+
 class ConfigError(ValueError):
     pass
 
@@ -62,6 +65,8 @@ class ModelConfig:
             if self.hidden_size % self.num_heads:
                 raise ConfigError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}; set head_dim")
             self.head_dim = self.hidden_size // self.num_heads
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim {self.head_dim} must be even (RoPE rotates pairs of dimensions)")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"num_heads {self.num_heads} must be a multiple of num_kv_heads {self.num_kv_heads}")
         if self.model_type not in ARCHITECTURES.values():
