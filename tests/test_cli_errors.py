@@ -155,6 +155,7 @@ CASES = [
     (["train", "--set", "model.hidden_size=102"], "model: hidden_size 102 is not divisible by num_heads 4"),
     (["train", "--set", "model.hidden_size=100"], "model: head_dim 25 must be even"),
     (["train", "--set", "model.num_layers=two"], "model: num_layers must be an integer >= 1, got 'two'"),
+    (["train", "--set", "model.max_position_embeddings=256"], "max_length 512 exceeds the model's max_position_embeddings 256"),
     (["train", "--set", "lr"], "--set takes key=value, got 'lr'"),
     (["train", "--set", "lr=0.1", "--set", "lr.x=1"], "--set lr.x: lr is not a table"),
     (["train", "--config", "{broken.toml}"], "broken.toml: invalid TOML"),

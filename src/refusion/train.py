@@ -202,6 +202,9 @@ class Trainer:
             if mcfg.vocab_size < len(tok):
                 raise ValueError(f"model.vocab_size {mcfg.vocab_size} is smaller than the tokenizer ({len(tok)})")
             model = Transformer(mcfg).init_weights(seed=cfg.seed)
+        if cfg.max_length > model.config.max_position_embeddings:
+            raise ValueError(f"max_length {cfg.max_length} exceeds {start or 'the model'}'s max_position_embeddings "
+                             f"{model.config.max_position_embeddings}")
         model.config.bidirectional = cfg.objective == "mdm"
         model.config.training_objective = cfg.objective  # picks the model's default decoder
         if cfg.lora and self.ckpt is None:

@@ -98,9 +98,12 @@ class TrainConfig:
             raise ConfigError(f"unknown model fields: {', '.join(sorted(unknown))} (known: {', '.join(known)})")
         try:
             # a fresh model's table, checked now rather than after a tokenizer has been trained
-            ModelConfig(**{"vocab_size": max(self.vocab_size, 1), **self.model})
+            mc = ModelConfig(**{"vocab_size": max(self.vocab_size, 1), **self.model})
         except ConfigError as e:
             raise ConfigError(f"model: {e}") from None
+        if self.init is None and self.max_length > mc.max_position_embeddings:
+            raise ConfigError(f"max_length {self.max_length} exceeds the model's max_position_embeddings "
+                              f"{mc.max_position_embeddings}: lower max_length or raise model.max_position_embeddings")
         if self.lora is not None:
             _check_lora(self.lora)
         _check_paths(self)
