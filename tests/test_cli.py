@@ -118,3 +118,21 @@ def test_every_flag_has_help_with_its_default():
     eval_help = sub.choices["eval"].format_help()
     assert "arith" in eval_help and "gsm8k" in eval_help  # --task lists the task names
     assert "lr = 0.001" in sub.choices["train"].format_help()  # train --help lists TrainConfig's defaults
+
+
+def test_add_mask_token_takes_an_ordinary_word_only_when_forced(tmp_path, capsys):
+    from refusion.checkpoint import load_model
+    from refusion.data import train_bpe_tokenizer
+    from refusion.tokenizer import Tokenizer
+
+    tok = train_bpe_tokenizer(["the cat sat"] * 10, vocab_size=270)
+    cfg = ModelConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
+                      num_kv_heads=2, eos_token_id=tok.eos_id)
+    save_model(Transformer(cfg).init_weights(seed=0), tmp_path / "causal", tok)
+    argv = ["add-mask-token", str(tmp_path / "causal"), str(tmp_path / "out"), "--token", "a"]
+    assert main(argv) == 2 and "'a' is already token" in capsys.readouterr().err
+    assert main(argv + ["--force"]) == 0
+    a = Tokenizer.from_dir(tmp_path / "causal").token_id("a")
+    assert load_model(tmp_path / "out").config.mask_token_id == a
+    assert main(["add-mask-token", str(tmp_path / "causal"), str(tmp_path / "new")]) == 0  # <|mask|>: new, fine
+    assert load_model(tmp_path / "new").config.mask_token_id == tok.mask_id  # the BPE carries an unused <|mask|>

@@ -168,6 +168,7 @@ CASES = [
     (["train", "--data", "{dir}/missing.jsonl"], "missing.jsonl: no such file"),
     (["train", "--init", README], "init " + README + ": not a directory"),
     (["train", "--init", "{datadir}"], "datadir has no config.json"),
+    (["train", "--init", "{m}", "--set", "model.num_layers=2"], "model describes a fresh model; init"),
     (["train", "--set", "out_dir=\"{afile}\""], "afile is a file, not a directory"),
     (["train", "--set", "device=\"cuda:99\""], "device 'cuda:99'"),
     (["train", "--set", "device=\"foo\""], "device 'foo' is not a device"),

@@ -92,6 +92,10 @@ class TrainConfig:
             self.notes.append(f"warmup_steps {self.warmup_steps} is more than max_steps {self.max_steps}: "
                               f"warm-up scaled to {scaled} steps (a tenth of the run)")
             self.warmup_steps = scaled
+        if self.init is not None and (self.model or self.tokenizer is not None):
+            # they describe a fresh model; one started from a checkpoint would ignore them without a word
+            which = "model" if self.model else "tokenizer"
+            raise ConfigError(f"{which} describes a fresh model; init {self.init} brings its own (drop one of them)")
         known = [f.name for f in dataclasses.fields(ModelConfig) if f.name != "extra"]
         unknown = set(self.model) - set(known)
         if unknown:
