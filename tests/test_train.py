@@ -295,7 +295,7 @@ def test_init_from_a_causal_checkpoint_adds_the_mask_token_and_lora(data_file, t
     base = Transformer(ModelConfig(vocab_size=n, eos_token_id=tok.eos_id, model_type="llama", qk_norm=False,
                                    **TINY)).init_weights(seed=1)
     save_model(base, tmp_path / "base", tok)
-    cfg = tiny_config(data_file, tmp_path / "lora", init=str(tmp_path / "base"), max_steps=6, save_every=3,
+    cfg = tiny_config(data_file, tmp_path / "lora", init=str(tmp_path / "base"), model={}, max_steps=6, save_every=3,
                       lora={"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]})
     trainer = Trainer(cfg, progress=False)
     trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}

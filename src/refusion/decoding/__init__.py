@@ -110,7 +110,10 @@ def decode(model: Transformer, prompts: list[list[int]], decoder: str = "refusio
     the commits give when sorted by position and cut after the first EOS, so a streaming client
     should do the same.
     """
+    from .common import check_prompts
+
     p = make_params(decoder, **params)
+    check_prompts(model.config, prompts, p.gen_length)  # every decoder, before it allocates anything
     if decoder in ("refusion", "refusion-l2r"):
         from .refusion import generate_refusion
 
