@@ -176,19 +176,20 @@ def run_in_pty(argv: list[str], cols: int, rows: int, timeout: float = 120) -> s
 
 
 def test_generate_under_a_terminal_prints_the_answer_once_and_leaves_no_frames():
-    prompt = "Write a Python function `count_evens(xs)` that returns how many even numbers the list xs contains."
-    base = [sys.executable, "-m", "refusion.cli", "generate", prompt, "--gen-length", "64", "--threads", "1"]
+    # a held-out prompt the bundled model is unsure of: many commits, frames taller than the terminal
+    prompt = ("Ann has 3 books. Then Ann gets 2 boxes with 9 books in each. Then Ann buys 10 more. "
+              "How many books does Ann have now?")
+    base = [sys.executable, "-m", "refusion.cli", "generate", prompt, "--gen-length", "128", "--threads", "1"]
     plain = subprocess.run(base + ["--no-view"], capture_output=True, text=True, check=True).stdout
-    answer = [line.rstrip() for line in plain.splitlines()]
     cols, rows = 30, 4  # narrow and short: the answer wraps, and frames are taller than the terminal
     raw = run_in_pty(base, cols, rows)
     assert "Traceback" not in raw
-    assert "\x1b[" in raw  # the view did draw frames
+    assert raw.count("\x1b[J") >= 5  # the view drew (and replaced) many frames
     term = Terminal(cols, rows)
     term.feed(raw)
     wrapped = []
-    for line in answer:  # the answer as the terminal wraps it (at the last column)
-        wrapped += [line[i:i + cols] for i in range(0, max(len(line), 1), cols)]
+    for line in plain.splitlines():  # the answer as the terminal wraps it (at the last column)
+        wrapped += [line[i:i + cols].rstrip() for i in range(0, max(len(line), 1), cols)]
     got = term.lines()
     stats = next(i for i, line in enumerate(got) if line.startswith("[refusion]"))
     assert got[:stats] == wrapped  # the answer once, and nothing the frames left behind
