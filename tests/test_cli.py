@@ -113,11 +113,13 @@ def test_every_flag_has_help_with_its_default():
             if action.dest in ("help", "decoder_defaults"):
                 continue
             assert action.help, f"refusion {name} {action.option_strings or action.dest} has no help"
-            if action.default not in (None, False, [], "==SUPPRESS==") and action.option_strings:
+            d = action.default
+            if not (d is None or d is False or d == [] or d == "==SUPPRESS==") and action.option_strings:
                 assert "default" in fmt._get_help_string(action), (name, action.dest)
     eval_help = sub.choices["eval"].format_help()
     assert "arith" in eval_help and "gsm8k" in eval_help  # --task lists the task names
     assert "lr = 0.001" in sub.choices["train"].format_help()  # train --help lists TrainConfig's defaults
+    assert "0 = greedy (default: 0.0)" in sub.choices["generate"].format_help()
 
 
 def test_add_mask_token_takes_an_ordinary_word_only_when_forced(tmp_path, capsys):

@@ -22,7 +22,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
     """Every flag's default in its help, except where there is nothing to show (None, off switches)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        if action.default in (None, False) or "default" in (action.help or ""):
+        d = action.default  # (compared by identity: 0 == False, yet a default of 0 is worth showing)
+        if d is None or d is False or d == [] or "default" in (action.help or ""):
             return action.help or ""
         return super()._get_help_string(action)
 
@@ -425,10 +426,10 @@ def build_parser() -> argparse.ArgumentParser:
     rp.set_defaults(func=cmd_report)
 
     t = sub.add_parser("train", help="train a ReFusion (or AR / MDM baseline) model",
-                       description="Train with a config file (TOML or YAML) of TrainConfig fields and overrides. "
-                                   "Resumes from the newest checkpoint in out_dir. Under torchrun, data parallel "
+                       description="Train with a config file (TOML or YAML) of TrainConfig fields and overrides.\n"
+                                   "Resumes from the newest checkpoint in out_dir. Under torchrun, data parallel\n"
                                    "over the processes.",
-                       epilog="Every TrainConfig field (refusion/train_config.py) can be set in the config file "
+                       epilog="Every TrainConfig field (refusion/train_config.py) can be set in the config file\n"
                               "or with --set; --print-config prints them all, resolved, as TOML. Defaults:\n\n"
                               + _train_defaults())
     t.add_argument("--config", help="a TOML or YAML file of TrainConfig fields")
