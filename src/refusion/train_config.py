@@ -15,6 +15,7 @@ from pathlib import Path
 from .config import OBJECTIVES, ConfigError, ModelConfig
 
 SAVE_DTYPES = ("float32", "bfloat16", "float16")
+STRATEGIES = ("ddp", "fsdp")
 LORA_KEYS = {"r", "alpha", "dropout", "target_modules"}
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -47,6 +48,7 @@ class TrainConfig:
     grad_clip: float = 1.0  # 0: no clipping
     dtype: str = "float32"  # float32 | bfloat16 (autocast)
     gradient_checkpointing: bool = False
+    strategy: str = "ddp"  # under torchrun: ddp (whole model on every process) | fsdp (weights, grads, Adam state sharded)
     lora: dict | None = None  # e.g. {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
     seed: int = 0
     # output
@@ -65,6 +67,7 @@ class TrainConfig:
             _check_type(f.name, getattr(self, f.name), f.type)
         _choice("objective", self.objective, OBJECTIVES)
         _choice("dtype", self.dtype, ("float32", "bfloat16"))
+        _choice("strategy", self.strategy, STRATEGIES)
         _choice("save_dtype", self.save_dtype, SAVE_DTYPES)
         for name in ("batch_size", "max_steps", "max_length", "save_every", "keep_checkpoints", "synthetic_examples",
                      "vocab_size", "micro_batch_size", "stop_after", "mdm_eos_pad_to"):
