@@ -35,7 +35,7 @@ from torch import Tensor
 from .checkpoint import DTYPES, add_mask_token, load_model, save_model
 from .config import ModelConfig
 from .data import DataError, encode_records, filter_by_length, length_batches, load_records, synthetic_records
-from .data import train_bpe_tokenizer
+from .data import task_names, task_records, train_bpe_tokenizer
 from .model import Transformer
 from .objectives import (OBJECTIVES, TrainInputs, ar_token_count, build_inputs, compute_loss, make_batch,
                          pad_responses)
@@ -53,8 +53,8 @@ class TrainConfig:
     tokenizer: str | None = None  # a directory with tokenizer.json for a fresh model; None: train a BPE
     vocab_size: int = 1024  # of the BPE trained on the data when `tokenizer` is None
     # data
-    data: str = "synthetic"  # a JSON / JSONL file of {"query", "response"}, or "synthetic"
-    synthetic_examples: int = 20000
+    data: str = "synthetic"  # a JSON / JSONL file of {"query", "response"}, "synthetic", or "tasks:sort,add,..."
+    synthetic_examples: int = 20000  # examples generated for "synthetic" or "tasks:..." data
     max_length: int = 512  # prompt + response tokens; longer examples are dropped (and counted)
     slot_sizes: list[int] = field(default_factory=lambda: [4, 8, 16, 32])
     eps: float = 1e-3
@@ -91,6 +91,7 @@ class TrainConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0 <= self.warmup_steps <= self.max_steps:
             raise ValueError(f"warmup_steps must be in [0, max_steps], got {self.warmup_steps}")
+        task_names(self.data)  # a "tasks:..." source names known tasks
         unknown = set(self.model) - {f.name for f in dataclasses.fields(ModelConfig)}
         if unknown:
             raise ValueError(f"unknown model fields: {', '.join(sorted(unknown))}")
@@ -297,7 +298,9 @@ class Trainer:
     def _records(self) -> list[dict]:
         if not hasattr(self, "_recs"):
             cfg = self.cfg
+            names = task_names(cfg.data)
             self._recs = (synthetic_records(cfg.synthetic_examples, cfg.seed) if cfg.data == "synthetic"
+                          else task_records(names, cfg.synthetic_examples, cfg.seed) if names
                           else load_records(cfg.data))
         return self._recs
 
@@ -518,7 +521,8 @@ def add_parser(sub) -> None:
                    help="override a field (JSON value), e.g. --set lr=3e-4 --set model.num_layers=2")
     p.add_argument("--objective", choices=OBJECTIVES)
     p.add_argument("--init", help="start from this checkpoint directory")
-    p.add_argument("--data", help="JSON / JSONL file of {query, response}, or 'synthetic'")
+    p.add_argument("--data", help="JSON / JSONL file of {query, response}, 'synthetic', or 'tasks:NAME,NAME,...' "
+                                  "(task mixture from refusion.tasks)")
     p.add_argument("--out", dest="out_dir", help="output directory (checkpoints, metrics.jsonl, model/)")
     p.add_argument("--max-steps", type=int)
     p.add_argument("--no-resume", action="store_true", help="start over even if out_dir has checkpoints")
