@@ -1,7 +1,8 @@
 """Word-level task families small enough for a sub-megabyte model to master on one CPU.
 
-  sort    sort a list of two-digit numbers:  "Sort: 41 17 93 12" -> "12 17 41 93"        (exact match)
-  add     add 2-4 two-digit numbers with a worked running sum, ending "#### N"           (final answer)
+  sort    sort 5-10 two-digit numbers:  "Sort: 41 17 93 12" -> "12 17 41 93"             (exact match)
+  add     add 2-3 two-digit numbers (total below 100), column by column, with a running
+          sum: "23 + 45: 3 + 5 = 8, 2 + 4 = 6, so 68", a line a step, then "#### N"       (final answer)
   repeat  repeat a list of words N times (one copy a line), or each word N times          (exact match)
 
 The response is a pure function of the query, so a model can learn to answer every query exactly;
@@ -27,16 +28,28 @@ WORDS = ["red", "blue", "green", "cat", "dog", "fox", "owl", "sun", "moon", "sta
 
 
 def make_sort(rng: random.Random) -> tuple[str, str, str]:
-    nums = rng.sample(range(10, 100), rng.randint(6, 12))
+    nums = rng.sample(range(10, 100), rng.randint(5, 10))
     target = " ".join(map(str, sorted(nums)))
     return "Sort: " + " ".join(map(str, nums)), target, target
 
 
+def add_step(a: int, b: int) -> str:
+    """One worked step in columns (a + b < 100): "68 + 12: 8 + 2 = 10, 6 + 1 + 1 = 8, so 80"."""
+    units = a % 10 + b % 10
+    carry = " + 1" if units >= 10 else ""
+    return (f"{a} + {b}: {a % 10} + {b % 10} = {units}, {a // 10} + {b // 10}{carry} = {(a + b) // 10}, "
+            f"so {a + b}")
+
+
 def make_add(rng: random.Random) -> tuple[str, str, int]:
-    nums = [rng.randint(10, 99) for _ in range(rng.randint(2, 4))]
+    k = rng.randint(2, 3)
+    while True:
+        nums = [rng.randint(10, 89) for _ in range(k)]
+        if sum(nums) <= 99:
+            break
     total, lines = nums[0], []
     for x in nums[1:]:
-        lines.append(f"{total} + {x} = {total + x}")
+        lines.append(add_step(total, x))
         total += x
     return "Add: " + " + ".join(map(str, nums)), "\n".join(lines + [f"#### {total}"]), total
 
@@ -94,7 +107,7 @@ def _task(name: str, kind: str, score, description: str) -> Task:
 
 
 TASKS: dict[str, Task] = {
-    "sort": _task("sort", "structured", score_exact, "sort 6-12 two-digit numbers, exact match"),
-    "add": _task("add", "math", score_add, "add 2-4 two-digit numbers with a running sum, '#### N'"),
+    "sort": _task("sort", "structured", score_exact, "sort 5-10 two-digit numbers, exact match"),
+    "add": _task("add", "math", score_add, "add 2-3 two-digit numbers column by column, running sum, '#### N'"),
     "repeat": _task("repeat", "structured", score_exact, "repeat a list of words, or each word, N times; exact match"),
 }
