@@ -1,6 +1,7 @@
 """Word task families (sort, add, repeat) and the trainer's "tasks:..." data source."""
 
 import importlib
+import re
 import subprocess
 import sys
 
@@ -48,6 +49,13 @@ def test_targets_are_what_the_prompt_asks_for():
     for e in load("add", "test", 50):
         assert e.answer == sum(int(x) for x in e.prompt.removeprefix("Add: ").split(" + "))
         assert e.target.endswith(f"#### {e.answer}")
+        for line in e.target.splitlines()[:-1]:  # "68 + 12: 8 + 2 = 10, 6 + 1 + 1 = 8, so 80"
+            head, units, tens, result = re.fullmatch(r"(.*): (.*), (.*), so (\d+)", line).groups()
+            a, b = map(int, head.split(" + "))
+            assert int(result) == a + b < 100
+            assert units == f"{a % 10} + {b % 10} = {a % 10 + b % 10}"
+            carry = " + 1" if a % 10 + b % 10 >= 10 else ""
+            assert tens == f"{a // 10} + {b // 10}{carry} = {(a + b) // 10}"
     for e in load("repeat", "test", 50):
         head, words = e.prompt.split(": ")
         k = int(head.split()[-2])
