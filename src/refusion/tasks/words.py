@@ -6,7 +6,7 @@
   repeat  repeat a list of words N times (one copy a line), or each word N times          (exact match)
 
 The response is a pure function of the query, so a model can learn to answer every query exactly;
-responses run to 11-45 tokens, long enough that decoding several tokens per forward matters. These
+responses run to 12-73 tokens, long enough that decoding several tokens per forward matters. These
 are the tasks of the fixture model tests/fixtures/refusion-words (configs/refusion-words.toml).
 
 Every example is a pure function of (task, split, seed, index). Train and test are disjoint by the
