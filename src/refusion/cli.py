@@ -465,7 +465,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a field (JSON value), e.g. --set lr=3e-4 --set model.num_layers=2")
     t.add_argument("--objective", choices=("refusion", "ar", "mdm"), help="training objective")
     t.add_argument("--init", help="start from this checkpoint directory")
-    t.add_argument("--data", help="JSON / JSONL file of {query, response}, or 'synthetic'")
+    t.add_argument("--data", help="JSON / JSONL file of {query, response}, 'synthetic', or 'tasks:NAME,NAME,...' "
+                                  "(a mixture of refusion.tasks' train splits)")
     t.add_argument("--out", dest="out_dir", help="output directory (checkpoints, metrics.jsonl, model/)")
     t.add_argument("--max-steps", type=int, help="optimizer steps")
     t.add_argument("--strategy", choices=("ddp", "fsdp"),
