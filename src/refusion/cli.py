@@ -235,10 +235,12 @@ def build_parser() -> argparse.ArgumentParser:
     rp.set_defaults(func=cmd_report)
 
     from . import train
+    from .serve import command as serve
     from .tasks import sources
 
     train.add_parser(sub)
     sources.add_parser(sub)
+    serve.add_parser(sub)
     return p
 
 

@@ -1,0 +1,284 @@
+"""The engine loop: one thread owns the model and runs every decode.
+
+Requests from the HTTP layer are `Job`s. The loop takes new jobs between steps:
+
+- speculative jobs join one `SpeculativeBatch` (continuous batching): each `step()` is one forward
+  for every running sequence; a job that arrives joins at the next step, a finished one leaves in
+  the step that finishes it, a cancelled one (client gone, stop string found) is dropped before the
+  next step, its cache freed at once.
+- jobs for the other decoders (refusion, refusion-l2r, ar, mdm, mdm-threshold) have no step-wise
+  interface; they run through `decode()` in static groups of waiting jobs with the same decoder and
+  parameters, each group in its own turn between two speculative steps. A group's rows do not
+  influence each other (every decoder's batch-k output equals its batch-1 output; sampled rows are
+  grouped only where each row has its own generator), so a job's output is what `decode()` gives it
+  alone. A group is abandoned early only when every job in it is cancelled.
+
+Everything a job learns comes back through its `sink`, called on this thread: it must not block
+(the HTTP layer hands events to its event loop with call_soon_threadsafe). Nothing a job does can
+stop the loop: an error in adding it fails that job; an error in a step fails the jobs of that
+step (500) and the loop goes on with the rest.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..decoding import decode
+from ..decoding.common import DecodeResult
+from ..model import Transformer
+from ._speculative import SpeculativeBatch
+from .params import DecoderChoice
+
+log = logging.getLogger("refusion.serve")
+
+
+@dataclass
+class Event:
+    """commit: positions/tokens just committed, `step` the job's forward that committed them.
+    done: the final result (`cancelled` when it was stopped early). error: `message`."""
+
+    kind: str
+    positions: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    step: int = 0
+    result: DecodeResult | None = None
+    cancelled: bool = False
+    message: str = ""
+
+
+@dataclass
+class Job:
+    prompt: list[int]
+    choice: DecoderChoice
+    seed: int | None
+    sink: Callable[[Event], None]
+    id: int = field(default_factory=itertools.count().__next__)
+    submitted: float = field(default_factory=time.perf_counter)
+    cancelled: bool = False
+    steps: int = 0  # forwards this job has taken part in (speculative) / of its decode() group (static)
+    closed: bool = False  # a done or error event was sent; nothing more follows
+
+
+class QueueFull(Exception):
+    pass
+
+
+class Engine:
+    def __init__(self, model: Transformer, eos_ids: list[int] | None = None, max_running: int = 64,
+                 max_queue: int = 256, static_batch: int = 16, on_step: Callable[[int, float], None] | None = None,
+                 batch_factory: Callable[..., Any] = SpeculativeBatch) -> None:
+        self.model = model
+        self.eos_ids = list(eos_ids if eos_ids is not None else model.config.eos_ids)
+        self.max_running, self.max_queue, self.static_batch = max_running, max_queue, static_batch
+        self.on_step = on_step  # metrics hook: (sequences in the step, seconds)
+        self.batch_factory = batch_factory
+        self.batch = batch_factory(model, eos_ids=self.eos_ids)
+        self.live: dict[int, Job] = {}  # sequence id in self.batch -> job
+        self.waiting: deque[Job] = deque()
+        self.cancels: list[Job] = []
+        self.cond = threading.Condition()
+        self.stopping = False
+        self.thread: threading.Thread | None = None
+        self.static_running = 0
+        self.steps = 0
+
+    # ---- called from other threads --------------------------------------------------------
+
+    def submit(self, job: Job) -> None:
+        with self.cond:
+            if len(self.waiting) >= self.max_queue:
+                raise QueueFull(f"the queue is full ({self.max_queue} requests waiting)")
+            self.waiting.append(job)
+            self.cond.notify()
+
+    def cancel(self, job: Job) -> None:
+        """Stop a job (client gone, stop string reached). It leaves before the next step."""
+        with self.cond:
+            if not job.cancelled and not job.closed:
+                job.cancelled = True
+                self.cancels.append(job)
+                self.cond.notify()
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self.live) + self.static_running
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self._loop, name="refusion-engine", daemon=True)
+        self.thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self.cond:
+            self.stopping = True
+            self.cond.notify()
+        if self.thread is not None:
+            self.thread.join(timeout)
+
+    # ---- the loop ---------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self.cond:
+                while not (self.stopping or self.waiting or self.cancels or len(self.batch)):
+                    self.cond.wait()
+                if self.stopping:
+                    break
+                cancels, self.cancels = self.cancels, []
+                admitted, static = self._take_waiting()
+            try:
+                self._turn(cancels, admitted, static)
+            except Exception:  # the loop itself must never die; fail what it was holding
+                log.exception("engine turn failed")
+                self._fail_all("internal error in the engine loop")
+        self._fail_all("the server is shutting down")
+        for job in list(self.waiting):
+            self._emit(job, Event("error", message="the server is shutting down"))
+
+    def _take_waiting(self) -> tuple[list[Job], list[Job]]:
+        """Under the lock: speculative jobs that fit in the batch, and one static group (or none)."""
+        admitted, rest = [], deque()
+        static: list[Job] = []
+        while self.waiting:
+            job = self.waiting.popleft()
+            if job.cancelled:
+                self._emit(job, Event("done", result=DecodeResult(prompt=job.prompt), cancelled=True))
+            elif job.choice.decoder == "speculative":
+                if len(self.live) + len(admitted) < self.max_running:
+                    admitted.append(job)
+                else:
+                    rest.append(job)
+            elif not static:
+                static.append(job)
+            elif len(static) < self.static_batch and _same_group(static[0], job):
+                static.append(job)
+            else:
+                rest.append(job)
+        self.waiting = rest
+        self.static_running = len(static)
+        return admitted, static
+
+    def _turn(self, cancels: list[Job], admitted: list[Job], static: list[Job]) -> None:
+        for job in cancels:
+            sid = next((s for s, j in self.live.items() if j is job), None)
+            if sid is not None:
+                del self.live[sid]
+                self._emit(job, Event("done", result=self.batch.cancel(sid), cancelled=True))
+        for job in admitted:
+            try:
+                sid = self.batch.add(job.prompt, job.choice.spec, seed=job.seed, on_commit=self._committer(job))
+            except Exception as e:  # a request the decoder refuses fails alone
+                log.warning("job %d refused by the decoder: %s", job.id, e)
+                self._emit(job, Event("error", message=f"the decoder refused this request: {e}"))
+                continue
+            self.live[sid] = job
+        if len(self.batch):
+            self._step()
+        if static:
+            try:
+                self._run_static(static)
+            finally:
+                self.static_running = 0
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        n = len(self.batch)
+        try:
+            finished = self.batch.step()
+        except Exception as e:
+            # the batch's state after a failed step is unknown: every sequence in it fails, the
+            # batch is rebuilt, and the loop carries on with new work
+            log.exception("speculative step failed")
+            jobs, self.live = list(self.live.values()), {}
+            self.batch = self.batch_factory(self.model, eos_ids=self.eos_ids)
+            for job in jobs:
+                self._emit(job, Event("error", message=f"decoding failed: {type(e).__name__}: {e}"))
+            return
+        self.steps += 1
+        for job in self.live.values():
+            job.steps += 1
+        for sid, res in finished:
+            job = self.live.pop(sid, None)
+            if job is not None:
+                self._emit(job, Event("done", result=res))
+        if self.on_step is not None:
+            self.on_step(n, time.perf_counter() - t0)
+
+    def _committer(self, job: Job) -> Callable[[list[int], list[int]], None]:
+        def on_commit(positions: list[int], tokens: list[int]) -> None:
+            self._emit(job, Event("commit", list(positions), list(tokens), step=job.steps))
+        return on_commit
+
+    def _run_static(self, jobs: list[Job]) -> None:
+        choice = jobs[0].choice
+        # a commit's step is the group's forward pass that made it, counted by a hook on the model
+        forwards = [0]
+        hook = self.model.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+
+        def on_commit(row: int, positions: list[int], tokens: list[int]) -> None:
+            job = jobs[row]
+            job.steps = forwards[0] - 1
+            self._emit(job, Event("commit", list(positions), list(tokens), step=job.steps))
+            if all(j.cancelled for j in jobs):
+                raise _Abandon
+
+        t0 = time.perf_counter()
+        try:
+            results = decode(self.model, [j.prompt for j in jobs], choice.decoder, eos_ids=self.eos_ids,
+                             seed=jobs[0].seed, on_commit=on_commit, **choice.params)
+        except _Abandon:
+            for job in jobs:
+                self._emit(job, Event("done", result=DecodeResult(prompt=job.prompt), cancelled=True))
+            return
+        except Exception as e:
+            log.exception("static decode failed")
+            for job in jobs:
+                self._emit(job, Event("error", message=f"decoding failed: {type(e).__name__}: {e}"))
+            return
+        finally:
+            hook.remove()
+        for job, res in zip(jobs, results):
+            self._emit(job, Event("done", result=res, cancelled=job.cancelled))
+        if self.on_step is not None:
+            self.on_step(len(jobs), time.perf_counter() - t0)
+
+    def _fail_all(self, message: str) -> None:
+        jobs, self.live = list(self.live.values()), {}
+        self.batch = self.batch_factory(self.model, eos_ids=self.eos_ids)
+        for job in jobs:
+            self._emit(job, Event("error", message=message))
+
+    def _emit(self, job: Job, ev: Event) -> None:
+        if job.closed:
+            return
+        if ev.kind != "commit":
+            job.closed = True
+        try:
+            job.sink(ev)
+        except Exception:  # a broken sink loses its own request only
+            log.exception("job %d: delivering an event failed", job.id)
+            job.cancelled = True
+
+
+class _Abandon(Exception):
+    """Raised inside decode()'s callback to drop a static group whose clients have all gone."""
+
+
+def _same_group(a: Job, b: Job) -> bool:
+    """May b run in one decode() call with a? Same decoder and parameters; sampled rows only where
+    each row draws from its own generator seeded alike (plan-and-infill), with the same seed."""
+    if a.choice.decoder != b.choice.decoder or a.choice.params != b.choice.params:
+        return False
+    if a.choice.temperature == 0:
+        return True
+    return a.choice.decoder in ("refusion", "refusion-l2r") and a.seed == b.seed
