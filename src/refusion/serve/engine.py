@@ -15,8 +15,9 @@ Requests from the HTTP layer are `Job`s. The loop takes new jobs between steps:
 
 Everything a job learns comes back through its `sink`, called on this thread: it must not block
 (the HTTP layer hands events to its event loop with call_soon_threadsafe). Nothing a job does can
-stop the loop: an error in adding it fails that job; an error in a step fails the jobs of that
-step (500) and the loop goes on with the rest.
+stop the loop: an error in adding it fails that job; when a batched step or a decode() group
+fails, its jobs are decoded again one at a time, so only the one that fails alone gets the error
+(a 500) and the others finish with their own output.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class Job:
     cancelled: bool = False
     steps: int = 0  # forwards this job has taken part in (speculative) / of its decode() group (static)
     closed: bool = False  # a done or error event was sent; nothing more follows
+    sent: set[int] = field(default_factory=set)  # positions whose commits were sent
 
 
 class QueueFull(Exception):
@@ -195,14 +197,16 @@ class Engine:
         n = len(self.batch)
         try:
             finished = self.batch.step()
-        except Exception as e:
-            # the batch's state after a failed step is unknown: every sequence in it fails, the
-            # batch is rebuilt, and the loop carries on with new work
-            log.exception("speculative step failed")
+        except Exception:
+            # A failed step cannot say which sequence broke it, and leaves the batch in an unknown
+            # state. The batch is rebuilt and each of its jobs is decoded again alone: decoding is
+            # deterministic given the seed, so the healthy ones finish with the same output (their
+            # commits already sent are not sent twice), and only the culprit fails.
+            log.exception("speculative step failed; retrying its %d sequences one at a time", n)
             jobs, self.live = list(self.live.values()), {}
             self.batch = self.batch_factory(self.model, eos_ids=self.eos_ids)
             for job in jobs:
-                self._emit(job, Event("error", message=f"decoding failed: {type(e).__name__}: {e}"))
+                self._solo_speculative(job)
             return
         self.steps += 1
         for job in self.live.values():
@@ -214,43 +218,75 @@ class Engine:
         if self.on_step is not None:
             self.on_step(n, time.perf_counter() - t0)
 
-    def _committer(self, job: Job) -> Callable[[list[int], list[int]], None]:
+    def _solo_speculative(self, job: Job) -> None:
+        if job.cancelled:
+            self._emit(job, Event("done", result=DecodeResult(prompt=job.prompt), cancelled=True))
+            return
+        job.steps = 0
+        batch = self.batch_factory(self.model, eos_ids=self.eos_ids)
+        try:
+            sid = batch.add(job.prompt, job.choice.spec, seed=job.seed, on_commit=self._committer(job))
+            while len(batch):
+                if job.cancelled:
+                    self._emit(job, Event("done", result=batch.cancel(sid), cancelled=True))
+                    return
+                for _, res in batch.step():
+                    self._emit(job, Event("done", result=res))
+                job.steps += 1
+        except Exception as e:
+            log.exception("job %d failed alone", job.id)
+            self._emit(job, Event("error", message=f"decoding failed: {type(e).__name__}: {e}"))
+
+    def _committer(self, job: Job) -> Callable[..., None]:
+        """on_commit for one job; positions it has already sent (before a retry) are not sent again."""
         def on_commit(positions: list[int], tokens: list[int]) -> None:
-            self._emit(job, Event("commit", list(positions), list(tokens), step=job.steps))
+            fresh = [(q, t) for q, t in zip(positions, tokens) if q not in job.sent]
+            if fresh:
+                job.sent.update(q for q, _ in fresh)
+                self._emit(job, Event("commit", [q for q, _ in fresh], [t for _, t in fresh], step=job.steps))
         return on_commit
 
     def _run_static(self, jobs: list[Job]) -> None:
-        choice = jobs[0].choice
-        # a commit's step is the group's forward pass that made it, counted by a hook on the model
-        forwards = [0]
-        hook = self.model.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
-
-        def on_commit(row: int, positions: list[int], tokens: list[int]) -> None:
-            job = jobs[row]
-            job.steps = forwards[0] - 1
-            self._emit(job, Event("commit", list(positions), list(tokens), step=job.steps))
-            if all(j.cancelled for j in jobs):
-                raise _Abandon
-
+        """One decode() call for a group of compatible jobs. If it fails and the group has several
+        jobs, each is decoded again alone, so only the one that fails alone gets the error."""
         t0 = time.perf_counter()
         try:
-            results = decode(self.model, [j.prompt for j in jobs], choice.decoder, eos_ids=self.eos_ids,
-                             seed=jobs[0].seed, on_commit=on_commit, **choice.params)
+            results = self._decode(jobs)
         except _Abandon:
             for job in jobs:
                 self._emit(job, Event("done", result=DecodeResult(prompt=job.prompt), cancelled=True))
             return
         except Exception as e:
-            log.exception("static decode failed")
-            for job in jobs:
-                self._emit(job, Event("error", message=f"decoding failed: {type(e).__name__}: {e}"))
+            log.exception("decode() failed for a group of %d", len(jobs))
+            if len(jobs) > 1:
+                for job in jobs:
+                    self._run_static([job])
+                return
+            self._emit(jobs[0], Event("error", message=f"decoding failed: {type(e).__name__}: {e}"))
             return
-        finally:
-            hook.remove()
         for job, res in zip(jobs, results):
             self._emit(job, Event("done", result=res, cancelled=job.cancelled))
         if self.on_step is not None:
             self.on_step(len(jobs), time.perf_counter() - t0)
+
+    def _decode(self, jobs: list[Job]) -> list[DecodeResult]:
+        choice = jobs[0].choice
+        # a commit's step is the group's forward pass that made it, counted by a hook on the model
+        forwards = [0]
+        hook = self.model.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+        senders = [self._committer(j) for j in jobs]
+
+        def on_commit(row: int, positions: list[int], tokens: list[int]) -> None:
+            jobs[row].steps = forwards[0] - 1
+            senders[row](positions, tokens)
+            if all(j.cancelled for j in jobs):
+                raise _Abandon
+
+        try:
+            return decode(self.model, [j.prompt for j in jobs], choice.decoder, eos_ids=self.eos_ids,
+                          seed=jobs[0].seed, on_commit=on_commit, **choice.params)
+        finally:
+            hook.remove()
 
     def _fail_all(self, message: str) -> None:
         jobs, self.live = list(self.live.values()), {}

@@ -21,7 +21,7 @@ class TextAssembler:
         self.ended = False  # the prefix reached an EOS
         self.stopped = False  # a stop string was found
         self.sent = ""  # text released so far
-        self.tokens_at_stop: int | None = None  # prefix tokens needed to reach the stop string
+        self.tokens_at_stop: int | None = None  # prefix tokens up to the end of the stop string
 
     def add(self, positions: list[int], tokens: list[int]) -> str:
         """Record commits; return the newly releasable text (may be empty)."""
@@ -49,10 +49,11 @@ class TextAssembler:
 
     def _release(self, final: bool) -> str:
         text = self.tok.decode(self.prefix)
-        cut = self._stop_at(text)
-        if cut is not None:
+        hit = self._stop_at(text)
+        if hit is not None:
+            cut, end = hit
             self.stopped = True
-            self.tokens_at_stop = self._tokens_covering(cut)
+            self.tokens_at_stop = self._tokens_covering(end)
             text = text[:cut]
         elif not final:
             text = text.rstrip("\ufffd")  # an incomplete character: wait for its other bytes
@@ -64,8 +65,9 @@ class TextAssembler:
         delta, self.sent = text[len(self.sent):], text
         return delta
 
-    def _stop_at(self, text: str) -> int | None:
-        hits = [i for s in self.stop if (i := text.find(s)) >= 0]
+    def _stop_at(self, text: str) -> tuple[int, int] | None:
+        """(where the first stop string starts, where it ends) or None."""
+        hits = [(i, i + len(s)) for s in self.stop if (i := text.find(s)) >= 0]
         return min(hits) if hits else None
 
     def _partial_stop(self, text: str) -> int:
