@@ -1,10 +1,15 @@
-"""Decoding speed of every decoder on the same model and prompts: TPF, TPS, wall time, batch 1 and 8.
+"""Accuracy and speed of every decoder on the same model and held-out prompts, per task family.
 
-    python benchmarks/decode.py --model src/refusion/assets/refusion-tiny --prompts 16 --gen-length 160 --serial-blocks 1,5
+    python benchmarks/decode.py --model src/refusion/assets/refusion-tiny --tasks arith,code,choice,table
+    python benchmarks/decode.py --model tests/fixtures/refusion-words --tasks sort,add,repeat
 
-Writes benchmarks/results/decode.json and prints a markdown table. TPF = committed tokens / forward
-passes (every pass counted); TPS = generated tokens (prompt excluded, up to and including EOS) /
-wall seconds of the whole batch, so batch 8 reports the throughput of the batch.
+For each torch thread count and batch size, every decoder setting decodes the same held-out (test
+split) prompts of each task family; outputs are scored by the task. Writes JSON (one row per
+threads x batch x decoder x task, with the outputs' token counts, forwards, tokens fed, seconds,
+correct) and prints a markdown table. TPF = committed tokens / forward passes (every pass counted);
+TPS = generated tokens (up to and including EOS) / wall seconds of decoding (scoring excluded), so a
+batch of 8 reports the batch's throughput. TPS / AR compares with `ar` at the same threads and batch.
+Nothing else should run on the machine while this does.
 """
 
 from __future__ import annotations
@@ -18,97 +23,130 @@ import torch
 
 from refusion.checkpoint import load_model
 from refusion.decoding import decode
+from refusion.tasks import get_task
 from refusion.tokenizer import Tokenizer
 
 
-def load_prompts(model_dir: Path, n: int, seed: int, source: str | None, task: str | None) -> list[list[int]]:
-    tok = Tokenizer.from_dir(model_dir)
-    if source:
-        rows = [json.loads(line) for line in Path(source).read_text().splitlines() if line.strip()]
-        queries = [r["query"] for r in rows]
-    elif task:
-        from refusion.tasks import get_task
-
-        queries = [ex.prompt for ex in get_task(task).load("test", n=n, seed=seed)]
-    else:
-        from refusion.data import synthetic_records
-
-        queries = [r["query"] for r in synthetic_records(n, seed=seed, split="test")]
-    return [tok.chat_prompt_ids(q) for q in queries[:n]]
-
-
-def configs(gen_length: int, slot_size: int, blocks: list[int], ts: float, tt: float) -> list[tuple[str, str, dict]]:
-    out = []
-    for i, b in enumerate(blocks):
-        rf = dict(gen_length=gen_length, slot_size=slot_size, serial_blocks=b, slot_threshold=ts, token_threshold=tt)
-        out.append((f"refusion B={b}", "refusion", rf))
-        if i == 0:  # the ablations at the first block count
-            out.append((f"refusion B={b} recompute_kv", "refusion", {**rf, "recompute_kv": True}))
-            out.append((f"refusion B={b} left-to-right", "refusion-l2r", rf))
-    return out + [
-        ("ar", "ar", dict(max_new_tokens=gen_length)),
-        ("mdm (llada, 1 tok/step)", "mdm", dict(gen_length=gen_length, block_length=32, steps=gen_length)),
-        ("mdm threshold 0.9", "mdm-threshold", dict(gen_length=gen_length, block_length=32, threshold=0.9,
+def settings(gen_length: int) -> list[tuple[str, str, dict]]:
+    """(name, decoder, params): the decoders of the study, each at its usual settings."""
+    L = gen_length
+    rf = dict(gen_length=L, slot_size=8, serial_blocks=1, slot_threshold=0.9, token_threshold=0.4)
+    return [
+        ("ar", "ar", dict(max_new_tokens=L)),
+        ("speculative", "speculative", dict(gen_length=L)),
+        ("speculative fixed 16", "speculative", dict(gen_length=L, draft_length=16, adaptive=False)),
+        ("speculative accept-prob 0.7", "speculative", dict(gen_length=L, accept_prob=0.7)),
+        ("speculative accept-prob 0.3", "speculative", dict(gen_length=L, accept_prob=0.3)),
+        ("refusion s8 0.9/0.4", "refusion", rf),
+        ("refusion s8 0.7/0.2", "refusion", dict(rf, slot_threshold=0.7, token_threshold=0.2)),
+        ("refusion-l2r s8 0.9/0.4", "refusion-l2r", rf),
+        ("mdm-threshold 0.9", "mdm-threshold", dict(gen_length=L, block_length=32, threshold=0.9,
                                                     prefix_cache=True)),
     ]
 
 
-def run(model, prompts, decoder, params, batch_size) -> dict:
+def run(model, tok, task, examples, prompts, decoder, params, batch_size) -> dict:
+    eos = model.config.eos_ids
     tokens = forwards = fed = 0
     seconds = 0.0
     outputs = []
     for i in range(0, len(prompts), batch_size):
         t = time.perf_counter()
-        res = decode(model, prompts[i: i + batch_size], decoder, **params)
+        res = decode(model, prompts[i: i + batch_size], decoder, eos_ids=eos, **params)
         seconds += time.perf_counter() - t
         tokens += sum(len(r.tokens) for r in res)
         forwards += sum(r.forwards for r in res)
         fed += sum(r.tokens_fed for r in res)
-        outputs += [r.tokens for r in res]
-    return dict(tokens=tokens, forwards=forwards, seconds=seconds, tpf=tokens / forwards, tps=tokens / seconds,
-                fed_per_forward=fed / forwards, ms_per_forward=1000 * seconds / forwards, outputs=outputs)
+        outputs += [tok.decode([t for t in r.tokens if t not in eos]) for r in res]
+    scores = task.score_many(examples, outputs) if task.score_many else [task.score(e, o) for e, o in
+                                                                          zip(examples, outputs)]
+    return dict(n=len(prompts), correct=sum(s.correct for s in scores), tokens=tokens, forwards=forwards,
+                tokens_fed=fed, seconds=seconds)
+
+
+def summarise(rows: list[dict]) -> list[dict]:
+    """One line per threads x batch x setting: accuracy (mean over tasks), TPF, TPS, TPS / AR, and
+    TPS / AR per task family."""
+    keys = sorted({(r["threads"], r["batch_size"]) for r in rows})
+    names = list(dict.fromkeys(r["name"] for r in rows))
+    out = []
+    for th, bs in keys:
+        sel = {(r["name"], r["task"]): r for r in rows if (r["threads"], r["batch_size"]) == (th, bs)}
+        tasks = list(dict.fromkeys(t for _, t in sel))
+        ar = {t: sel[("ar", t)] for t in tasks}
+        ar_tps = sum(r["tokens"] for r in ar.values()) / sum(r["seconds"] for r in ar.values())
+        for name in names:
+            rs = [sel[(name, t)] for t in tasks if (name, t) in sel]
+            tps = sum(r["tokens"] for r in rs) / sum(r["seconds"] for r in rs)
+            per_task = {r["task"]: (r["tokens"] / r["seconds"]) / (ar[r["task"]]["tokens"] / ar[r["task"]]["seconds"])
+                        for r in rs}
+            out.append(dict(threads=th, batch_size=bs, name=name,
+                            accuracy=sum(r["correct"] / r["n"] for r in rs) / len(rs),
+                            accuracy_by_task={r["task"]: r["correct"] / r["n"] for r in rs},
+                            tpf=sum(r["tokens"] for r in rs) / sum(r["forwards"] for r in rs), tps=tps,
+                            tps_vs_ar=tps / ar_tps, tps_vs_ar_by_task=per_task,
+                            fed_per_forward=sum(r["tokens_fed"] for r in rs) / sum(r["forwards"] for r in rs)))
+    return out
+
+
+def table(summary: list[dict]) -> str:
+    tasks = list(summary[0]["accuracy_by_task"])
+    head = ("| threads | batch | decoder | accuracy % | " + " | ".join(f"{t} acc" for t in tasks) +
+            " | TPF | TPS | TPS / AR | " + " | ".join(f"{t} TPS / AR" for t in tasks) + " | fed / forward |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for s in summary:
+        lines.append(
+            f"| {s['threads']} | {s['batch_size']} | {s['name']} | {100 * s['accuracy']:.1f} | "
+            + " | ".join(f"{100 * s['accuracy_by_task'][t]:.0f}" for t in tasks)
+            + f" | {s['tpf']:.2f} | {s['tps']:.0f} | {s['tps_vs_ar']:.2f}x | "
+            + " | ".join(f"{s['tps_vs_ar_by_task'][t]:.2f}x" for t in tasks)
+            + f" | {s['fed_per_forward']:.1f} |")
+    return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--prompt-file", help="JSONL with a 'query' field (default: synthetic task prompts)")
-    ap.add_argument("--task", help="prompts from this task's test split instead (e.g. code, arith)")
+    ap.add_argument("--tasks", required=True, help="comma-separated task names (their test split is used)")
+    ap.add_argument("--n", type=int, default=16, help="prompts per task")
     ap.add_argument("--gen-length", type=int, default=160)
-    ap.add_argument("--slot-size", type=int, default=8)
-    ap.add_argument("--serial-blocks", default="1", help="comma-separated: one refusion row per value")
-    ap.add_argument("--slot-threshold", type=float, default=0.9)
-    ap.add_argument("--token-threshold", type=float, default=0.4)
     ap.add_argument("--batch-sizes", default="1,8")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (1 gives stable CPU timings)")
+    ap.add_argument("--threads", default="1,2", help="comma-separated torch thread counts")
+    ap.add_argument("--only", help="comma-separated setting names to run (default: all; 'ar' is always run)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="benchmarks/results/decode.json")
+    ap.add_argument("--out", help="JSON path (default: benchmarks/results/decode_<model dir name>.json)")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    model = load_model(args.model)
-    prompts = load_prompts(Path(args.model), args.prompts, args.seed, args.prompt_file, args.task)
-    decode(model, prompts[:2], "ar", max_new_tokens=4)  # warm-up
+    model_dir = Path(args.model)
+    model, tok = load_model(model_dir), Tokenizer.from_dir(model_dir)
+    tasks = {name: get_task(name) for name in args.tasks.split(",")}
+    data = {}
+    for name, task in tasks.items():
+        exs = task.load("test", n=args.n, seed=args.seed)
+        data[name] = (exs, [tok.chat_prompt_ids(ex.prompt) for ex in exs])
+    chosen = settings(args.gen_length)
+    if args.only:
+        keep = set(args.only.split(",")) | {"ar"}
+        chosen = [c for c in chosen if c[0] in keep]
     rows = []
-    for bs in [int(b) for b in args.batch_sizes.split(",")]:
-        for name, decoder, params in configs(args.gen_length, args.slot_size,
-                                             [int(b) for b in args.serial_blocks.split(",")],
-                                             args.slot_threshold, args.token_threshold):
-            r = run(model, prompts, decoder, params, bs)
-            rows.append(dict(name=name, decoder=decoder, params=params, batch_size=bs,
-                             **{k: v for k, v in r.items() if k != "outputs"}))
-            print(f"batch {bs:>2} {name:<26} TPF {r['tpf']:5.2f}  TPS {r['tps']:8.1f}  {r['seconds']:6.2f} s",
-                  flush=True)
-    ar = {r["batch_size"]: r["tps"] for r in rows if r["decoder"] == "ar"}
-    print("\n| batch | decoder | tokens | TPF | TPS | wall s | TPS / AR | tokens fed / forward | ms / forward |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['batch_size']} | {r['name']} | {r['tokens']} | {r['tpf']:.2f} | {r['tps']:.1f} | {r['seconds']:.2f} | "
-              f"{r['tps'] / ar[r['batch_size']]:.2f}x | {r['fed_per_forward']:.1f} | {r['ms_per_forward']:.2f} |")
-    out = Path(args.out)
+    for threads in [int(t) for t in args.threads.split(",")]:
+        torch.set_num_threads(threads)
+        for _, decoder, params in chosen:  # warm-up: first calls allocate and pick kernels
+            decode(model, data[next(iter(data))][1][:2], decoder, **params)
+        for bs in [int(b) for b in args.batch_sizes.split(",")]:
+            for name, decoder, params in chosen:
+                for task_name, (exs, prompts) in data.items():
+                    r = run(model, tok, tasks[task_name], exs, prompts, decoder, params, bs)
+                    rows.append(dict(threads=threads, batch_size=bs, name=name, decoder=decoder, params=params,
+                                     task=task_name, **r))
+                    print(f"threads {threads} batch {bs:>2} {name:<28} {task_name:<8} acc {r['correct']:>3}/{r['n']:<3}"
+                          f" TPF {r['tokens'] / r['forwards']:5.2f} TPS {r['tokens'] / r['seconds']:8.1f}", flush=True)
+    summary = summarise(rows)
+    print()
+    print(table(summary))
+    out = Path(args.out or f"benchmarks/results/decode_{model_dir.name}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(model=args.model, args=vars(args), threads=args.threads,
-                                   torch=torch.__version__, rows=rows), indent=2))
+    out.write_text(json.dumps(dict(model=str(model_dir), args=vars(args), torch=torch.__version__,
+                                   summary=summary, rows=rows), indent=2))
     print(f"\nwrote {out}")
 
 

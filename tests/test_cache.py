@@ -104,3 +104,28 @@ def test_merged_infill_cache_equals_packed_forward():
         pos = torch.cat([pos0, spos.view(1, -1), qpos], 1)
         ref = m(ids, pos, attn_mask=mask)[:, -1:]
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+
+
+def test_ragged_cache_grows_and_moves_rows_keeping_entries():
+    from refusion.cache import RaggedKVCache
+
+    c = RaggedKVCache(num_layers=2, kv_heads=2, head_dim=4, dtype=torch.float32, device="cpu", rows=2, capacity=3)
+    k = torch.randn(2, 2, 3, 4)
+    v = torch.randn(2, 2, 3, 4)
+    c.row0, c.write_index, c.used = 0, torch.tensor([[0, 1, 2], [0, 1, 2]]), 3
+    for i in range(2):
+        kk, vv = c.update(i, k, v)
+        assert torch.equal(kk, k) and torch.equal(vv, v)
+    c.reserve(5, 10)
+    assert c.rows >= 5 and c.capacity >= 10
+    ks, vs = c.row(1, 3)
+    assert torch.equal(ks[0], k[1]) and torch.equal(vs[1], v[1])
+    c.move_row(1, 3, 2)
+    ks, _ = c.row(3, 2)
+    assert torch.equal(ks[1], k[1, :, :2])
+    # a forward over rows 3..4 writing at different columns per row reads back its own rows only
+    c.row0, c.write_index, c.used = 3, torch.tensor([[2], [0]]), 3
+    new = torch.randn(2, 2, 1, 4)
+    kk, _ = c.update(0, new, new)
+    assert torch.equal(kk[0, :, 2], new[0, :, 0]) and torch.equal(kk[0, :, :2], k[1, :, :2])
+    assert torch.equal(kk[1, :, 0], new[1, :, 0])

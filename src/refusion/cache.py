@@ -160,3 +160,69 @@ class SlotKVCache:
         if self.rows is not None:
             k, v = k[self.rows], v[self.rows]
         return k[:, : self.used].transpose(1, 2), v[:, : self.used].transpose(1, 2)
+
+
+class RaggedKVCache:
+    """Rows of different lengths in one preallocated buffer, for decoders whose sequences advance by
+    different amounts per forward (speculative decoding) and join or leave between forwards.
+
+    Layout per layer: [rows, kv_heads, capacity, head_dim]. Row r's kept entries are columns
+    [0, length_r); the decoder tracks the lengths. Before each forward it sets `row0` (the batch is
+    rows row0 .. row0+B-1, a contiguous range, so reads are views, never gathers), `write_index`
+    [B, T] (the column of every fed token) and `used` (columns attention reads); which of them a
+    query may see is the decoder's mask. Dropping entries is only a length change on the decoder's
+    side: nothing is copied or recomputed.
+    """
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device | str, rows: int = 1, capacity: int = 64) -> None:
+        self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
+        self.dtype, self.device = dtype, torch.device(device)
+        shape = (rows, kv_heads, capacity, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.row0 = 0
+        self.write_index: Tensor | None = None
+        self.used = 0
+        self.length = 0  # read by the model only to pick a default mask; the decoder always passes one
+        self._rows: Tensor | None = None  # batch row -> cache row, built once per forward (at layer 0)
+
+    @property
+    def rows(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[2]
+
+    def reserve(self, rows: int, capacity: int) -> None:
+        """Grow (never shrink) to at least `rows` x `capacity`, keeping every entry."""
+        if rows <= self.rows and capacity <= self.capacity:
+            return
+        # grow geometrically so that a server admitting one sequence at a time reallocates rarely
+        rows = self.rows if rows <= self.rows else max(rows, 2 * self.rows)
+        capacity = self.capacity if capacity <= self.capacity else max(capacity, 2 * self.capacity)
+        for buffers in (self.k, self.v):
+            for i, old in enumerate(buffers):
+                new = old.new_zeros((rows, self.kv_heads, capacity, self.head_dim))
+                new[: old.shape[0], :, : old.shape[2]] = old
+                buffers[i] = new
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        """Copy row src's first `length` entries into row dst (to keep the running rows contiguous)."""
+        for buffers in (self.k, self.v):
+            for buf in buffers:
+                buf[dst, :, :length] = buf[src, :, :length]
+
+    def row(self, r: int, length: int) -> tuple[list[Tensor], list[Tensor]]:
+        """Row r's first `length` keys and values per layer ([kv_heads, length, head_dim] views)."""
+        return [k[r, :, :length] for k in self.k], [v[r, :, :length] for v in self.v]
+
+    def update(self, i: int, k_new: Tensor, v_new: Tensor) -> tuple[Tensor, Tensor]:
+        B = k_new.shape[0]
+        if i == 0 or self._rows is None or self._rows.shape[0] != B:
+            self._rows = torch.arange(self.row0, self.row0 + B, device=k_new.device)[:, None]
+        self.k[i][self._rows, :, self.write_index] = k_new.transpose(1, 2).to(self.dtype)
+        self.v[i][self._rows, :, self.write_index] = v_new.transpose(1, 2).to(self.dtype)
+        sl = slice(self.row0, self.row0 + B)
+        return self.k[i][sl, :, : self.used], self.v[i][sl, :, : self.used]

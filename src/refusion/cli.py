@@ -45,6 +45,10 @@ def decoder_params(args: argparse.Namespace, decoder: str) -> dict:
         return dict(gen_length=args.gen_length, slot_size=args.slot_size, serial_blocks=args.serial_blocks,
                     slot_threshold=args.slot_threshold, token_threshold=args.token_threshold,
                     temperature=args.temperature, recompute_kv=args.recompute_kv)
+    if decoder == "speculative":
+        return dict(gen_length=args.gen_length, draft_length=args.draft_length, mask_length=args.mask_length,
+                    adaptive=not args.fixed_widths, temperature=args.temperature, top_k=args.top_k,
+                    top_p=args.top_p, accept_prob=args.accept_prob)
     if decoder in ("mdm", "mdm-threshold"):
         p = dict(gen_length=args.gen_length, block_length=args.block_length, temperature=args.temperature,
                  prefix_cache=args.prefix_cache, steps=args.steps or args.gen_length)
@@ -129,6 +133,13 @@ def add_decoder_flags(g: argparse.ArgumentParser) -> None:
     g.add_argument("--gen-length", type=int, default=128, help="tokens to generate (at most)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--seed", type=int, default=0)
+    s = g.add_argument_group("self-speculative (speculative): greedy output identical to ar, several tokens per forward")
+    s.add_argument("--draft-length", type=int, default=16, help="most draft tokens verified per forward (0: plain AR)")
+    s.add_argument("--mask-length", type=int, help="masks fed per forward to draft ahead (default: draft width + 1)")
+    s.add_argument("--fixed-widths", action="store_true",
+                   help="always feed --draft-length drafts (default: each sequence's width follows its acceptance)")
+    s.add_argument("--accept-prob", type=float,
+                   help="lossy: also accept a draft token whose probability is at least this (default: exact)")
     r = g.add_argument_group("plan-and-infill (refusion, refusion-l2r)")
     r.add_argument("--slot-size", type=int, default=8)
     r.add_argument("--serial-blocks", type=int, default=1)
@@ -140,7 +151,7 @@ def add_decoder_flags(g: argparse.ArgumentParser) -> None:
     m.add_argument("--steps", type=int, help="total denoising steps for mdm (default: gen-length)")
     m.add_argument("--threshold", type=float, default=0.9, help="confidence threshold for mdm-threshold")
     m.add_argument("--prefix-cache", action="store_true", help="reuse the prompt's and finished blocks' KV")
-    a = g.add_argument_group("autoregressive (ar)")
+    a = g.add_argument_group("sampling (ar, speculative; with --temperature > 0)")
     a.add_argument("--top-k", type=int)
     a.add_argument("--top-p", type=float)
 

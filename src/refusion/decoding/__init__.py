@@ -3,6 +3,7 @@
 refusion       plan-and-infill (spec section 4)
 refusion-l2r   plan-and-infill that always takes the leftmost undecoded slot
 ar             autoregressive with the KV cache
+speculative    self-speculative: the masks draft, causal predictions verify; greedy AR's exact output
 mdm            LLaDA-style masked diffusion (fixed tokens per step, semi-autoregressive blocks)
 mdm-threshold  Fast-dLLM-style: every mask above a confidence, at least one per step
 """
@@ -17,8 +18,9 @@ from .ar import generate_ar
 from .common import DecodeResult
 from .mdm import MDMParams, generate_mdm
 from .refusion import ReFusionParams, generate_refusion
+from .speculative import SpeculativeBatch, SpeculativeParams, generate_speculative
 
-DECODERS = ("refusion", "refusion-l2r", "ar", "mdm", "mdm-threshold")
+DECODERS = ("speculative", "refusion", "refusion-l2r", "ar", "mdm", "mdm-threshold")
 
 
 def _fields(cls) -> set[str]:
@@ -38,6 +40,10 @@ def decode(model: Transformer, prompts: list[list[int]], decoder: str = "refusio
         p = ReFusionParams(**params)
         p.left_to_right = p.left_to_right or decoder == "refusion-l2r"
         return generate_refusion(model, prompts, p, eos_ids=eos_ids, seed=seed, on_commit=on_commit)
+    if decoder == "speculative":
+        _check(decoder, params, _fields(SpeculativeParams))
+        return generate_speculative(model, prompts, SpeculativeParams(**params), eos_ids=eos_ids, seed=seed,
+                                    on_commit=on_commit)
     if decoder in ("mdm", "mdm-threshold"):
         _check(decoder, params, _fields(MDMParams))
         p = MDMParams(**params)
@@ -62,5 +68,5 @@ def _check(decoder: str, params: dict, allowed: set[str]) -> None:
         raise ValueError(f"decoder {decoder!r} does not take {', '.join(bad)} (it takes: {', '.join(sorted(allowed))})")
 
 
-__all__ = ["DECODERS", "DecodeResult", "MDMParams", "ReFusionParams", "decode", "generate_ar", "generate_mdm",
-           "generate_refusion"]
+__all__ = ["DECODERS", "DecodeResult", "MDMParams", "ReFusionParams", "SpeculativeBatch", "SpeculativeParams",
+           "decode", "generate_ar", "generate_mdm", "generate_refusion", "generate_speculative"]

@@ -1,0 +1,392 @@
+"""Self-speculative decoding (spec section 7): the output of AR decoding at a diffusion draft's pace.
+
+A ReFusion model holds a drafter and a verifier in one network: a `<|mask|>` at position q predicts
+the token at q from whatever is in the cache (a draft, for free), and a clean token predicts its
+successor causally (what AR decoding would commit). Each step feeds, per sequence,
+
+    x, d1..dk, <|mask|> x m        at positions n-1, n, ..., n+k+m-1
+
+on top of that sequence's cache, causal in feed order, where x is the newest committed token (its
+KV is not cached yet) and d1..dk the draft. The longest draft prefix that equals the causal
+predictions is accepted, plus one token the model supplies, so every step commits at least one
+token and the committed tokens are exactly those greedy AR decoding would produce. The cache keeps
+the KV of x and the accepted drafts, computed in this very forward, and nothing else (a length
+change, no copy, no recomputation); the masks' predictions become the next draft.
+
+Sampling (temperature > 0) is speculative sampling: a draft token d is accepted with probability
+min(1, p(d)/q(d)) and on rejection the token is drawn from normalise((p - q)+), which leaves the
+output distributed exactly as AR sampling with the same temperature / top-k / top-p. The drafts are
+the masks' greedy predictions, so q is a point mass: acceptance is p(d), the residual p without d.
+`accept_prob` is the opt-in lossy knob: also accept a draft token whose probability is >= it.
+
+Widths: a forward's cost grows with the tokens fed on a CPU and hardly at all on a GPU. With
+`adaptive` (the default) each sequence's draft width follows its own acceptance (+2 after a fully
+accepted draft, -1 after a rejection, within [1, draft_length]; masks = width + 1); otherwise the
+widths are fixed at draft_length and mask_length.
+
+Batched and ragged: each sequence accepts its own number of tokens and keeps its own cache length
+in a RaggedKVCache; one forward per step for the running sequences (plus one for sequences that
+joined and are being prefilled, so narrow decode rows are never padded to a prompt), one host
+transfer per forward. Sequences join and leave between steps (SpeculativeBatch): a server's
+continuous batching. `generate_speculative` is "add every prompt, step until none is left", so a
+sequence's output does not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..cache import RaggedKVCache
+from ..model import Transformer
+from .common import DecodeResult, resolve_params
+
+
+@dataclass
+class SpeculativeParams:
+    gen_length: int = 256  # tokens to generate at most
+    draft_length: int = 16  # most draft tokens fed per step (0: plain AR, one token per forward)
+    mask_length: int | None = None  # masks fed per step (default: the draft width + 1)
+    adaptive: bool = True  # draft width follows each sequence's acceptance, within [1, draft_length]
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int | None = None
+    top_p: float | None = None
+    accept_prob: float | None = None  # lossy: also accept a draft token with probability >= this
+
+    def validate(self) -> None:
+        if self.gen_length < 1:
+            raise ValueError(f"gen_length must be >= 1, got {self.gen_length}")
+        if self.draft_length < 0:
+            raise ValueError(f"draft_length must be >= 0, got {self.draft_length}")
+        if self.mask_length is not None and self.mask_length < 0:
+            raise ValueError(f"mask_length must be >= 0, got {self.mask_length}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1 (or unset), got {self.top_k}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+        if self.accept_prob is not None and not 0 < self.accept_prob <= 1:
+            raise ValueError(f"accept_prob must lie in (0, 1], got {self.accept_prob}")
+        if self.temperature == 0 and (self.top_k is not None or self.top_p is not None):
+            raise ValueError("top_k / top_p only apply when sampling: set temperature > 0")
+
+    @property
+    def max_width(self) -> int:
+        """The most tokens one step can feed after the prefill: x, the draft and the masks."""
+        masks = self.mask_length if self.mask_length is not None else self.draft_length + 1
+        return 1 + self.draft_length + masks
+
+
+class _Seq:
+    """One sequence: committed tokens (all but the newest, x, have their KV in cache columns
+    [0, c)), the draft for the positions after x, and the adaptive width."""
+
+    def __init__(self, sid: int, prompt: list[int], p: SpeculativeParams, mask_id: int, eos: set[int],
+                 gen: torch.Generator | None, on_commit: Callable[[list[int], list[int]], None] | None) -> None:
+        self.sid, self.prompt, self.p, self.mask_id, self.eos = sid, prompt, p, mask_id, eos
+        self.gen, self.on_commit = gen, on_commit
+        self.P = len(prompt)
+        self.c = 0
+        self.x: int | None = None  # None until the prefill has run
+        self.draft: list[int] = []
+        self.width = p.draft_length if not p.adaptive else min(p.draft_length, 4)
+        self.done = False
+        self.res = DecodeResult(prompt=list(prompt))
+        self.start = time.perf_counter()
+        self.fed_k = 0  # draft tokens fed in the step now running
+        self.anchor = 0  # feed index whose logits give the first token of this step
+
+    def _masks(self) -> int:
+        if self.p.mask_length is not None:
+            return self.p.mask_length
+        return self.width + 1 if self.width > 0 else 0
+
+    def next_feed(self) -> tuple[list[int], list[int]]:
+        """(ids, positions) of this step's feed; its cache columns are c, c+1, ..."""
+        left = self.p.gen_length - len(self.res.tokens)  # positions still to fill
+        if self.x is None:  # prefill: the prompt, then masks; the first token is read from the first mask
+            m = max(1, min(self._masks(), left))
+            ids = self.prompt + [self.mask_id] * m
+            self.anchor, self.fed_k = self.P, 0
+        else:
+            k = min(len(self.draft), self.width, left - 1)
+            m = min(self._masks(), left - k)
+            self.draft = self.draft[:k]  # unfed draft tokens would sit where the masks go
+            ids = [self.x] + self.draft + [self.mask_id] * m
+            self.anchor, self.fed_k = 0, k
+        n0 = self.P + len(self.res.tokens) - (0 if self.x is None else 1)  # position of ids[anchor]
+        start = n0 - self.anchor
+        self.res.forwards += 1
+        self.res.tokens_fed += len(ids)
+        return ids, list(range(start, start + len(ids)))
+
+    def advance(self, j: int, extra: int, mask_preds: list[int]) -> None:
+        """Commit the first j draft tokens and `extra`; keep their KV; make the next draft."""
+        prefill = self.x is None
+        k = self.fed_k
+        commit = (self.draft[:j] + [extra])[: self.p.gen_length - len(self.res.tokens)]
+        eos_at = next((i for i, t in enumerate(commit) if t in self.eos), None)
+        if eos_at is not None:
+            commit = commit[: eos_at + 1]
+        g = len(self.res.tokens)
+        positions = list(range(self.P + g, self.P + g + len(commit)))
+        self.res.tokens += commit
+        self.res.positions += positions
+        self.res.steps += [self.res.forwards - 1] * len(commit)
+        if eos_at is not None or len(self.res.tokens) >= self.p.gen_length:
+            self.done = True
+            self.res.finished = eos_at is not None
+        if prefill:
+            self.c = self.P
+            self.draft = mask_preds
+        else:
+            self.c += j + 1  # x and the accepted drafts: their KV was computed by this forward
+            # after a mismatch the rest of the old draft still guesses the positions after `extra`;
+            # after a full accept `extra` took the first mask's position
+            self.draft = self.draft[j + 1:] + mask_preds if j < k else mask_preds[1:]
+            if self.p.adaptive and self.p.draft_length > 0:
+                self._adapt(j, k)
+        self.x = extra
+        if self.on_commit is not None and commit:
+            self.on_commit(positions, commit)
+
+    def _adapt(self, j: int, k: int) -> None:
+        self.width = min(self.p.draft_length, self.width + 2) if j == k else max(1, self.width - 1)
+
+    def result(self) -> DecodeResult:
+        self.res.seconds = time.perf_counter() - self.start
+        return self.res
+
+
+class SpeculativeBatch:
+    """Sequences decoded together, joining and leaving between steps (continuous batching).
+
+        batch = SpeculativeBatch(model)
+        sid = batch.add(prompt_ids, SpeculativeParams(gen_length=64), seed=0)
+        while len(batch):
+            for sid, result in batch.step(): ...
+
+    Not thread-safe: one thread (a server's engine loop) owns the batch and the model. Running
+    sequences occupy cache rows 0..N-1 in order; a new one is appended, a finished one is replaced
+    by the last row (one copy of that row's kept entries).
+    """
+
+    def __init__(self, model: Transformer, eos_ids: list[int] | None = None) -> None:
+        cfg = model.config
+        if cfg.mask_token_id is None:
+            raise ValueError("speculative decoding needs a model with a mask token (mask_token_id in "
+                             "config.json): use --decoder ar, or add one with `refusion add-mask-token`")
+        self.model, self.mask_id = model, cfg.mask_token_id
+        self.eos = set(eos_ids if eos_ids is not None else cfg.eos_ids)
+        self.device = model.embed_tokens.weight.device
+        self.vocab = cfg.vocab_size
+        self.pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
+        self.cache: RaggedKVCache | None = None
+        self.running: list[_Seq] = []
+        self.pending: list[_Seq] = []
+        self.next_id = 0
+
+    def __len__(self) -> int:
+        return len(self.running) + len(self.pending)
+
+    def add(self, prompt: list[int], params: SpeculativeParams | None = None, seed: int | None = None,
+            on_commit: Callable[[list[int], list[int]], None] | None = None) -> int:
+        """Queue a sequence; it joins at the next step. on_commit(positions, tokens) streams commits."""
+        p = params or SpeculativeParams()
+        p.validate()
+        if not prompt:
+            raise ValueError("every prompt needs at least one token")
+        if min(prompt) < 0 or max(prompt) >= self.vocab:
+            raise ValueError(f"prompt token ids must lie in [0, {self.vocab})")
+        gen = torch.Generator().manual_seed(seed if seed is not None else 0) if p.temperature > 0 else None
+        q = _Seq(self.next_id, list(prompt), p, self.mask_id, self.eos, gen, on_commit)
+        self.next_id += 1
+        self.pending.append(q)
+        return q.sid
+
+    @torch.inference_mode()
+    def cancel(self, sid: int) -> DecodeResult | None:
+        """Drop a sequence at once (its cache row is freed); returns what it had committed."""
+        for i, q in enumerate(self.pending):
+            if q.sid == sid:
+                return self.pending.pop(i).result()
+        for i, q in enumerate(self.running):
+            if q.sid == sid:
+                self._remove(i)
+                return q.result()
+        return None
+
+    @torch.inference_mode()
+    def step(self) -> list[tuple[int, DecodeResult]]:
+        """One forward for the running sequences (and one to prefill those that joined); returns
+        the sequences that finished in this step with their results."""
+        old = len(self.running)
+        if self.pending:
+            self._admit()
+        if not self.running:
+            return []
+        for lo, hi in ((0, old), (old, len(self.running))):
+            if hi > lo:
+                self._forward(lo, hi)
+        done = [i for i, q in enumerate(self.running) if q.done]
+        out = [(self.running[i].sid, self.running[i].result()) for i in done]
+        for i in reversed(done):
+            self._remove(i)
+        return out
+
+    # ---- internals ------------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        self.running += self.pending
+        self.pending = []
+        cfg = self.model.config
+        need = max(q.P + q.p.gen_length for q in self.running) + max(q.p.max_width for q in self.running) + 1
+        if self.cache is None:
+            self.cache = RaggedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                                       self.model.embed_tokens.weight.dtype, self.device,
+                                       rows=len(self.running), capacity=need)
+        self.cache.reserve(len(self.running), need)
+
+    def _remove(self, i: int) -> None:
+        last = len(self.running) - 1
+        if i != last:
+            self.cache.move_row(last, i, self.running[last].c)
+            self.running[i] = self.running[last]
+        self.running.pop()
+
+    def _forward(self, lo: int, hi: int) -> None:
+        seqs = self.running[lo:hi]
+        feeds = [q.next_feed() for q in seqs]
+        B = len(seqs)
+        W = max(len(ids) for ids, _ in feeds)
+        need = max(len(ids) - q.anchor for q, (ids, _) in zip(seqs, feeds))  # logits from each anchor on
+        # rows are right-aligned so that every row's anchor..end falls in the last `need` columns
+        packed = np.zeros((3, B, W), dtype=np.int64)  # ids, positions, cache columns
+        meta = np.zeros((2, B), dtype=np.int64)  # anchor's index among the last `need`, draft length
+        for b, (q, (ids, pos)) in enumerate(zip(seqs, feeds)):
+            w, off = len(ids), W - len(ids)
+            packed[0, b], packed[1, b, off:] = self.pad, pos
+            packed[0, b, off:] = ids
+            # padding goes after the row's own columns, where no real query of the row looks
+            packed[2, b] = np.r_[np.arange(q.c + w, q.c + W), np.arange(q.c, q.c + w)]
+            meta[:, b] = need - (w - q.anchor), q.fed_k
+        dev = torch.from_numpy(np.concatenate([packed.reshape(-1), meta.reshape(-1)])).to(self.device)
+        ids_t, pos_t, col_t = dev[: 3 * B * W].view(3, B, W)
+        anchor_t, k_t = dev[3 * B * W:].view(2, B)
+        used = max(q.c for q in seqs) + W
+        cache = self.cache
+        cache.row0, cache.write_index, cache.used = lo, col_t, used
+        # a query sees every kept column of its row and its own row's fed tokens up to itself
+        mask = torch.arange(used, device=self.device)[None, None, :] <= col_t[:, :, None]
+        logits = self.model(ids_t, pos_t, attn_mask=mask[:, None], cache=cache, num_logits=need).float()
+        j, extra, amax = self._judge(seqs, logits, ids_t[:, W - need:], anchor_t, k_t, meta[0])
+        host = torch.cat([j[:, None], extra[:, None], amax], 1).cpu().numpy()  # the step's one transfer
+        for b, (q, (ids, _)) in enumerate(zip(seqs, feeds)):
+            a, k = int(meta[0, b]), q.fed_k
+            masks_from = a + 1 + k  # the masks after the anchor and the draft
+            q.advance(int(host[b, 0]), int(host[b, 1]), host[b, 2 + masks_from: 2 + need].tolist())
+
+    def _judge(self, seqs: list[_Seq], logits: Tensor, ids: Tensor, anchor: Tensor, k: Tensor,
+               anchor_host: np.ndarray) -> tuple[Tensor, Tensor, Tensor]:
+        """Per row: j (accepted draft tokens), the extra token, and the greedy prediction at every
+        column (the masks' ones are the next draft). logits/ids: the last N fed columns."""
+        B, N, _ = logits.shape
+        amax = logits.argmax(-1)
+        nxt = ids[:, 1:]  # the token fed after column t, which column t's logits predict
+        col = torch.arange(N - 1, device=logits.device)[None, :]
+        sampling = [q.p.temperature > 0 for q in seqs]
+        taus = [q.p.accept_prob for q in seqs]
+        ok = nxt == amax[:, :-1]
+        probs = None
+        if any(sampling):
+            temp = torch.tensor([q.p.temperature if s else 1.0 for q, s in zip(seqs, sampling)], device=logits.device)
+            top_k = torch.tensor([q.p.top_k or 0 for q in seqs], device=logits.device)
+            top_p = torch.tensor([q.p.top_p or 1.0 for q in seqs], device=logits.device)
+            filtered = any(q.p.top_k is not None or q.p.top_p is not None for q in seqs)
+            probs = sampling_probs(logits, temp, top_k, top_p, filtered)
+            p_next = probs[:, :-1].gather(-1, nxt[..., None]).squeeze(-1)
+            u, u_last = self._uniforms(seqs, sampling, anchor_host, N, logits.device)
+            # q(d) = 1 for a greedy draft, so min(1, p/q) = p(d)
+            ok = torch.where(torch.tensor(sampling, device=logits.device)[:, None], u[:, :-1] < p_next, ok)
+        if any(t is not None for t in taus):
+            if probs is None:
+                p_next = (logits[:, :-1].gather(-1, nxt[..., None]).squeeze(-1) - logits[:, :-1].logsumexp(-1)).exp()
+            tau = torch.tensor([t if t is not None else 2.0 for t in taus], device=logits.device)
+            ok |= p_next >= tau[:, None]
+        a = anchor[:, None]
+        run = torch.where(col < a, True, torch.where(col < a + k[:, None], ok, False))
+        j = run.long().cumprod(1).sum(1) - anchor
+        at = anchor + j  # the column whose logits give the extra token
+        extra = amax.gather(1, at[:, None]).squeeze(1)
+        if probs is not None:
+            rows = torch.arange(B, device=logits.device)
+            final = probs[rows, at]
+            if N > 1:  # the residual (p - q)+ where a draft token was rejected, q a point mass on it
+                rejected = nxt[rows, at.clamp(max=N - 2)]
+                drop = (j < k)[:, None] & (torch.arange(final.shape[-1], device=logits.device)[None] == rejected[:, None])
+                final = final.masked_fill(drop, 0.0)
+            cdf = final.cumsum(-1)  # inverse-CDF draw with the sequence's own uniform
+            drawn = (cdf <= u_last[:, None] * cdf[:, -1:]).sum(-1).clamp(max=final.shape[-1] - 1)
+            extra = torch.where(torch.tensor(sampling, device=logits.device), drawn, extra)
+        return j, extra, amax
+
+    def _uniforms(self, seqs: list[_Seq], sampling: list[bool], anchor: np.ndarray, N: int,
+                  device: torch.device) -> tuple[Tensor, Tensor]:
+        """Each sampling sequence draws k + 1 uniforms from its own generator (k accept tests, one
+        draw), so its output does not depend on the rest of the batch."""
+        B = len(seqs)
+        u = torch.ones(B, N)
+        last = torch.zeros(B)
+        for b, (q, s) in enumerate(zip(seqs, sampling)):
+            if s:
+                r = torch.rand(q.fed_k + 1, generator=q.gen)
+                u[b, anchor[b]: anchor[b] + q.fed_k] = r[:-1]
+                last[b] = r[-1]
+        return u.to(device), last.to(device)
+
+
+def sampling_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, filtered: bool = True
+                   ) -> Tensor:
+    """Probabilities [B, N, V] that `common.sample` draws from, with per-row parameters
+    (temperature [B] > 0; top_k [B], 0 = off; top_p [B], 1 = off). filtered=False: no row uses
+    top-k or top-p (known on the host, so the sort is skipped without a device sync)."""
+    x = logits / temperature[:, None, None]
+    if filtered:
+        srt, order = x.sort(-1, descending=True)
+        V = x.shape[-1]
+        kth = srt.gather(-1, (top_k.clamp(min=1, max=V) - 1)[:, None, None].expand(*srt.shape[:2], 1))
+        cut_k = (top_k > 0)[:, None, None] & (srt < kth)
+        srt = srt.masked_fill(cut_k, float("-inf"))
+        sp = srt.softmax(-1)
+        cut_p = (sp.cumsum(-1) - sp >= top_p[:, None, None]) & (top_p < 1)[:, None, None]
+        x = torch.empty_like(x).scatter_(-1, order, srt.masked_fill(cut_p, float("-inf")))
+    return x.softmax(-1)
+
+
+@torch.inference_mode()
+def generate_speculative(model: Transformer, prompts: list[list[int]], params: SpeculativeParams | None = None,
+                         eos_ids: list[int] | None = None, seed: int | None = None,
+                         on_commit: Callable[[int, list[int], list[int]], None] | None = None,
+                         **overrides) -> list[DecodeResult]:
+    """Self-speculative decoding of a batch of prompts; on_commit(row, positions, tokens) streams."""
+    p = resolve_params(SpeculativeParams, params, overrides)
+    if not prompts:
+        raise ValueError("every prompt needs at least one token")
+    batch = SpeculativeBatch(model, eos_ids)
+    sids = [batch.add(q, p, seed=seed, on_commit=None if on_commit is None else
+                      (lambda pos, tok, r=r: on_commit(r, pos, tok))) for r, q in enumerate(prompts)]
+    start = time.perf_counter()
+    results: dict[int, DecodeResult] = {}
+    while len(batch):
+        results.update(batch.step())
+    seconds = time.perf_counter() - start
+    for r in results.values():
+        r.seconds = seconds
+    return [results[s] for s in sids]

@@ -1,0 +1,305 @@
+"""Self-speculative decoding (spec section 7) against plain AR decoding of the same model.
+
+Greedy: the output must be AR's, token for token, whatever the widths, the batch, the prompt lengths
+and where EOS falls. On random tiny models the masks' drafts are mostly wrong, so an "oracle" (AR's
+own continuation, corrupted at a random place) is also put in as the draft: that reaches long
+accepted drafts, partial accepts, and EOS inside an accepted draft. Sampling: the distribution of
+whole outputs equals the exact AR sampling law, enumerated on a 6-token vocabulary.
+"""
+
+import functools
+import itertools
+import random
+
+import pytest
+import torch
+
+from refusion.cache import KVCache
+from refusion.config import ModelConfig
+from refusion.decoding import decode, generate_ar
+from refusion.decoding import speculative as spec
+from refusion.decoding.speculative import SpeculativeBatch, SpeculativeParams, generate_speculative
+from refusion.model import Transformer
+
+MASK = 23
+CFG = dict(vocab_size=24, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+           mask_token_id=MASK, eos_token_id=1)
+PROMPTS = [[2, 3, 4], [5, 6, 7, 8, 9, 10, 11], [12], [13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 2, 3]]
+WIDTHS = [dict(), dict(adaptive=False), dict(draft_length=3, mask_length=2, adaptive=False),
+          dict(draft_length=0), dict(draft_length=5, mask_length=0, adaptive=False), dict(draft_length=2)]
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_model(seed: int, **over) -> Transformer:
+    return Transformer(ModelConfig(**{**CFG, **over})).init_weights(seed=seed, std=0.5).eval()
+
+
+def ar(model, prompts, n, eos):
+    return generate_ar(model, prompts, max_new_tokens=n, eos_ids=eos)
+
+
+class Oracle:
+    def __init__(self):
+        self.truth: dict[tuple, list[int]] = {}  # prompt -> AR's continuation
+        self.p_corrupt, self.min_len, self.rng = 0.5, 0, random.Random(0)
+
+
+@pytest.fixture
+def oracle(monkeypatch):
+    """After every step, replace a sequence's draft by AR's continuation, cut to a random length and
+    (with probability p_corrupt) corrupted at a random place."""
+    o = Oracle()
+    plain = spec._Seq.advance
+
+    def advance(self, j, extra, mask_preds):
+        plain(self, j, extra, mask_preds)
+        g = len(self.res.tokens)
+        draft = list(o.truth[tuple(self.prompt)][g: g + o.rng.randrange(o.min_len, 20)])
+        if draft and o.rng.random() < o.p_corrupt:
+            i = o.rng.randrange(len(draft))
+            draft[i] = (draft[i] + 1) % MASK
+        self.draft = draft
+
+    monkeypatch.setattr(spec._Seq, "advance", advance)
+    return o
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("widths", WIDTHS, ids=[str(w) for w in WIDTHS])
+def test_greedy_equals_ar_batched_and_alone(seed, widths):
+    model = tiny_model(seed)
+    ref = ar(model, PROMPTS, 24, [1])
+    together = generate_speculative(model, PROMPTS, gen_length=24, eos_ids=[1], **widths)
+    for p, r, a in zip(PROMPTS, together, ref):
+        assert r.tokens == a.tokens and r.positions == a.positions and r.finished == a.finished
+        (alone,) = generate_speculative(model, [p], gen_length=24, eos_ids=[1], **widths)
+        assert (alone.tokens, alone.steps, alone.forwards, alone.tokens_fed) == (r.tokens, r.steps, r.forwards,
+                                                                                 r.tokens_fed)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_greedy_equals_ar_with_long_accepted_drafts(seed, oracle):
+    model = tiny_model(seed)
+    free = ar(model, PROMPTS, 40, [])
+    for p, f in zip(PROMPTS, free):
+        oracle.truth[tuple(p)] = f.tokens
+    res = generate_speculative(model, PROMPTS, gen_length=40, eos_ids=[], draft_length=24)
+    assert [r.tokens for r in res] == [f.tokens for f in free]
+    assert sum(len(r.tokens) for r in res) / sum(r.forwards for r in res) > 3  # the drafts were accepted
+    # EOS anywhere, inside an accepted draft included: declare the i-th free token to be EOS
+    for i in (0, 1, 5, 17, 39):
+        eos = [free[0].tokens[i]]
+        want = ar(model, PROMPTS, 40, eos)
+        got = generate_speculative(model, PROMPTS, gen_length=40, eos_ids=eos, draft_length=24)
+        for g, w in zip(got, want):
+            assert g.tokens == w.tokens and g.finished == w.finished
+            assert g.tokens.count(eos[0]) <= 1 and (not g.finished or g.tokens[-1] == eos[0])
+
+
+def test_cache_after_every_step_equals_a_fresh_causal_pass(oracle):
+    model = tiny_model(1)
+    for p, f in zip(PROMPTS, ar(model, PROMPTS, 30, [])):
+        oracle.truth[tuple(p)] = f.tokens
+    batch = SpeculativeBatch(model, eos_ids=[])
+    for p in PROMPTS:
+        batch.add(p, SpeculativeParams(gen_length=30, draft_length=12))
+    checked = 0
+    with torch.inference_mode():
+        while len(batch):
+            batch.step()
+            for r, q in enumerate(batch.running):
+                seq = q.prompt + q.res.tokens[:-1]  # every committed token but the newest has its KV kept
+                assert q.c == len(seq)
+                fresh = KVCache(model.config.num_layers)
+                model(torch.tensor([seq]), torch.arange(len(seq))[None], cache=fresh)
+                ks, vs = batch.cache.row(r, q.c)
+                for i in range(model.config.num_layers):
+                    k, v = fresh.layer(i)
+                    torch.testing.assert_close(ks[i], k[0], atol=1e-5, rtol=1e-5)
+                    torch.testing.assert_close(vs[i], v[0], atol=1e-5, rtol=1e-5)
+                checked += 1
+    assert checked > 10
+
+
+def test_counters_by_hand(oracle):
+    """Fixed widths, perfect drafts: the prefill feeds P + 2 (2 masks) and commits 1 token; each
+    later step feeds x + 3 drafts + 2 masks and commits 4, the last one x + 3 drafts + 1 mask (only
+    one position is left for a mask to draft)."""
+    model = tiny_model(2)
+    p = PROMPTS[1]
+    free = ar(model, [p], 21, [])[0]
+    oracle.truth[tuple(p)], oracle.p_corrupt, oracle.min_len = free.tokens, 0.0, 19
+    (r,) = generate_speculative(model, [p], gen_length=21, eos_ids=[], draft_length=3, mask_length=2,
+                                adaptive=False)
+    assert r.tokens == free.tokens
+    assert r.forwards == 6 and r.steps == [0] + [s for s in range(1, 6) for _ in range(4)]
+    assert r.tokens_fed == (len(p) + 2) + 4 * (1 + 3 + 2) + (1 + 3 + 1)
+
+
+def test_ar_mode_counts_like_ar():
+    model = tiny_model(3)
+    for r, a in zip(generate_speculative(model, PROMPTS, gen_length=16, eos_ids=[1], draft_length=0),
+                    ar(model, PROMPTS, 16, [1])):
+        assert (r.tokens, r.steps, r.forwards, r.tokens_fed) == (a.tokens, a.steps, a.forwards, a.tokens_fed)
+
+
+def test_streaming_rebuilds_the_result_and_never_passes_eos():
+    model = tiny_model(4)
+    free = ar(model, PROMPTS, 20, [])
+    eos = [free[1].tokens[6]]
+    events = [[] for _ in PROMPTS]
+    res = decode(model, PROMPTS, "speculative", eos_ids=eos, gen_length=20,
+                 on_commit=lambda row, pos, tok: events[row].append((pos, tok)))
+    for r, ev in zip(res, events):
+        assert [q for pos, _ in ev for q in pos] == r.positions
+        assert [t for _, tok in ev for t in tok] == r.tokens
+
+
+def test_continuous_batching_join_leave_and_cancel():
+    """Sequences that join late, leave early or are cancelled do not change anyone's output."""
+    model = tiny_model(5)
+    p = SpeculativeParams(gen_length=20, draft_length=4)
+    solo = {i: generate_speculative(model, [q], p, eos_ids=[1])[0] for i, q in enumerate(PROMPTS)}
+    batch = SpeculativeBatch(model, eos_ids=[1])
+    sids = {batch.add(PROMPTS[0], p): 0, batch.add(PROMPTS[1], p): 1}
+    done, step = {}, 0
+    while len(batch):
+        for sid, r in batch.step():
+            done[sids[sid]] = r
+        step += 1
+        if step == 2:
+            sids[batch.add(PROMPTS[2], p)] = 2
+            victim = batch.add(PROMPTS[3], p)
+        if step == 4:
+            part = batch.cancel(victim)
+            assert part is not None and part.tokens == solo[3].tokens[: len(part.tokens)]
+    assert batch.cancel(12345) is None
+    for i in (0, 1, 2):
+        assert done[i].tokens == solo[i].tokens and done[i].steps == solo[i].steps
+    assert len(batch.running) == 0 and not batch.pending
+
+
+def test_accept_prob_is_lossy_when_asked(oracle):
+    """With accept_prob tiny every draft token is accepted, wrong ones included (the opt-in knob)."""
+    model = tiny_model(0)
+    free = ar(model, PROMPTS, 30, [])
+    for p, f in zip(PROMPTS, free):
+        oracle.truth[tuple(p)] = f.tokens
+    exact = generate_speculative(model, PROMPTS, gen_length=30, eos_ids=[])
+    lossy = generate_speculative(model, PROMPTS, gen_length=30, eos_ids=[], accept_prob=1e-9)
+    assert [r.tokens for r in exact] == [f.tokens for f in free]
+    assert [r.tokens for r in lossy] != [f.tokens for f in free]
+    assert sum(r.forwards for r in lossy) < sum(r.forwards for r in exact)
+
+
+def test_needs_a_mask_token_and_valid_params():
+    model = Transformer(ModelConfig(**{**CFG, "mask_token_id": None})).init_weights(seed=0)
+    with pytest.raises(ValueError, match="mask token"):
+        generate_speculative(model, PROMPTS, gen_length=4)
+    model = tiny_model(0)
+    for bad, msg in [(dict(gen_length=0), "gen_length"), (dict(draft_length=-1), "draft_length"),
+                     (dict(temperature=float("nan")), "temperature"), (dict(temperature=1, top_p=0), "top_p"),
+                     (dict(temperature=1, top_k=0), "top_k"), (dict(accept_prob=1.5), "accept_prob"),
+                     (dict(top_k=3), "temperature > 0")]:
+        with pytest.raises(ValueError, match=msg):
+            generate_speculative(model, PROMPTS, **bad)
+    with pytest.raises(ValueError, match="does not take"):
+        decode(model, PROMPTS, "speculative", slot_size=8)
+    with pytest.raises(ValueError, match="token ids"):
+        generate_speculative(model, [[2, 99]], gen_length=4)
+
+
+# ---- sampling: the exact AR law on a 6-token vocabulary -------------------------------------------
+
+V6 = dict(vocab_size=6, mask_token_id=5, eos_token_id=None)
+
+
+def exact_law(model, prompt, n, temperature, top_k, top_p) -> dict[tuple, float]:
+    """P(t1..tn) of AR sampling, enumerated: t1 from the mask at the first response position,
+    then causal next-token predictions; filtered as top-k then top-p (the smallest set whose mass
+    reaches top_p), written out independently of the library."""
+
+    def dist(ids):
+        with torch.inference_mode():
+            logits = model(torch.tensor([ids]), torch.arange(len(ids))[None])[0, -1].double() / temperature
+        keep = torch.ones_like(logits, dtype=torch.bool)
+        order = logits.argsort(descending=True)
+        if top_k:
+            keep[order[top_k:]] = False
+        probs = torch.where(keep, logits, torch.tensor(-float("inf"), dtype=torch.double)).softmax(-1)
+        if top_p:
+            mass, kept = 0.0, torch.zeros_like(keep)
+            for i in probs.argsort(descending=True).tolist():
+                if mass >= top_p:
+                    break
+                kept[i], mass = True, mass + probs[i].item()
+            probs = torch.where(kept, probs, 0.0)
+            probs = probs / probs.sum()
+        return probs.tolist()
+
+    law = {}
+    for seq in itertools.product(range(6), repeat=n):
+        p = dist(prompt + [5])[seq[0]]
+        for i in range(1, n):
+            if p == 0:
+                break
+            p *= dist(prompt + list(seq[:i]))[seq[i]]
+        if p > 0:
+            law[seq] = p
+    return law
+
+
+def chi2(counts: dict, law: dict, total: int) -> tuple[float, int]:
+    """Pearson's statistic over cells with >= 5 expected (the rest pooled) and its degrees of freedom."""
+    big = [s for s, p in law.items() if p * total >= 5]
+    stat = sum((counts.get(s, 0) - law[s] * total) ** 2 / (law[s] * total) for s in big)
+    rest_exp = total - sum(law[s] * total for s in big)
+    rest_obs = total - sum(counts.get(s, 0) for s in big)
+    if rest_exp >= 5:
+        stat += (rest_obs - rest_exp) ** 2 / rest_exp
+        return stat, len(big)
+    return stat, len(big) - 1
+
+
+def spec_samples(model, prompt, n, total, **kw) -> dict:
+    batch = SpeculativeBatch(model, eos_ids=[])
+    p = SpeculativeParams(gen_length=n, draft_length=4, adaptive=False, **kw)
+    for s in range(total):
+        batch.add(prompt, p, seed=s)
+    counts: dict[tuple, int] = {}
+    while len(batch):
+        for _, r in batch.step():
+            counts[tuple(r.tokens)] = counts.get(tuple(r.tokens), 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.7, top_k=4, top_p=0.9)],
+                         ids=["t1", "t0.7-k4-p0.9"])
+def test_sampled_outputs_follow_the_ar_law(kw):
+    model = Transformer(ModelConfig(**{**CFG, **V6})).init_weights(seed=7, std=0.25).eval()
+    prompt, n, total = [1, 2, 3], 3, 12000
+    law = exact_law(model, prompt, n, kw["temperature"], kw.get("top_k"), kw.get("top_p"))
+    stat, df = chi2(spec_samples(model, prompt, n, total, **kw), law, total)
+    threshold = df + 5 * (2 * df) ** 0.5  # about p = 1e-5 for these df; the seeds are fixed
+    assert stat < threshold, (stat, df)
+    # the same statistic has the power to see a wrong sampler: accepting every draft is one
+    bad, _ = chi2(spec_samples(model, prompt, n, total, accept_prob=1e-9, **kw), law, total)
+    assert bad > 3 * threshold, (bad, threshold)
+    # and AR sampling itself follows the same law (one generator for a batch of identical prompts)
+    counts: dict[tuple, int] = {}
+    for r in generate_ar(model, [prompt] * total, max_new_tokens=n, eos_ids=[], seed=0, temperature=kw["temperature"],
+                         top_k=kw.get("top_k"), top_p=kw.get("top_p")):
+        counts[tuple(r.tokens)] = counts.get(tuple(r.tokens), 0) + 1
+    assert chi2(counts, law, total)[0] < threshold
+
+
+def test_sampling_is_reproducible_and_batch_independent():
+    model = tiny_model(6)
+    kw = dict(gen_length=16, temperature=0.9, top_p=0.95, eos_ids=[1])
+    a = generate_speculative(model, PROMPTS, seed=3, **kw)
+    b = [generate_speculative(model, [p], seed=3, **kw)[0] for p in PROMPTS]
+    assert [r.tokens for r in a] == [r.tokens for r in b]
+    c = generate_speculative(model, PROMPTS, seed=4, **kw)
+    assert [r.tokens for r in a] != [r.tokens for r in c]
