@@ -10,7 +10,7 @@ import time
 
 from refusion.checkpoint import load_model
 from refusion.cli import BUNDLED
-from refusion.decoding import DECODERS, decode
+from refusion.decoding import decode
 from refusion.tasks.synthetic import TASKS
 from refusion.tokenizer import Tokenizer
 
@@ -51,16 +51,6 @@ class LiveServer:
 
 
 def solo(prompt: list[int], decoder: str, params: dict, seed: int | None = None):
-    """The request's output from decode() alone (speculative: alone in its own batch, which is what
-    decode(..., "speculative") is)."""
+    """What decode() gives a request's prompt alone."""
     model, _ = bundled()
-    if decoder in DECODERS:
-        return decode(model, [prompt], decoder, eos_ids=model.config.eos_ids, seed=seed, **params)[0]
-    from refusion.serve._speculative import SpeculativeBatch, SpeculativeParams
-
-    batch = SpeculativeBatch(model, eos_ids=model.config.eos_ids)
-    batch.add(prompt, SpeculativeParams(**params), seed=seed)
-    out = []
-    while len(batch):
-        out += batch.step()
-    return out[0][1]
+    return decode(model, [prompt], decoder, eos_ids=model.config.eos_ids, seed=seed, **params)[0]

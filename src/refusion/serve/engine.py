@@ -2,11 +2,12 @@
 
 Requests from the HTTP layer are `Job`s. The loop takes new jobs between steps:
 
-- speculative jobs join one `SpeculativeBatch` (continuous batching): each `step()` is one forward
+- speculative jobs (and greedy ar ones: the batch with no drafts is exactly AR) join one
+  `SpeculativeBatch` (continuous batching): each `step()` is one forward
   for every running sequence; a job that arrives joins at the next step, a finished one leaves in
   the step that finishes it, a cancelled one (client gone, stop string found) is dropped before the
   next step, its cache freed at once.
-- jobs for the other decoders (refusion, refusion-l2r, ar, mdm, mdm-threshold) have no step-wise
+- jobs for the other decoders (refusion, refusion-l2r, sampled ar, mdm, mdm-threshold) have no step-wise
   interface; they run through `decode()` in static groups of waiting jobs with the same decoder and
   parameters, each group in its own turn between two speculative steps. A group's rows do not
   influence each other (every decoder's batch-k output equals its batch-1 output; sampled rows are
@@ -31,10 +32,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..decoding import decode
+from ..decoding import SpeculativeBatch, decode
 from ..decoding.common import DecodeResult
 from ..model import Transformer
-from ._speculative import SpeculativeBatch
 from .params import DecoderChoice
 
 log = logging.getLogger("refusion.serve")
@@ -81,7 +81,7 @@ class Engine:
         self.max_running, self.max_queue, self.static_batch = max_running, max_queue, static_batch
         self.on_step = on_step  # metrics hook: (sequences in the step, seconds)
         self.batch_factory = batch_factory
-        self.batch = batch_factory(model, eos_ids=self.eos_ids)
+        self.batch = self._new_batch()
         self.live: dict[int, Job] = {}  # sequence id in self.batch -> job
         self.waiting: deque[Job] = deque()
         self.cancels: list[Job] = []
@@ -90,6 +90,12 @@ class Engine:
         self.thread: threading.Thread | None = None
         self.static_running = 0
         self.steps = 0
+
+    def _new_batch(self):
+        # a model without a mask token cannot run a SpeculativeBatch; no job asks for one then
+        if self.model.config.mask_token_id is None:
+            return _NoBatch()
+        return self.batch_factory(self.model, eos_ids=self.eos_ids)
 
     # ---- called from other threads --------------------------------------------------------
 
@@ -155,7 +161,7 @@ class Engine:
             job = self.waiting.popleft()
             if job.cancelled:
                 self._emit(job, Event("done", result=DecodeResult(prompt=job.prompt), cancelled=True))
-            elif job.choice.decoder == "speculative":
+            elif job.choice.spec is not None:
                 if len(self.live) + len(admitted) < self.max_running:
                     admitted.append(job)
                 else:
@@ -175,7 +181,8 @@ class Engine:
             sid = next((s for s, j in self.live.items() if j is job), None)
             if sid is not None:
                 del self.live[sid]
-                self._emit(job, Event("done", result=self.batch.cancel(sid), cancelled=True))
+                res = self.batch.cancel(sid) or DecodeResult(prompt=job.prompt)
+                self._emit(job, Event("done", result=res, cancelled=True))
         for job in admitted:
             try:
                 sid = self.batch.add(job.prompt, job.choice.spec, seed=job.seed, on_commit=self._committer(job))
@@ -204,7 +211,7 @@ class Engine:
             # commits already sent are not sent twice), and only the culprit fails.
             log.exception("speculative step failed; retrying its %d sequences one at a time", n)
             jobs, self.live = list(self.live.values()), {}
-            self.batch = self.batch_factory(self.model, eos_ids=self.eos_ids)
+            self.batch = self._new_batch()
             for job in jobs:
                 self._solo_speculative(job)
             return
@@ -223,12 +230,13 @@ class Engine:
             self._emit(job, Event("done", result=DecodeResult(prompt=job.prompt), cancelled=True))
             return
         job.steps = 0
-        batch = self.batch_factory(self.model, eos_ids=self.eos_ids)
+        batch = self._new_batch()
         try:
             sid = batch.add(job.prompt, job.choice.spec, seed=job.seed, on_commit=self._committer(job))
             while len(batch):
                 if job.cancelled:
-                    self._emit(job, Event("done", result=batch.cancel(sid), cancelled=True))
+                    res = batch.cancel(sid) or DecodeResult(prompt=job.prompt)
+                    self._emit(job, Event("done", result=res, cancelled=True))
                     return
                 for _, res in batch.step():
                     self._emit(job, Event("done", result=res))
@@ -290,7 +298,7 @@ class Engine:
 
     def _fail_all(self, message: str) -> None:
         jobs, self.live = list(self.live.values()), {}
-        self.batch = self.batch_factory(self.model, eos_ids=self.eos_ids)
+        self.batch = self._new_batch()
         for job in jobs:
             self._emit(job, Event("error", message=message))
 
@@ -304,6 +312,11 @@ class Engine:
         except Exception:  # a broken sink loses its own request only
             log.exception("job %d: delivering an event failed", job.id)
             job.cancelled = True
+
+
+class _NoBatch:
+    def __len__(self) -> int:
+        return 0
 
 
 class _Abandon(Exception):

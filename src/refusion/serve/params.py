@@ -12,11 +12,10 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
-from ..decoding import DECODERS, MDMParams, ReFusionParams
-from ._speculative import SpeculativeParams
+from ..decoding import DECODERS, MDMParams, ReFusionParams, SpeculativeParams
 from .schemas import GenerationRequest, RequestError
 
-SERVE_DECODERS = ("speculative",) + DECODERS
+SERVE_DECODERS = DECODERS
 _AR_FIELDS = {"temperature": float, "top_k": int, "top_p": float}
 # set from the standard OpenAI fields, never as extra body fields
 _STANDARD = {"gen_length", "temperature", "top_p"}
@@ -25,7 +24,8 @@ _STANDARD = {"gen_length", "temperature", "top_p"}
 @dataclass
 class DecoderChoice:
     """decoder: a name from SERVE_DECODERS. params: the keyword arguments decode() takes for it
-    (gen_length included); for speculative, `spec` is the validated SpeculativeParams."""
+    (gen_length included). spec: set when the job runs in the engine's continuous batch (a
+    SpeculativeBatch), with the validated SpeculativeParams it is added with."""
 
     decoder: str
     params: dict[str, Any]
@@ -90,12 +90,12 @@ def choose(req: GenerationRequest, has_mask: bool, max_tokens: int) -> DecoderCh
     if req.top_p is not None and "top_p" in allowed:
         params["top_p"] = req.top_p
     try:
-        return _validated(decoder, params)
+        return _validated(decoder, params, has_mask)
     except (ValueError, TypeError) as e:
         raise RequestError(400, str(e)) from None
 
 
-def _validated(decoder: str, params: dict[str, Any]) -> DecoderChoice:
+def _validated(decoder: str, params: dict[str, Any], has_mask: bool) -> DecoderChoice:
     if decoder == "speculative":
         spec = SpeculativeParams(**params)
         spec.validate()
@@ -115,6 +115,13 @@ def _validated(decoder: str, params: dict[str, Any]) -> DecoderChoice:
     # ar: generate_ar checks max_new_tokens itself; the sampling ranges are checked here
     if params.get("top_k") is not None and params["top_k"] < 1:
         raise ValueError(f"top_k must be >= 1, got {params['top_k']}")
+    if has_mask and not params.get("temperature"):
+        # Greedy AR is the speculative batch with no drafts: the same tokens and counters as
+        # decode(..., "ar") (tests/test_serve_engine.py), and it joins the continuous batch.
+        # Sampled AR is not: generate_ar draws from one generator for the whole batch.
+        spec = SpeculativeParams(gen_length=params["gen_length"], draft_length=0, mask_length=0, adaptive=False)
+        spec.validate()
+        return DecoderChoice(decoder, params, spec)
     return DecoderChoice(decoder, params)
 
 
