@@ -55,7 +55,8 @@ def _field_types(cls) -> dict[str, type]:
     return out
 
 
-def _allowed(decoder: str) -> dict[str, type]:
+def decoder_fields(decoder: str) -> dict[str, type]:
+    """The parameters `decoder` takes, with their types (gen_length and temperature included)."""
     if decoder == "speculative":
         return _field_types(SpeculativeParams)
     if decoder in ("refusion", "refusion-l2r"):
@@ -73,7 +74,7 @@ def choose(req: GenerationRequest, has_mask: bool, max_tokens: int) -> DecoderCh
     if not has_mask and decoder != "ar":
         raise RequestError(400, f"decoder {decoder!r} needs a model with a mask token; this one has none "
                                 "(use decoder 'ar')", "decoder")
-    allowed = _allowed(decoder)
+    allowed = decoder_fields(decoder)
     extra = dict(req.decoder_params)
     bad = sorted(k for k in extra if k not in allowed or k in _STANDARD)
     if bad:
