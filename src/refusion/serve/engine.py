@@ -183,6 +183,8 @@ class Engine:
                 del self.live[sid]
                 res = self.batch.cancel(sid) or DecodeResult(prompt=job.prompt)
                 self._emit(job, Event("done", result=res, cancelled=True))
+        if cancels and not len(self.batch) and not admitted:
+            self.batch = self._new_batch()  # its cache goes with it (see _step)
         for job in admitted:
             try:
                 sid = self.batch.add(job.prompt, job.choice.spec, seed=job.seed, on_commit=self._committer(job))
@@ -222,6 +224,10 @@ class Engine:
             job = self.live.pop(sid, None)
             if job is not None:
                 self._emit(job, Event("done", result=res))
+        if not len(self.batch):
+            # the batch keeps its cache at the size of its busiest moment; an empty batch is
+            # replaced, so a burst's memory goes back once the burst is over
+            self.batch = self._new_batch()
         if self.on_step is not None:
             self.on_step(n, time.perf_counter() - t0)
 
