@@ -440,7 +440,8 @@ def main() -> None:
               flush=True)
         if args.screenshot:
             why = screenshot(base, texts[16], Path(args.screenshot))
-            out["screenshot"] = why or args.screenshot
+            shot = Path(args.screenshot).resolve()
+            out["screenshot"] = why or str(shot.relative_to(ROOT) if shot.is_relative_to(ROOT) else shot)
     finally:
         proc.send_signal(signal.SIGINT)
         try:
