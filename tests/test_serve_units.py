@@ -105,6 +105,10 @@ def test_decoder_choice():
     c = choose(parse_completion({"prompt": "x", "temperature": 0.5, "top_p": 0.9, "top_k": 5}), False, 32)
     assert c.decoder == "ar" and c.params == {"gen_length": 32, "temperature": 0.5, "top_p": 0.9, "top_k": 5}
     assert choose(parse_completion({"prompt": "x"}), True, 16).decoder == "speculative"
+    # top_p 1 is OpenAI's default and a no-op: accepted at temperature 0, where top_p < 1 is refused
+    assert "top_p" not in choose(parse_completion({"prompt": "x", "top_p": 1}), True, 16).params
+    code, msg = status(choose, parse_completion({"prompt": "x", "top_p": 0.5}), True, 16)
+    assert "set temperature > 0" in msg
     code, msg = status(choose, parse_completion({"prompt": "x", "decoder": "refusion"}), False, 16)
     assert "needs a model with a mask token" in msg
 

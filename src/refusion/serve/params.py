@@ -88,7 +88,7 @@ def choose(req: GenerationRequest, has_mask: bool, max_tokens: int) -> DecoderCh
     params: dict[str, Any] = {"gen_length": max_tokens, **extra}
     if req.temperature is not None:
         params["temperature"] = req.temperature
-    if req.top_p is not None and "top_p" in allowed:
+    if req.top_p is not None and req.top_p < 1.0 and "top_p" in allowed:  # 1.0 is OpenAI's default: a no-op
         params["top_p"] = req.top_p
     try:
         return _validated(decoder, params, has_mask)
