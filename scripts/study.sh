@@ -17,7 +17,7 @@ $R train --config configs/refusion-tiny.toml --no-progress
 $R train --config configs/refusion-tiny.toml --objective ar --out runs/ar-tiny --no-progress
 $R train --config configs/refusion-tiny.toml --objective mdm --out runs/mdm-tiny --no-progress
 
-ev() { $R eval --task $TASKS --n "$N" --gen-length $GEN --out "$OUT" --no-progress "$@"; }
+ev() { $R eval --task $TASKS --n "$N" --gen-length $GEN --out "$OUT" --overwrite --no-progress "$@"; }
 ev --model runs/refusion-tiny/model --label refusion --decoder refusion --slot-size 8 --slot-threshold 0.9 --token-threshold 0.4
 ev --model runs/refusion-tiny/model --label refusion --decoder ar
 ev --model runs/ar-tiny/model --label ar --decoder ar

@@ -3,16 +3,21 @@ would give from `decode()` alone."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import socket
 import threading
 import time
 
-from refusion.checkpoint import load_model
+from refusion.checkpoint import load_config, load_model
 from refusion.cli import BUNDLED
 from refusion.decoding import decode
 from refusion.tasks.synthetic import TASKS
 from refusion.tokenizer import Tokenizer
+
+
+CFG = load_config(BUNDLED)  # the bundled model's config, and the same without a mask token
+NO_MASK = dataclasses.replace(CFG, mask_token_id=None)
 
 
 @functools.lru_cache(maxsize=None)

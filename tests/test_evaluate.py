@@ -1,6 +1,7 @@
 """The eval harness and report on a tiny random model and a hand-made task."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from refusion.cli import main
 from refusion.checkpoint import save_model
 from refusion.config import ModelConfig
 from refusion.data import train_bpe_tokenizer
-from refusion.evaluate import EvalConfig, evaluate, wilson_interval
+from refusion.evaluate import EvalConfig, evaluate, model_label, wilson_interval
 from refusion.model import Transformer
 from refusion.report import averages, load_summaries, report
 from refusion.tasks import Example, Score, Task
@@ -65,9 +66,9 @@ def test_cli_eval_then_report(tiny, tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(tasks, "all_tasks", lambda: {"echo": echo_task(4)})
     out = tmp_path / "res"
-    for dec in ("ar", "refusion"):
+    for dec, flags in (("ar", []), ("refusion", ["--slot-size", "4"])):
         assert main(["eval", "--model", str(tmp_path / "m"), "--task", "echo", "--decoder", dec, "--gen-length", "8",
-                     "--slot-size", "4", "--out", str(out), "--no-progress"]) == 0
+                     *flags, "--out", str(out), "--no-progress"]) == 0
     rows = load_summaries([out])
     assert sorted(r["decoder"] for r in rows) == ["ar", "refusion"] and all(r["n"] == 4 for r in rows)
     text = report([out], out=tmp_path / "r.md", plot=tmp_path / "p.png")
@@ -81,3 +82,61 @@ def test_cli_eval_then_report(tiny, tmp_path, monkeypatch, capsys):
     assert (tagged / "m__echo__refusion-s4.jsonl").exists()
     assert main(["report", str(tmp_path / "nothing")]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_two_runs_named_model_keep_their_results_apart(tiny, tmp_path, monkeypatch, capsys):
+    model, tok = tiny
+    for run in ("a", "b"):  # runs/a/model and runs/b/model, as `refusion train` leaves them
+        save_model(model, tmp_path / "runs" / run / "model", tok)
+    import refusion.tasks as tasks
+
+    monkeypatch.setattr(tasks, "all_tasks", lambda: {"echo": echo_task(2)})
+    out = tmp_path / "res"
+    for run in ("a", "b"):
+        argv = ["eval", "--model", str(tmp_path / "runs" / run / "model"), "--task", "echo", "--decoder", "ar",
+                "--gen-length", "4", "--out", str(out), "--no-progress"]
+        assert main(argv) == 0
+    assert sorted(p.name for p in out.glob("*.json")) == ["a__echo__ar.json", "b__echo__ar.json"]
+    assert model_label(tmp_path / "runs" / "a" / "checkpoint-40") == "a-checkpoint-40"
+    # the same again would replace a result: refused, unless asked for
+    capsys.readouterr()
+    assert main(argv) == 2 and "b__echo__ar.json exists (an earlier eval); pass --overwrite" in capsys.readouterr().err
+    assert main(argv + ["--overwrite"]) == 0
+
+
+def test_every_task_name_is_checked_before_any_runs(tiny, tmp_path, monkeypatch, capsys):
+    model, tok = tiny
+    save_model(model, tmp_path / "m", tok)
+    import refusion.tasks as tasks
+
+    ran = []
+    task = echo_task(2)
+    real_load = task.load
+    task.load = lambda *a, **k: ran.append(1) or real_load(*a, **k)
+    monkeypatch.setattr(tasks, "all_tasks", lambda: {"echo": task})
+    assert main(["eval", "--model", str(tmp_path / "m"), "--task", "echo,foo", "--out", str(tmp_path / "res"),
+                 "--no-progress"]) == 2
+    assert "unknown task 'foo'; known tasks: echo" in capsys.readouterr().err
+    assert not ran and not (tmp_path / "res").exists()
+
+
+def test_report_keeps_parameter_settings_apart_and_flags_other_task_sets(tiny, tmp_path, monkeypatch):
+    model, tok = tiny
+    save_model(model, tmp_path / "m", tok)
+    import refusion.tasks as tasks
+
+    monkeypatch.setattr(tasks, "all_tasks", lambda: {"echo": echo_task(2), "echo2": replace(echo_task(2), name="echo2")})
+    out = tmp_path / "res"
+    common = ["eval", "--model", str(tmp_path / "m"), "--decoder", "refusion", "--out", str(out), "--no-progress"]
+    assert main(common + ["--task", "echo,echo2", "--gen-length", "8", "--slot-size", "4"]) == 0
+    assert main(common + ["--task", "echo", "--gen-length", "8", "--slot-size", "8", "--tag", "s8"]) == 0
+    assert main(common + ["--task", "echo", "--gen-length", "8", "--slot-size", "2", "--overwrite"]) == 0
+    rows = load_summaries([out, out / "m__echo__refusion-s8.json"])  # a file reached twice counts once
+    assert len(rows) == 3
+    avg = {a["decoder"]: a for a in averages(rows)}
+    # the overwritten echo result has slot 2, echo2 still has slot 4: two settings, never one average
+    assert sorted(avg) == ["refusion#1", "refusion#2", "refusion-s8"]
+    assert sorted(a["tasks"] for a in averages(rows)) == [["echo"], ["echo"], ["echo2"]]
+    assert [a["mixed"] for a in averages(rows) if a["tasks"] == ["echo2"]] == [True]
+    text = report([out], plot=tmp_path / "p.png")
+    assert "slot_size 2" in text and "slot_size 4" in text and "not comparable" in text

@@ -10,7 +10,7 @@ import pytest
 from refusion.serve.engine import Engine, Event, Job
 from refusion.serve.params import choose
 from refusion.serve.schemas import parse_completion
-from serving import bundled, solo, task_prompts
+from serving import CFG, bundled, solo, task_prompts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -32,7 +32,7 @@ class Collector:
 
 
 def job(engine, prompt, body, seed=None) -> tuple[Job, Collector]:
-    c = choose(parse_completion({"prompt": "x", **body}), True, body["max_tokens"])
+    c = choose(parse_completion({"prompt": "x", **body}), CFG, body["max_tokens"])
     col = Collector()
     j = Job(prompt=prompt, choice=c, seed=seed, sink=col)
     engine.submit(j)
@@ -61,7 +61,7 @@ def test_requests_join_a_running_batch_and_keep_their_solo_output(engine):
         assert col.done.wait(120)
         kind = col.events[-1].kind
         assert kind == "done", col.events[-1].message
-        c = choose(parse_completion({"prompt": "x", **body}), True, body["max_tokens"])
+        c = choose(parse_completion({"prompt": "x", **body}), CFG, body["max_tokens"])
         want = solo(p, c.decoder, c.params, seed=seed)
         got = col.result
         assert (got.tokens, got.positions, got.steps, got.forwards) == (want.tokens, want.positions, want.steps,
@@ -74,9 +74,9 @@ def test_requests_join_a_running_batch_and_keep_their_solo_output(engine):
 
 
 def test_greedy_ar_runs_in_the_continuous_batch():
-    c = choose(parse_completion({"prompt": "x", "decoder": "ar"}), True, 32)
+    c = choose(parse_completion({"prompt": "x", "decoder": "ar"}), CFG, 32)
     assert c.spec is not None and c.spec.draft_length == 0
-    c = choose(parse_completion({"prompt": "x", "decoder": "ar", "temperature": 0.5}), True, 32)
+    c = choose(parse_completion({"prompt": "x", "decoder": "ar", "temperature": 0.5}), CFG, 32)
     assert c.spec is None  # sampled AR draws from one generator per batch: decode() groups instead
 
 
@@ -109,6 +109,6 @@ def test_static_groups_batch_compatible_requests(engine):
     cols = [job(engine, p, body)[1] for p in prompts]
     for p, col in zip(prompts, cols):
         assert col.done.wait(120)
-        c = choose(parse_completion({"prompt": "x", **body}), True, 64)
+        c = choose(parse_completion({"prompt": "x", **body}), CFG, 64)
         assert col.result.tokens == solo(p, c.decoder, c.params).tokens
     assert max(sizes) > 1  # waiting requests with the same parameters ran in one decode() call

@@ -20,7 +20,7 @@ pytest.importorskip("uvicorn")
 from refusion.serve.app import ServeConfig, Server  # noqa: E402
 from refusion.serve.params import choose  # noqa: E402
 from refusion.serve.schemas import parse_completion  # noqa: E402
-from serving import LiveServer, bundled, solo, task_prompts  # noqa: E402
+from serving import CFG, LiveServer, bundled, solo, task_prompts  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 NAME = "refusion-tiny"
@@ -47,7 +47,7 @@ def chat_ids(text: str) -> list[int]:
 def expected(prompt_ids: list[int], body: dict):
     """decode() alone for a request body, with the server's own mapping of fields to parameters."""
     req = parse_completion({"prompt": "x", **body})
-    c = choose(req, True, body["max_tokens"])
+    c = choose(req, CFG, body["max_tokens"])
     return solo(prompt_ids, c.decoder, c.params, seed=body.get("seed"))
 
 

@@ -9,6 +9,7 @@ from refusion.serve.params import choose  # noqa: E402
 from refusion.serve.schemas import RequestError, loads, parse_chat, parse_completion  # noqa: E402
 from refusion.serve.text import TextAssembler  # noqa: E402
 from refusion.tokenizer import Tokenizer  # noqa: E402
+from serving import CFG, NO_MASK  # noqa: E402
 
 
 def status(fn, *a):
@@ -91,25 +92,25 @@ def test_accepted_bodies():
     ({"decoder": "refusion", "top_p": 0.5}, "does not sample with top_p"),
     ({"decoder": "mdm", "threshold": 0.5}, "use 'mdm-threshold'"),
     ({"decoder": "mdm", "steps": 5}, "steps 5 must be a positive multiple"),
-    ({"decoder": "ar", "top_k": 0}, "top_k must be >= 1"),
+    ({"decoder": "ar", "top_k": 0}, "top_k must be an integer >= 1"),
 ])
 def test_decoder_parameters_validated_like_the_cli(fields, fragment):
     body = {"prompt": "hi", "max_tokens": 64, **fields}
-    code, msg = status(choose, parse_completion(body), True, 64)
+    code, msg = status(choose, parse_completion(body), CFG, 64)
     assert code == 400 and fragment in msg, msg
 
 
 def test_decoder_choice():
-    c = choose(parse_completion({"prompt": "x", "decoder": "mdm-threshold"}), True, 64)
-    assert c.params == {"gen_length": 64, "steps": 64, "threshold": 0.9}
-    c = choose(parse_completion({"prompt": "x", "temperature": 0.5, "top_p": 0.9, "top_k": 5}), False, 32)
+    c = choose(parse_completion({"prompt": "x", "decoder": "mdm-threshold"}), CFG, 64)
+    assert c.params == {"gen_length": 64} and c.spec is None  # decode() fills in the threshold
+    c = choose(parse_completion({"prompt": "x", "temperature": 0.5, "top_p": 0.9, "top_k": 5}), NO_MASK, 32)
     assert c.decoder == "ar" and c.params == {"gen_length": 32, "temperature": 0.5, "top_p": 0.9, "top_k": 5}
-    assert choose(parse_completion({"prompt": "x"}), True, 16).decoder == "speculative"
+    assert choose(parse_completion({"prompt": "x"}), CFG, 16).decoder == "speculative"
     # top_p 1 is OpenAI's default and a no-op: accepted at temperature 0, where top_p < 1 is refused
-    assert "top_p" not in choose(parse_completion({"prompt": "x", "top_p": 1}), True, 16).params
-    code, msg = status(choose, parse_completion({"prompt": "x", "top_p": 0.5}), True, 16)
+    assert "top_p" not in choose(parse_completion({"prompt": "x", "top_p": 1}), CFG, 16).params
+    code, msg = status(choose, parse_completion({"prompt": "x", "top_p": 0.5}), CFG, 16)
     assert "set temperature > 0" in msg
-    code, msg = status(choose, parse_completion({"prompt": "x", "decoder": "refusion"}), False, 16)
+    code, msg = status(choose, parse_completion({"prompt": "x", "decoder": "refusion"}), NO_MASK, 16)
     assert "needs a model with a mask token" in msg
 
 

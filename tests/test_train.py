@@ -1,5 +1,6 @@
 """The trainer: schedule, config files, data errors, falling loss, exact resume after a kill, torchrun."""
 
+import dataclasses
 import json
 import math
 import os
@@ -20,6 +21,9 @@ from refusion.data import (DataError, Example, encode_records, filter_by_length,
                            train_bpe_tokenizer)
 from refusion.model import Transformer
 from refusion.tokenizer import Tokenizer
+from refusion.cli import main
+from refusion.decoding import default_decoder
+from refusion.lora import apply_lora, merged_state_dict
 from refusion.train import TrainConfig, Trainer, load_train_config, lr_at, train
 
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2}
@@ -138,6 +142,9 @@ def test_loss_falls_for_every_objective(objective, data_file, tmp_path):
     model = load_model(final)
     assert model.config.bidirectional == (objective == "mdm")
     assert (model.config.mask_token_id is None) == (objective == "ar")
+    # the objective is recorded, and picks the decoder that fits it
+    assert model.config.training_objective == objective
+    assert default_decoder(model.config) == {"refusion": "refusion", "ar": "ar", "mdm": "mdm-threshold"}[objective]
 
 
 def test_micro_batches_and_gradient_checkpointing_match_one_batch(data_file, tmp_path):
@@ -159,11 +166,66 @@ def test_bfloat16_autocast_trains(data_file, tmp_path):
     assert all(math.isfinite(x) for x in ls) and sum(ls[-5:]) < 0.7 * sum(ls[:5])
 
 
-def test_refuses_to_overwrite_a_run_without_resume(data_file, tmp_path):
+def test_no_resume_never_continues_a_run_and_deletes_nothing(data_file, tmp_path, capsys):
     cfg = tiny_config(data_file, tmp_path, max_steps=2, warmup_steps=1)
-    train(cfg, progress=False)
-    with pytest.raises(ValueError, match="already has checkpoint-2"):
+    train(cfg, resume=False, progress=False)  # a fresh directory: an ordinary run
+    with pytest.raises(ValueError, match=r"already holds a run \(checkpoint-2\) and resuming is off"):
         Trainer(cfg, resume=False)
+    assert (tmp_path / "checkpoint-2").is_dir() and (tmp_path / "model").is_dir()
+    # the help says what it does
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--no-resume never continue a run: stop with an error if out_dir already has checkpoints" in help_text
+
+
+def test_warmup_longer_than_the_run_is_scaled_with_a_note(data_file, tmp_path, capsys):
+    cfg = TrainConfig(max_steps=50).validate()  # the default warm-up is 100 steps
+    assert cfg.warmup_steps == 5 and "warm-up scaled to 5 steps" in cfg.notes[0]
+    assert TrainConfig(max_steps=50, warmup_steps=50).validate().warmup_steps == 50  # as asked: kept
+    train(tiny_config(data_file, tmp_path, max_steps=4, warmup_steps=100), progress=False)
+    assert "warmup_steps 100 is more than max_steps 4: warm-up scaled to 0 steps" in capsys.readouterr().err
+    assert json.loads((tmp_path / "train_config.json").read_text())["warmup_steps"] == 0
+
+
+def test_print_config_round_trips(tmp_path, capsys):
+    argv = ["train", "--set", "lr=0.01", "--set", "model.num_layers=2", "--set", 'lora={"r": 4}', "--max-steps", "7",
+            "--print-config"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "lr = 0.01" in text and "[model]" in text and "# init =" in text
+    (tmp_path / "c.toml").write_text(text)
+    expected = load_train_config(None, ["lr=0.01", "model.num_layers=2", 'lora={"r": 4}', "max_steps=7"])
+    assert dataclasses.asdict(load_train_config(tmp_path / "c.toml")) == dataclasses.asdict(expected)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_lora_trains_the_new_token_rows_and_nothing_else_of_the_embedding(tied):
+    cfg = ModelConfig(vocab_size=40, tie_word_embeddings=tied, **TINY)
+    m = Transformer(cfg).init_weights(seed=0)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    apply_lora(m, {"r": 2, "target_modules": ["q_proj"]}, new_tokens=[39])
+    ids, pos = torch.tensor([[1, 39, 2, 39, 5]]), torch.arange(5)[None]
+    opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=0.1)
+    for _ in range(3):
+        logits = m(ids, pos)
+        loss = torch.nn.functional.cross_entropy(logits[0], torch.tensor([2, 39, 5, 39, 1]))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert not m.embed_tokens.weight.requires_grad and m.lora_token_rows.grad is None
+    merged = merged_state_dict(m)
+    emb = merged["embed_tokens.weight"]
+    assert torch.equal(emb[:39], before["embed_tokens.weight"][:39])  # every other row as it was
+    assert not torch.equal(emb[39], before["embed_tokens.weight"][39])  # the new token's row learned
+    if not tied:
+        head = merged["lm_head.weight"]
+        assert torch.equal(head[:39], before["lm_head.weight"][:39]) and not torch.equal(head[39], before["lm_head.weight"][39])
+    # the merged weights are the adapted model: same logits without adapters or hooks
+    plain = Transformer(cfg)
+    plain.load_state_dict({k: v for k, v in merged.items() if not (tied and k == "lm_head.weight")}, strict=False)
+    with torch.no_grad():
+        torch.testing.assert_close(plain(ids, pos), m(ids, pos), atol=1e-5, rtol=1e-5)
 
 
 def _cli(*args: str) -> list[str]:
@@ -233,15 +295,19 @@ def test_init_from_a_causal_checkpoint_adds_the_mask_token_and_lora(data_file, t
     base = Transformer(ModelConfig(vocab_size=n, eos_token_id=tok.eos_id, model_type="llama", qk_norm=False,
                                    **TINY)).init_weights(seed=1)
     save_model(base, tmp_path / "base", tok)
-    cfg = tiny_config(data_file, tmp_path / "lora", init=str(tmp_path / "base"), max_steps=6, save_every=3,
+    cfg = tiny_config(data_file, tmp_path / "lora", init=str(tmp_path / "base"), model={}, max_steps=6, save_every=3,
                       lora={"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]})
     trainer = Trainer(cfg, progress=False)
     trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
-    assert trainable and all("lora_" in n for n in trainable)
+    assert trainable and all("lora_" in n for n in trainable) and "lora_token_rows" in trainable
+    mean_row = trainer.model.lora_token_rows.detach().clone()  # the new <|mask|> row starts at the mean
     final = trainer.fit()
     model = load_model(final)
     assert model.config.mask_token_id == n and model.config.vocab_size == n + 1
     assert Tokenizer.from_dir(final).token_id("<|mask|>") == n
+    # the mask's row learned; the base vocabulary's rows did not move
+    assert not torch.allclose(model.embed_tokens.weight[n], mean_row[0])
+    assert torch.equal(model.embed_tokens.weight[:n], base.embed_tokens.weight)
     # only the adapted projections moved; the merged weights are what the adapters give
     assert torch.equal(model.layers[0].mlp.up_proj.weight, base.layers[0].mlp.up_proj.weight)
     assert not torch.equal(model.layers[0].self_attn.q_proj.weight, base.layers[0].self_attn.q_proj.weight)

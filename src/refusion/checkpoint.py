@@ -39,24 +39,39 @@ def _our_key(name: str) -> str:
 
 def load_config(path: str | Path) -> ModelConfig:
     path = Path(path)
+    if path.is_file():
+        raise CheckpointError(f"{path} is a file; a model is a Hugging Face directory (config.json, model.safetensors, ...)")
     if not path.is_dir():
         raise CheckpointError(f"checkpoint directory {path} does not exist")
     f = path / "config.json"
     if not f.exists():
         raise CheckpointError(f"{path} has no config.json; is it a Hugging Face model directory?")
+    d = _read_json(f)
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{f} holds a JSON {type(d).__name__}, not an object of model settings")
     try:
-        return ModelConfig.from_hf(json.loads(f.read_text()))
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{f} is not valid JSON: {e}") from None
+        return ModelConfig.from_hf(d)
     except ConfigError as e:
         raise CheckpointError(f"{f}: {e}") from None
+
+
+def _read_json(f: Path):
+    try:
+        return json.loads(f.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{f} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{f} is not valid JSON: {e}") from None
 
 
 def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     path = Path(path)
     single, index = path / "model.safetensors", path / INDEX
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = _read_json(index)
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index} has no \"weight_map\" of tensor names to shard files")
         files = sorted(set(weight_map.values()))
     elif single.exists():
         files = [single.name]
@@ -65,11 +80,11 @@ def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{path} has no model.safetensors or {INDEX} (found: {found})")
     sd: dict[str, torch.Tensor] = {}
     for name in files:
-        if not (path / name).exists():
-            raise CheckpointError(f"shard {name} named in {INDEX} is missing from {path}")
+        if not (path / name).is_file():
+            raise CheckpointError(f"shard {name} named in {index} is missing from {path}")
         try:
             sd.update(load_file(str(path / name)))
-        except SafetensorError as e:
+        except (SafetensorError, OSError) as e:
             raise CheckpointError(f"{path / name} is not a readable safetensors file: {e}") from None
     return sd
 
@@ -77,6 +92,9 @@ def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
 def load_model(path: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu",
                require_mask: bool = False) -> Transformer:
     """Load a Hugging Face model directory into a refusion Transformer (eval mode)."""
+    from .runtime import resolve_device
+
+    device = resolve_device(device)  # before reading the weights: a bad device fails at once
     cfg = load_config(path)
     if require_mask and cfg.mask_token_id is None:
         raise CheckpointError(f"{path}: config.json has no mask_token_id; this needs a ReFusion model "
@@ -109,7 +127,8 @@ def load_model(path: str | Path, dtype: torch.dtype | str | None = None, device:
 
 def _atomic_dir(path: Path, overwrite: bool):
     if path.exists() and any(path.iterdir()) and not overwrite:
-        raise CheckpointError(f"{path} exists and is not empty; choose another directory or pass overwrite=True")
+        raise CheckpointError(f"{path} exists and is not empty; choose another directory or allow overwriting it "
+                              "(overwrite=True)")
     path.parent.mkdir(parents=True, exist_ok=True)
     return Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
 
@@ -181,10 +200,34 @@ def save_model(model: Transformer, path: str | Path, tokenizer: Tokenizer | None
     return path
 
 
-def add_mask_token(model: Transformer, tokenizer: Tokenizer, token: str = MASK_TOKEN) -> int:
+def check_mask_token(model_config: ModelConfig, tokenizer: Tokenizer, token: str = MASK_TOKEN,
+                     force: bool = False) -> None:
+    """Refuse what add_mask_token should not do: an empty token, a model that has a mask token
+    already, and (unless forced) a token that is already an ordinary word of the vocabulary, which
+    would stop meaning that word. An existing *special* token that nothing uses is fine: the
+    published ReFusion tokenizer carries <|mask|> that way."""
+    if not token or token.strip() != token:
+        raise CheckpointError(f"the mask token must be a non-empty string without surrounding spaces, got {token!r}")
+    tid = tokenizer.token_id(token)
+    if model_config.mask_token_id is not None:
+        if tid == model_config.mask_token_id:
+            return  # already this model's mask token: adding it again changes nothing
+        raise CheckpointError(f"the model already has a mask token (mask_token_id {model_config.mask_token_id})")
+    if tid is not None and not force:
+        added = tokenizer.tok.get_added_tokens_decoder().get(tid)
+        if added is None or not added.special:
+            raise CheckpointError(f"{token!r} is already token {tid} of the vocabulary (an ordinary word); making it "
+                                  "the mask would change what it means: choose a new token, e.g. <|mask|>, or force it")
+
+
+def add_mask_token(model: Transformer, tokenizer: Tokenizer, token: str = MASK_TOKEN, force: bool = False) -> int:
     """Give a causal LM a mask token: add it to the tokenizer, grow the embeddings if needed,
-    initialise its row(s) to the mean embedding (a neutral start), record mask_token_id."""
+    initialise its row(s) to the mean embedding (a neutral start), record mask_token_id.
+    Refused as check_mask_token says (force: allow an existing ordinary token)."""
     cfg = model.config
+    check_mask_token(cfg, tokenizer, token, force)
+    if cfg.mask_token_id is not None:
+        return cfg.mask_token_id
     (mask_id,) = tokenizer.add_special_tokens([token])
     tokenizer.config["mask_token"] = token
     old = cfg.vocab_size

@@ -13,6 +13,9 @@ ARCHITECTURES = {
 }
 
 
+OBJECTIVES = ("refusion", "ar", "mdm")  # the training objectives (objectives.py); ModelConfig.training_objective
+
+
 class ConfigError(ValueError):
     pass
 
@@ -40,14 +43,30 @@ class ModelConfig:
     pad_token_id: int | None = None
     mask_token_id: int | None = None
     bidirectional: bool = False  # attention of a model trained with the MDM objective
+    training_objective: str | None = None  # refusion | ar | mdm, written by `refusion train`; picks the default decoder
     torch_dtype: str = "float32"
     extra: dict = field(default_factory=dict)  # unknown HF keys, written back unchanged
 
     def __post_init__(self) -> None:
+        # a config.json (or a training config's [model] table) is user input: check types, not just values
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "max_position_embeddings") + (("head_dim",) if self.head_dim is not None else ()):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {v!r}")
+        for name in ("rope_theta", "rms_norm_eps"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ConfigError(f"{name} must be a number > 0, got {v!r}")
+        v = self.mask_token_id  # (pad and bos ids are left alone: some published configs carry odd ones)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < self.vocab_size):
+            raise ConfigError(f"mask_token_id must be a token id in [0, {self.vocab_size}), got {v!r}")
         if self.head_dim is None:
             if self.hidden_size % self.num_heads:
                 raise ConfigError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}; set head_dim")
             self.head_dim = self.hidden_size // self.num_heads
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim {self.head_dim} must be even (RoPE rotates pairs of dimensions)")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"num_heads {self.num_heads} must be a multiple of num_kv_heads {self.num_kv_heads}")
         if self.model_type not in ARCHITECTURES.values():
@@ -86,6 +105,7 @@ class ModelConfig:
             "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta", "rope_scaling", "rope_parameters",
             "rms_norm_eps", "tie_word_embeddings", "max_position_embeddings", "bos_token_id", "eos_token_id",
             "pad_token_id", "mask_token_id", "bidirectional_attention", "torch_dtype", "dtype", "attention_bias", "hidden_act",
+            "training_objective",
         }
         if d.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"hidden_act {d['hidden_act']!r} is not supported (only silu / SwiGLU)")
@@ -112,6 +132,7 @@ class ModelConfig:
                 pad_token_id=d.get("pad_token_id"),
                 mask_token_id=d.get("mask_token_id"),
                 bidirectional=bool(d.get("bidirectional_attention", False)),
+                training_objective=d.get("training_objective"),
                 torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
                 extra={k: v for k, v in d.items() if k not in known},
             )
@@ -148,6 +169,8 @@ class ModelConfig:
             d["mask_token_id"] = self.mask_token_id
         if self.bidirectional:
             d["bidirectional_attention"] = True
+        if self.training_objective is not None:
+            d["training_objective"] = self.training_objective
         return d
 
     def to_dict(self) -> dict[str, Any]:

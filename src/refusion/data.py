@@ -74,7 +74,14 @@ def load_records(path: str | Path) -> list[dict]:
     path = Path(path)
     if not path.exists():
         raise DataError(f"{path}: no such file")
-    text = path.read_text(encoding="utf-8")
+    if not path.is_file():
+        raise DataError(f"{path} is a directory, not a JSON or JSONL file of records")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[: e.start].count(b"\n") + 1
+        raise DataError(f"{path}:{line}: not UTF-8 text ({e.reason} at byte {e.start}); "
+                        "records are JSON or JSONL") from None
     records = []
     if text.lstrip().startswith("["):
         records = [_check_record(r, f"{path}:{line}") for line, r in _json_list_items(text, path)]

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from .decoding import decode
+from .decoding import decode, make_params
+from .decoding.common import check_prompts
 from .model import Transformer
 from .tasks import Example, Score, Task
 from .tokenizer import Tokenizer
@@ -38,6 +39,25 @@ class EvalConfig:
     def label(self) -> str:
         return f"{self.decoder}-{self.tag}" if self.tag else self.decoder
 
+    def validate(self) -> "EvalConfig":
+        for name in ("n", "batch_size"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        return self
+
+
+def model_label(path: str | Path) -> str:
+    """A model's name in results: its directory's name, or for the generic names a training run
+    gives (`model`, `checkpoint-N`) the run directory's, so that runs/a/model and runs/b/model
+    do not write over each other's results."""
+    path = Path(path).resolve()
+    if path.name == "model":
+        return path.parent.name
+    if path.name.startswith("checkpoint-"):
+        return f"{path.parent.name}-{path.name}"
+    return path.name
+
 
 def wilson_interval(correct: int, n: int, z: float = 1.96) -> tuple[float, float]:
     """95% Wilson score interval of a binomial proportion (sensible at 0% and 100%, unlike the normal one)."""
@@ -56,13 +76,23 @@ def _score_all(task: Task, examples: list[Example], outputs: list[str]) -> list[
 
 
 def evaluate(model: Transformer, tokenizer: Tokenizer, task: Task, cfg: EvalConfig, model_name: str = "model",
-             records_path: str | Path | None = None, progress: bool = True) -> dict:
-    """Decode every example, score the outputs, write records (if a path is given), return the summary."""
-    examples = task.load(cfg.split, n=cfg.n, seed=cfg.seed)
+             records_path: str | Path | None = None, progress: bool = True,
+             examples: list[Example] | None = None) -> dict:
+    """Decode every example (`examples`, or the task's split as cfg says), score the outputs, write
+    records (if a path is given), return the summary."""
+    cfg.validate()
+    params = make_params(cfg.decoder, **cfg.params)  # bad parameters fail before the first example
+    if examples is None:
+        examples = task.load(cfg.split, n=cfg.n, seed=cfg.seed)
     if not examples:
         raise ValueError(f"task {task.name!r} split {cfg.split!r} has no examples")
     eos = model.config.eos_ids or ([tokenizer.eos_id] if tokenizer.eos_id is not None else [])
     prompts = [tokenizer.chat_prompt_ids(ex.prompt, system=cfg.system) for ex in examples]
+    for ex, p in zip(examples, prompts):  # a prompt too long for the model fails now, not half-way through
+        try:
+            check_prompts(model.config, [p], params.gen_length)
+        except ValueError as e:
+            raise ValueError(f"task {task.name!r} example {ex.id}: {e}") from None
     results, batch_seconds = [], []
     bar = None
     if progress:

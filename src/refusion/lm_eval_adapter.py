@@ -33,7 +33,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from .checkpoint import load_model
-from .decoding import DECODERS, MDMParams, ReFusionParams, decode
+from .decoding import DECODERS, MDMParams, ReFusionParams, decode, default_decoder
 from .model import Transformer
 from .serve.params import decoder_fields
 from .tokenizer import Tokenizer
@@ -122,7 +122,7 @@ class ReFusionLM(LM):
         self.model = load_model(self.path, dtype=dtype, device=device)
         self.tok = Tokenizer.from_dir(self.path)
         cfg = self.model.config
-        self.decoder = decoder or ("speculative" if cfg.mask_token_id is not None else "ar")
+        self.decoder = decoder or default_decoder(cfg)
         if self.decoder not in DECODERS:
             raise ValueError(f"unknown decoder {self.decoder!r}; choose one of {', '.join(DECODERS)}")
         allowed = set(decoder_fields(self.decoder)) - {"gen_length", "temperature"}
@@ -232,8 +232,6 @@ class ReFusionLM(LM):
         if temperature > 0:
             p["temperature"] = temperature
         p["gen_length"] = self.fixed_gen_length or self._round(max_gen, p)
-        if self.decoder == "mdm":
-            p.setdefault("steps", p["gen_length"])
         return p
 
     def _round(self, n: int, p: dict) -> int:

@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .config import OBJECTIVES
+
 IGNORE = -100
 
 
@@ -312,7 +314,6 @@ def mdm_loss(logits: Tensor, inputs: TrainInputs, response_len: Tensor, b_total:
 # ----------------------------------------------------------------------------------------------
 # dispatch by name, for the trainer
 
-OBJECTIVES = ("refusion", "ar", "mdm")
 
 
 def _check_name(name: str) -> None:

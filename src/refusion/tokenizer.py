@@ -38,10 +38,22 @@ class Tokenizer:
         if not f.exists():
             raise TokenizerError(f"{path} has no tokenizer.json (a Hugging Face fast tokenizer file is required)")
         cfg_file = path / "tokenizer_config.json"
-        cfg = json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
+        cfg = {}
+        if cfg_file.exists():
+            try:
+                cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise TokenizerError(f"{cfg_file} is not valid JSON ({e})") from None
+            if not isinstance(cfg, dict):
+                raise TokenizerError(f"{cfg_file} holds a JSON {type(cfg).__name__}, not an object")
         if "chat_template" not in cfg and (path / "chat_template.jinja").exists():
             cfg["chat_template"] = (path / "chat_template.jinja").read_text()
-        return cls(HFTokenizer.from_file(str(f)), cfg)
+        try:
+            tok = HFTokenizer.from_file(str(f))
+        except Exception as e:  # the Rust library raises a bare Exception for any unreadable file
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise TokenizerError(f"{f} is not a readable Hugging Face tokenizer file ({first})") from None
+        return cls(tok, cfg)
 
     def save(self, path: str | Path) -> None:
         path = Path(path)
@@ -131,4 +143,9 @@ def _compile(template: str):
 
 
 def _render(template: str, **ctx: Any) -> str:
-    return _compile(template).render(**ctx)
+    from jinja2 import TemplateError
+
+    try:
+        return _compile(template).render(**ctx)
+    except TemplateError as e:  # a broken template in someone's tokenizer_config.json
+        raise TokenizerError(f"chat template: {e}") from None

@@ -24,7 +24,6 @@ import shutil
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -36,110 +35,14 @@ from .checkpoint import DTYPES, add_mask_token, load_model, save_model
 from .config import ModelConfig
 from .data import DataError, encode_records, filter_by_length, length_batches, load_records, synthetic_records
 from .data import train_bpe_tokenizer
+from .lora import apply_lora, merged_state_dict
 from .model import Transformer
-from .objectives import (OBJECTIVES, TrainInputs, ar_token_count, build_inputs, compute_loss, make_batch,
-                         pad_responses)
+from .objectives import TrainInputs, ar_token_count, build_inputs, compute_loss, make_batch, pad_responses
+from .runtime import resolve_device
 from .tokenizer import Tokenizer
+from .train_config import TrainConfig, load_train_config, to_toml  # noqa: F401 (the training API in one place)
 
 STATE_FILE = "training_state.pt"
-
-
-@dataclass
-class TrainConfig:
-    # what to train
-    objective: str = "refusion"  # refusion | ar | mdm
-    init: str | None = None  # a checkpoint directory to start from; None: a fresh model from `model`
-    model: dict = field(default_factory=dict)  # ModelConfig fields of a fresh model
-    tokenizer: str | None = None  # a directory with tokenizer.json for a fresh model; None: train a BPE
-    vocab_size: int = 1024  # of the BPE trained on the data when `tokenizer` is None
-    # data
-    data: str = "synthetic"  # a JSON / JSONL file of {"query", "response"}, or "synthetic"
-    synthetic_examples: int = 20000
-    max_length: int = 512  # prompt + response tokens; longer examples are dropped (and counted)
-    slot_sizes: list[int] = field(default_factory=lambda: [4, 8, 16, 32])
-    eps: float = 1e-3
-    mdm_eos_pad_to: int | None = None  # MDM only: EOS-pad responses to this length (LLaDA SFT), e.g. the eval gen_length
-    # optimisation
-    batch_size: int = 16  # examples per optimizer step, over all processes
-    micro_batch_size: int | None = None  # examples per forward per process; None: batch_size / processes
-    max_steps: int = 1000
-    stop_after: int | None = None  # end this invocation after this step; the schedule still spans max_steps
-    lr: float = 1e-3
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    warmup_steps: int = 100
-    weight_decay: float = 0.1
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    grad_clip: float = 1.0
-    dtype: str = "float32"  # float32 | bfloat16 (autocast)
-    gradient_checkpointing: bool = False
-    lora: dict | None = None  # e.g. {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
-    seed: int = 0
-    # output
-    out_dir: str = "runs/refusion"
-    save_every: int = 200
-    keep_checkpoints: int = 2
-    save_dtype: str = "float32"  # of the final model (checkpoints stay float32 for exact resume)
-    device: str = "auto"
-
-    def validate(self) -> "TrainConfig":
-        if self.objective not in OBJECTIVES:
-            raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
-        for name in ("batch_size", "max_steps", "max_length", "save_every"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if not 0 <= self.warmup_steps <= self.max_steps:
-            raise ValueError(f"warmup_steps must be in [0, max_steps], got {self.warmup_steps}")
-        unknown = set(self.model) - {f.name for f in dataclasses.fields(ModelConfig)}
-        if unknown:
-            raise ValueError(f"unknown model fields: {', '.join(sorted(unknown))}")
-        return self
-
-
-# ----------------------------------------------------------------------------------------------
-# configuration files
-
-
-def _parse_value(text: str):
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text  # a bare string
-
-
-def load_train_config(path: str | Path | None = None, overrides: list[str] = ()) -> TrainConfig:
-    """A TrainConfig from a TOML or YAML file, then `key=value` overrides (values parsed as JSON,
-    else taken as strings; `model.hidden_size=128` sets a field of the model table)."""
-    raw: dict = {}
-    if path is not None:
-        path = Path(path)
-        if not path.exists():
-            raise ValueError(f"config file {path} does not exist")
-        if path.suffix == ".toml":
-            import tomllib
-
-            raw = tomllib.loads(path.read_text())
-        elif path.suffix in (".yaml", ".yml"):
-            import yaml
-
-            raw = yaml.safe_load(path.read_text()) or {}
-        else:
-            raise ValueError(f"config file {path}: use .toml, .yaml or .yml")
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--set takes key=value, got {item!r}")
-        *parents, leaf = key.strip().split(".")
-        d = raw
-        for p in parents:
-            d = d.setdefault(p, {})
-        d[leaf] = _parse_value(value)
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
-    unknown = set(raw) - names
-    if unknown:
-        raise ValueError(f"unknown training options: {', '.join(sorted(unknown))} (known: {', '.join(sorted(names))})")
-    return TrainConfig(**raw).validate()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -160,7 +63,8 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Adam
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (no_decay if p.ndim < 2 or "embed_tokens" in name or "norm" in name else decay).append(p)
+        embedding = "embed_tokens" in name or "token_rows" in name or "token_head_rows" in name
+        (no_decay if p.ndim < 2 or embedding or "norm" in name else decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), foreach=True)
 
@@ -194,32 +98,6 @@ def _set_rng_state(s: dict) -> None:
     np.random.set_state(s["numpy"])
 
 
-def _apply_lora(model: Transformer, lora: dict) -> None:
-    try:
-        from peft import LoraConfig, inject_adapter_in_model
-    except ImportError:
-        raise RuntimeError("LoRA needs the peft package: pip install peft") from None
-    conf = LoraConfig(r=lora.get("r", 8), lora_alpha=lora.get("alpha", 16), lora_dropout=lora.get("dropout", 0.0),
-                      target_modules=lora.get("target_modules", ["q_proj", "k_proj", "v_proj", "o_proj"]))
-    inject_adapter_in_model(conf, model)
-    for name, p in model.named_parameters():
-        p.requires_grad = "lora_" in name
-
-
-def merged_state_dict(model: Transformer) -> dict[str, Tensor]:
-    """The model's weights with any LoRA adapters folded in, under the plain model's names."""
-    sd = {}
-    lora_layers = {n: m for n, m in model.named_modules() if hasattr(m, "get_delta_weight") and hasattr(m, "base_layer")}
-    for name, t in model.state_dict().items():
-        if "lora_" in name:
-            continue
-        owner = name.rsplit(".base_layer.", 1)[0] if ".base_layer." in name else None
-        if owner in lora_layers and name.endswith("weight"):
-            t = t + lora_layers[owner].get_delta_weight("default").to(t.dtype)
-        sd[name.replace(".base_layer.", ".")] = t
-    return sd
-
-
 # ----------------------------------------------------------------------------------------------
 # the trainer
 
@@ -232,12 +110,14 @@ class Trainer:
         self.out = Path(cfg.out_dir)
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
+        for note in getattr(cfg, "notes", []):
+            self._log(note)
+        dev = resolve_device(cfg.device)
         if self.world > 1 and not dist.is_initialized():
-            dist.init_process_group("nccl" if torch.cuda.is_available() and cfg.device != "cpu" else "gloo")
-        dev = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        if dev == "cuda" and self.world > 1:
-            dev = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
-        self.device = torch.device(dev)
+            dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+        if dev.type == "cuda" and self.world > 1:
+            dev = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
+        self.device = dev
         self.progress = progress and self.rank == 0
         self.micro = cfg.micro_batch_size or max(cfg.batch_size // self.world, 1)
         if cfg.batch_size % (self.world * self.micro):
@@ -245,7 +125,8 @@ class Trainer:
                              f"micro_batch_size ({self.micro})")
         self.ckpt = self._latest_checkpoint()
         if self.ckpt is not None and not resume:
-            raise ValueError(f"{self.out} already has {self.ckpt.name}; resume it, or choose another out_dir")
+            raise ValueError(f"{self.out} already holds a run ({self.ckpt.name}) and resuming is off (--no-resume): "
+                             "choose a new out_dir, or remove this one to start over")
         self.tokenizer = self._tokenizer()
         self.model = self._model()
         self.examples = self._examples()
@@ -306,10 +187,12 @@ class Trainer:
         needs_mask = cfg.objective in ("refusion", "mdm")
         # LoRA resumes from the base weights plus the saved adapters (checkpoints hold merged weights)
         start = cfg.init if cfg.lora else (self.ckpt or cfg.init)
+        self.new_tokens: list[int] = []  # rows the base model never trained (LoRA trains them too)
         if start is not None:
             model = load_model(start, dtype=torch.float32)
             if needs_mask and model.config.mask_token_id is None:
                 mask_id = add_mask_token(model, tok)
+                self.new_tokens = [mask_id]
                 self._log(f"added the mask token to {cfg.init} (id {mask_id})")
         else:
             if tok.eos_id is None:
@@ -319,9 +202,13 @@ class Trainer:
             if mcfg.vocab_size < len(tok):
                 raise ValueError(f"model.vocab_size {mcfg.vocab_size} is smaller than the tokenizer ({len(tok)})")
             model = Transformer(mcfg).init_weights(seed=cfg.seed)
+        if cfg.max_length > model.config.max_position_embeddings:
+            raise ValueError(f"max_length {cfg.max_length} exceeds {start or 'the model'}'s max_position_embeddings "
+                             f"{model.config.max_position_embeddings}")
         model.config.bidirectional = cfg.objective == "mdm"
+        model.config.training_objective = cfg.objective  # picks the model's default decoder
         if cfg.lora and self.ckpt is None:
-            _apply_lora(model, cfg.lora)
+            apply_lora(model, cfg.lora, self.new_tokens)
         model.gradient_checkpointing = cfg.gradient_checkpointing
         return model.to(self.device).train()
 
@@ -409,7 +296,7 @@ class Trainer:
     def _load_state(self, path: Path) -> None:
         s = torch.load(path / STATE_FILE, weights_only=False)
         if self.cfg.lora:
-            _apply_lora(self.model, self.cfg.lora)
+            apply_lora(self.model, self.cfg.lora, self.new_tokens)
             self.model.load_state_dict(s["lora"], strict=False)
             self.model.to(self.device)
             self.optimizer = make_optimizer(self.model, self.cfg)
@@ -504,34 +391,17 @@ def _tensorboard(out: Path):
 
 
 def train(cfg: TrainConfig, resume: bool = True, progress: bool = True) -> Path:
-    """Train (or resume) a run; returns the final model directory."""
-    return Trainer(cfg, resume=resume, progress=progress).fit()
+    """Train (or resume) a run; returns the final model directory.
 
-
-def add_parser(sub) -> None:
-    p = sub.add_parser("train", help="train a ReFusion (or AR / MDM baseline) model",
-                       description="Train with a config file (TOML or YAML) and overrides. Resumes from the "
-                                   "newest checkpoint in out_dir unless --no-resume. Under torchrun, data "
-                                   "parallel over the processes.")
-    p.add_argument("--config", help="a TOML or YAML file of TrainConfig fields")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a field (JSON value), e.g. --set lr=3e-4 --set model.num_layers=2")
-    p.add_argument("--objective", choices=OBJECTIVES)
-    p.add_argument("--init", help="start from this checkpoint directory")
-    p.add_argument("--data", help="JSON / JSONL file of {query, response}, or 'synthetic'")
-    p.add_argument("--out", dest="out_dir", help="output directory (checkpoints, metrics.jsonl, model/)")
-    p.add_argument("--max-steps", type=int)
-    p.add_argument("--no-resume", action="store_true", help="start over even if out_dir has checkpoints")
-    p.add_argument("--no-progress", action="store_true")
-    p.set_defaults(func=run)
-
-
-def run(args) -> None:
-    overrides = list(args.set)
-    for name in ("objective", "init", "data", "out_dir", "max_steps"):
-        v = getattr(args, name)
-        if v is not None:
-            overrides.append(f"{name}={json.dumps(v)}")
-    cfg = load_train_config(args.config, overrides)
-    final = train(cfg, resume=not args.no_resume, progress=not args.no_progress)
-    print(final)
+    A run that fails before its first checkpoint (a bad option that only shows at step one, data
+    that does not fit) leaves no directory behind if it created the directory: a later attempt
+    with the same out_dir then starts clean instead of meeting a half-made run.
+    """
+    out = Path(cfg.out_dir)
+    created = not out.exists()
+    try:
+        return Trainer(cfg, resume=resume, progress=progress).fit()
+    except Exception:
+        if created and int(os.environ.get("RANK", "0")) == 0 and not any(out.glob("checkpoint-*")):
+            shutil.rmtree(out, ignore_errors=True)
+        raise

@@ -4,11 +4,27 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from ..model import Transformer
-from .common import DecodeResult, left_pad, sample
+from .common import DecodeResult, check_positive, check_prompts, check_sampling, left_pad, sample
+
+
+@dataclass
+class ARParams:
+    """decode(..., "ar")'s parameters; gen_length is generate_ar's max_new_tokens."""
+
+    gen_length: int = 256
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    first_from_mask: bool | None = None  # None: on when the model has a mask token
+
+    def validate(self) -> None:
+        check_positive("gen_length", self.gen_length)
+        check_sampling(self.temperature, self.top_k, self.top_p)
 
 
 @torch.inference_mode()
@@ -24,9 +40,10 @@ def generate_ar(model: Transformer, prompts: list[list[int]], max_new_tokens: in
     Default: on when the model has a mask token.
     on_token(row, position, token) is called for every committed token (streaming).
     """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    check_positive("max_new_tokens", max_new_tokens)
+    check_sampling(temperature, top_k, top_p)
     cfg = model.config
+    check_prompts(cfg, prompts, max_new_tokens)
     device = model.embed_tokens.weight.device
     eos = set(eos_ids if eos_ids is not None else cfg.eos_ids)
     mask_id = cfg.mask_token_id

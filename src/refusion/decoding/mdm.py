@@ -20,28 +20,36 @@ from dataclasses import dataclass
 import torch
 
 from ..model import Transformer
-from .common import DecodeResult, left_pad, resolve_params
+from .common import (DecodeResult, check_positive, check_probability, check_prompts, check_sampling, left_pad,
+                     resolve_params)
 
 
 @dataclass
 class MDMParams:
     gen_length: int = 256
     block_length: int = 32
-    steps: int = 256  # total over all blocks (fixed-count mode)
+    steps: int | None = None  # total over all blocks (fixed-count mode); None: gen_length, one token per step
     threshold: float | None = None  # set: Fast-dLLM-style parallel threshold mode
     temperature: float = 0.0
     prefix_cache: bool = False
 
     def validate(self) -> None:
         L, b = self.gen_length, self.block_length
-        if L < 1 or b < 1 or L % b:
+        check_positive("gen_length", L)
+        check_positive("block_length", b)
+        if L % b:
             raise ValueError(f"gen_length {L} must be a positive multiple of block_length {b}")
-        if self.threshold is None and (self.steps < L // b or self.steps % (L // b)):
-            raise ValueError(f"steps {self.steps} must be a positive multiple of the number of blocks {L // b}")
-        if self.threshold is None and self.steps > L:
-            raise ValueError(f"steps {self.steps} exceeds gen_length {L}: every step must commit a token")
-        if self.threshold is not None and not 0.0 <= self.threshold <= 1.0:
-            raise ValueError(f"threshold must lie in [0, 1], got {self.threshold}")
+        if self.threshold is not None and self.steps is not None:
+            raise ValueError("steps sets a fixed number of commits per step; the threshold mode takes none")
+        if self.threshold is None and self.steps is not None:
+            check_positive("steps", self.steps)
+            if self.steps % (L // b):
+                raise ValueError(f"steps {self.steps} must be a positive multiple of the number of blocks {L // b}")
+            if self.steps > L:
+                raise ValueError(f"steps {self.steps} exceeds gen_length {L}: every step must commit a token")
+        if self.threshold is not None:
+            check_probability("threshold", self.threshold)
+        check_sampling(self.temperature)
 
 
 def _per_step_counts(n: int, steps: int) -> list[int]:
@@ -58,6 +66,7 @@ def generate_mdm(model: Transformer, prompts: list[list[int]], params: MDMParams
     cfg = model.config
     if cfg.mask_token_id is None:
         raise ValueError("masked-diffusion decoding needs a model with mask_token_id in its config")
+    check_prompts(cfg, prompts, p.gen_length)
     device = model.embed_tokens.weight.device
     eos = sorted(set(eos_ids if eos_ids is not None else cfg.eos_ids))
     eos_t = torch.tensor(eos or [-1], device=device)
@@ -80,7 +89,7 @@ def generate_mdm(model: Transformer, prompts: list[list[int]], params: MDMParams
     forwards = torch.zeros(B, dtype=torch.long, device=device)  # counters stay on the device: no sync
     fed = torch.zeros(B, dtype=torch.long, device=device)
     n_blocks = L // p.block_length
-    steps_per_block = p.steps // n_blocks
+    steps_per_block = (p.steps or L) // n_blocks
     cache = model.new_cache() if p.prefix_cache else None
     for blk in range(n_blocks):
         lo, hi = P + blk * p.block_length, P + (blk + 1) * p.block_length

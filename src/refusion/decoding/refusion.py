@@ -25,7 +25,8 @@ import torch
 
 from ..cache import SlotKVCache
 from ..model import Transformer
-from .common import DecodeResult, resolve_params
+from .common import (DecodeResult, check_positive, check_probability, check_prompts, check_sampling,
+                     resolve_params)
 
 PLAN, VERIFY, DRAFT, IVERIFY, RECOMPUTE, DONE = "plan", "verify", "draft", "iverify", "recompute", "done"
 
@@ -43,18 +44,18 @@ class ReFusionParams:
 
     def validate(self) -> None:
         s, L, B = self.slot_size, self.gen_length, self.serial_blocks
-        if s < 1 or L < 1 or B < 1:
-            raise ValueError(f"gen_length, slot_size and serial_blocks must be >= 1 (got {L}, {s}, {B})")
+        for name in ("gen_length", "slot_size", "serial_blocks"):
+            check_positive(name, getattr(self, name))
+        if s * B > L:
+            raise ValueError(f"slot_size x serial_blocks = {s} x {B} = {s * B} exceeds gen_length {L} "
+                             "(each serial block needs at least one slot)")
         if L % (s * B):
-            lo = max(s * B, L // (s * B) * s * B)
+            lo = L // (s * B) * s * B
             raise ValueError(f"gen_length {L} must be a multiple of slot_size x serial_blocks = {s * B} "
                              f"(each serial block a whole number of slots); try gen_length {lo} or {lo + s * B}")
         for name in ("slot_threshold", "token_threshold"):
-            v = getattr(self, name)
-            if not 0.0 <= v <= 1.0:
-                raise ValueError(f"{name} must lie in [0, 1], got {v}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            check_probability(name, getattr(self, name))
+        check_sampling(self.temperature)
 
 
 class _Seq:
@@ -284,8 +285,7 @@ def generate_refusion(model: Transformer, prompts: list[list[int]], params: ReFu
     cfg = model.config
     if cfg.mask_token_id is None:
         raise ValueError("plan-and-infill needs a model with mask_token_id in its config (a ReFusion model)")
-    if not prompts or any(len(q) == 0 for q in prompts):
-        raise ValueError("every prompt needs at least one token")
+    check_prompts(cfg, prompts, p.gen_length)
     eos = set(eos_ids if eos_ids is not None else cfg.eos_ids)
     device = model.embed_tokens.weight.device
     gens = [torch.Generator(device=device).manual_seed(seed if seed is not None else 0) for _ in prompts]

@@ -34,7 +34,6 @@ sequence's output does not depend on what else is in the batch.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,7 +44,7 @@ from torch import Tensor
 
 from ..cache import RaggedKVCache
 from ..model import Transformer
-from .common import DecodeResult, resolve_params
+from .common import DecodeResult, check_positive, check_probability, check_sampling, resolve_params
 
 
 @dataclass
@@ -60,22 +59,16 @@ class SpeculativeParams:
     accept_prob: float | None = None  # lossy: also accept a draft token with probability >= this
 
     def validate(self) -> None:
-        if self.gen_length < 1:
-            raise ValueError(f"gen_length must be >= 1, got {self.gen_length}")
-        if self.draft_length < 0:
-            raise ValueError(f"draft_length must be >= 0, got {self.draft_length}")
-        if self.mask_length is not None and self.mask_length < 0:
-            raise ValueError(f"mask_length must be >= 0, got {self.mask_length}")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"top_k must be >= 1 (or unset), got {self.top_k}")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
-        if self.accept_prob is not None and not 0 < self.accept_prob <= 1:
-            raise ValueError(f"accept_prob must lie in (0, 1], got {self.accept_prob}")
-        if self.temperature == 0 and (self.top_k is not None or self.top_p is not None):
-            raise ValueError("top_k / top_p only apply when sampling: set temperature > 0")
+        check_positive("gen_length", self.gen_length)
+        if not (isinstance(self.draft_length, int) and self.draft_length >= 0):
+            raise ValueError(f"draft_length must be an integer >= 0 (0: plain AR), got {self.draft_length!r}")
+        if self.mask_length is not None and not (isinstance(self.mask_length, int) and self.mask_length >= 0):
+            raise ValueError(f"mask_length must be an integer >= 0, got {self.mask_length!r}")
+        check_sampling(self.temperature, self.top_k, self.top_p)
+        if self.accept_prob is not None:
+            check_probability("accept_prob", self.accept_prob)
+            if self.accept_prob == 0:
+                raise ValueError("accept_prob must be > 0 (0 would accept every draft token)")
 
     @property
     def max_width(self) -> int:

@@ -38,7 +38,8 @@ from ..model import Transformer
 from ..tokenizer import Tokenizer
 from .engine import Engine, Event, Job, QueueFull
 from .metrics import Metrics
-from .params import SERVE_DECODERS, DecoderChoice, choose, default_decoder
+from ..decoding import default_decoder
+from .params import SERVE_DECODERS, DecoderChoice, choose
 from .schemas import ChatRequest, CompletionRequest, RequestError, loads, parse_chat, parse_completion
 from .text import TextAssembler
 
@@ -146,7 +147,7 @@ class Server:
         card = {"id": self.cfg.model_name, "object": "model", "created": self.created, "owned_by": "refusion",
                 "max_model_len": self.context, "max_tokens_cap": self._cap(),
                 "decoders": list(SERVE_DECODERS if self.has_mask else ("ar",)),
-                "default_decoder": default_decoder(self.has_mask)}
+                "default_decoder": default_decoder(self.model.config)}
         return JSONResponse({"object": "list", "data": [card]})
 
     # ---- generation ---------------------------------------------------------------------------
@@ -233,7 +234,7 @@ class Server:
             raise RequestError(400, f"this model's maximum context length is {self.context} tokens; the prompt has "
                                     f"{len(prompt)} and max_tokens asks for {max_tokens}", "prompt",
                                code="context_length_exceeded")
-        return req, prompt, choose(req, self.has_mask, max_tokens)
+        return req, prompt, choose(req, self.model.config, max_tokens)
 
     def _prompt_ids(self, req: CompletionRequest | ChatRequest) -> list[int]:
         try:

@@ -1,0 +1,95 @@
+"""decode() as every caller meets it (CLI, eval, a server): one contract for streamed commits, and the
+parameter checks shared by all decoders (make_params), which need no model."""
+
+import math
+
+import pytest
+
+from refusion.config import ModelConfig
+from refusion.decoding import DECODERS, decode, default_decoder, make_params
+from refusion.model import Transformer
+
+PARAMS = {"refusion": dict(gen_length=16, slot_size=4, slot_threshold=0.1, token_threshold=0.1),
+          "refusion-l2r": dict(gen_length=16, slot_size=4),
+          "ar": dict(gen_length=16),
+          "speculative": dict(gen_length=16, draft_length=4),
+          "mdm": dict(gen_length=16, block_length=8),
+          "mdm-threshold": dict(gen_length=16, block_length=8, threshold=0.3)}
+PROMPTS = [[3, 4, 5], [6, 7, 8, 9, 10]]
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def tiny(seed=0) -> Transformer:
+    cfg = ModelConfig(vocab_size=24, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, mask_token_id=23, eos_token_id=1, max_position_embeddings=64)
+    return Transformer(cfg).init_weights(seed=seed, std=0.5).eval()
+
+
+def streamed(events: list, row: int, eos: set[int]) -> tuple[list[int], list[int]]:
+    """What a streaming client rebuilds, as decode()'s docstring tells it to: the commits of a row
+    sorted by position, cut after the first EOS."""
+    got = sorted((q, t) for r, positions, tokens in events if r == row for q, t in zip(positions, tokens))
+    cut = next((i + 1 for i, (_, t) in enumerate(got) if t in eos), len(got))
+    return [q for q, _ in got[:cut]], [t for _, t in got[:cut]]
+
+
+@pytest.mark.parametrize("decoder", DECODERS)
+def test_streamed_commits_cut_at_the_first_eos_are_the_result(decoder):
+    model = tiny()
+    free = decode(model, PROMPTS, decoder, eos_ids=[], **PARAMS[decoder])
+    # an EOS the model really produces, early in the first row's output
+    eos = free[0].tokens[len(free[0].tokens) // 3]
+    events = []
+    res = decode(model, PROMPTS, decoder, eos_ids=[eos], on_commit=lambda *e: events.append(e), **PARAMS[decoder])
+    for row, r in enumerate(res):
+        assert streamed(events, row, {eos}) == (r.positions, r.tokens)
+        assert r.finished == (eos in r.tokens)
+
+
+def test_commits_after_an_eos_are_reported_but_not_in_the_result():
+    # masked diffusion fills a whole block before it looks for EOS: the block's tail is streamed
+    model = tiny()
+    free = decode(model, [PROMPTS[0]], "mdm", eos_ids=[], **PARAMS["mdm"])[0]
+    eos = free.tokens[2]
+    events = []
+    r = decode(model, [PROMPTS[0]], "mdm", eos_ids=[eos], on_commit=lambda *e: events.append(e),
+               **PARAMS["mdm"])[0]
+    reported = {q for _, positions, _ in events for q in positions}
+    assert r.tokens[-1] == eos and len(r.tokens) <= 3
+    assert max(reported) >= r.positions[-1] + 1  # reported, yet after the EOS: not part of the result
+
+
+@pytest.mark.parametrize("decoder, params, message", [
+    ("ar", dict(temperature=1.0, top_p=0.0), "top_p must lie in (0, 1], got 0.0"),
+    ("ar", dict(temperature=math.nan), "temperature must be a finite number"),
+    ("ar", dict(top_k=3), "top_k and top_p apply only when sampling"),
+    ("ar", dict(gen_length=4, max_new_tokens=4), "not both"),
+    ("refusion", dict(gen_length=16, slot_size=32), "slot_size x serial_blocks = 32 x 1 = 32 exceeds gen_length 16"),
+    ("refusion", dict(temperature=math.inf), "temperature must be a finite number"),
+    ("mdm", dict(gen_length=16, block_length=8, steps=0), "steps must be an integer >= 1, got 0"),
+    ("mdm-threshold", dict(gen_length=16, block_length=8, steps=16), "the threshold mode takes none"),
+    ("refusion", dict(top_k=3), "does not take top_k"),
+])
+def test_bad_parameters_are_refused_without_a_model(decoder, params, message):
+    with pytest.raises(ValueError) as e:
+        make_params(decoder, **params)
+    assert message in str(e.value)
+
+
+def test_sizes_beyond_the_model_are_refused_before_any_allocation():
+    model = tiny()  # 64 positions
+    for decoder in DECODERS:
+        with pytest.raises(ValueError, match="gen_length 1073741824 exceeds"):
+            decode(model, PROMPTS, decoder, gen_length=2**30)
+        with pytest.raises(ValueError, match=r"prompt \(60 tokens\) \+ gen_length \(16\) = 76 exceeds"):
+            decode(model, [[5] * 60], decoder, **PARAMS[decoder])
+
+
+def test_default_decoder():
+    base = dict(vocab_size=24, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2)
+    assert default_decoder(ModelConfig(**base)) == "ar"
+    assert default_decoder(ModelConfig(mask_token_id=23, **base)) == "speculative"
+    assert default_decoder(ModelConfig(mask_token_id=23, training_objective="ar", **base)) == "ar"
+    assert default_decoder(ModelConfig(mask_token_id=23, training_objective="mdm", **base)) == "mdm-threshold"
+    assert default_decoder(ModelConfig(mask_token_id=23, bidirectional=True, **base)) == "mdm-threshold"
