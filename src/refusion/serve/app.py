@@ -461,7 +461,8 @@ class _CountRequests:
             await self.app(scope, receive, counting_send)
         finally:
             self.metrics.requests.labels(endpoint, str(status[0] or 499)).inc()
-            self.metrics.served += 1
+            if scope["method"] != "GET":  # health checks and scrapes alone never trigger the idle trim
+                self.metrics.served += 1
 
 
 def _too_large(limit: int) -> RequestError:

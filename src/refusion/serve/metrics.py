@@ -18,7 +18,7 @@ _TPF_BUCKETS = (0.5, 1, 1.25, 1.5, 2, 3, 4, 6, 8, 12, 16, 32)
 class Metrics:
     def __init__(self, queue_depth: Callable[[], float], running: Callable[[], float]) -> None:
         r = self.registry = CollectorRegistry()
-        self.served = 0  # HTTP requests answered (a plain count, for the idle-time memory trim)
+        self.served = 0  # requests other than GETs answered (a plain count, for the idle-time memory trim)
         self.requests = Counter("refusion_requests", "HTTP requests answered, by endpoint and status code",
                                 ["endpoint", "status"], registry=r)
         self.tokens = Counter("refusion_generated_tokens", "tokens generated (committed by a decoder)", registry=r)
