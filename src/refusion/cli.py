@@ -481,6 +481,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_train)
 
     sources.add_parser(sub)
+    from .serve import command as serve  # its flags only; the server loads when it runs
+
+    serve.add_parser(sub)
     return p
 
 
