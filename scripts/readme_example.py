@@ -1,14 +1,14 @@
 """The README's example, regenerated honestly: a held-out prompt and what the default model says to it.
 
     python scripts/readme_example.py                    # the bundled model, its default decoder
-    python scripts/readme_example.py --task arith --index 3 --n 100
+    python scripts/readme_example.py --task add --index 3 --n 100
 
-It takes a prompt from a synthetic task's test split (never drawn for training: the split is a hash
-of the prompt's text), checks that the bundled model's training data (configs/refusion-tiny.toml:
-50,000 records, seed 0) does not contain it, runs `refusion generate` on it exactly as the README
-shows, and prints the command and its output. Then it decodes --n held-out prompts of every
-synthetic task with the same decoder and settings, and prints the TPF and accuracy a README may
-quote: what the model reaches on prompts it has not seen, not on one it memorised.
+It takes a prompt from a task's test split (never drawn for training: the split is a hash of the
+prompt's text), checks that the bundled model's training data (its recipe.toml: the records it names,
+same count and seed) does not contain it, runs `refusion generate` on it exactly as the README shows,
+and prints the command and its output. Then it decodes --n held-out prompts of every task the recipe
+trains on with the same decoder and settings, and prints the TPF and accuracy a README may quote: what
+the model reaches on prompts it has not seen, not on one it memorised.
 
 The prompt is the test split's example --index (in the split's seeded order), whatever the model
 answers: it is not chosen for a good answer.
@@ -29,35 +29,46 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from refusion.checkpoint import load_model  # noqa: E402
 from refusion.cli import BUNDLED  # noqa: E402
-from refusion.data import synthetic_records  # noqa: E402
+from refusion.data import task_names, training_records  # noqa: E402
 from refusion.decoding import default_decoder  # noqa: E402
 from refusion.evaluate import EvalConfig, evaluate  # noqa: E402
 from refusion.runtime import count_parameters, set_threads  # noqa: E402
 from refusion.tasks import get_task  # noqa: E402
 
-TASKS = ("arith", "code", "choice", "table")
+SYNTHETIC = ("arith", "code", "choice", "table")  # data = "synthetic"
 GEN_LENGTH = 128  # `refusion generate`'s default
 
 
-def training_prompts(recipe: Path) -> set[str]:
-    """The queries the recipe trains on (synthetic data only)."""
-    cfg = tomllib.loads(recipe.read_text())
-    if cfg.get("data", "synthetic") != "synthetic":
-        raise SystemExit(f"{recipe} does not train on the synthetic mixture; cannot check the prompt against it")
-    return {r["query"] for r in synthetic_records(cfg.get("synthetic_examples", 20000), cfg.get("seed", 0))}
+def recipe_tasks(recipe: dict) -> tuple[str, ...]:
+    data = recipe.get("data", "synthetic")
+    names = SYNTHETIC if data == "synthetic" else task_names(data)
+    if names is None:
+        raise SystemExit(f"the recipe trains on the file {data}, not on tasks with test splits")
+    return tuple(names)
+
+
+def training_prompts(recipe: dict) -> set[str]:
+    """The queries the recipe trains on (the same records, count and seed as `refusion train`)."""
+    recs = training_records(recipe.get("data", "synthetic"), recipe.get("synthetic_examples", 20000),
+                            recipe.get("seed", 0), recipe.get("corpus"), recipe.get("corpus_examples", 20000))
+    return {r["query"] for r in recs}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--task", default="code", choices=TASKS, help="task of the example prompt")
+    ap.add_argument("--task", default="code", help="task of the example prompt (one the recipe trains on)")
     ap.add_argument("--index", type=int, default=0, help="which test example (seeded order)")
     ap.add_argument("--n", type=int, default=50, help="held-out prompts per task for the TPF line")
-    ap.add_argument("--recipe", default=str(ROOT / "configs" / "refusion-tiny.toml"),
+    ap.add_argument("--recipe", default=str(BUNDLED / "recipe.toml"),
                     help="the bundled model's training recipe (to check the prompt is not in its data)")
     args = ap.parse_args()
+    recipe = tomllib.loads(Path(args.recipe).read_text())
+    tasks = recipe_tasks(recipe)
+    if args.task not in tasks:
+        raise SystemExit(f"--task {args.task}: the recipe trains on {', '.join(tasks)}")
 
     prompt = get_task(args.task).load("test", n=args.index + 1, seed=0)[args.index].prompt
-    seen = training_prompts(Path(args.recipe))
+    seen = training_prompts(recipe)
     if prompt in seen:
         raise SystemExit(f"the prompt is in the training data: {prompt!r}")
     cmd = [sys.executable, "-m", "refusion.cli", "generate", prompt, "--no-view"]
@@ -80,7 +91,7 @@ def main() -> None:
     decoder = default_decoder(model.config)
     tokens = forwards = 0
     parts = []
-    for name in TASKS:
+    for name in tasks:
         s = evaluate(model, tok, get_task(name), EvalConfig(decoder, {"gen_length": GEN_LENGTH}, n=args.n),
                      progress=False)
         tokens, forwards = tokens + s["tokens"], forwards + s["forwards"]

@@ -4,29 +4,22 @@ would give from `decode()` alone."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import socket
 import threading
 import time
 
-from refusion.checkpoint import load_config, load_model
+from bundled import bundled, task_examples
+from refusion.checkpoint import load_config
 from refusion.cli import BUNDLED
 from refusion.decoding import decode
-from refusion.tasks.synthetic import TASKS
-from refusion.tokenizer import Tokenizer
 
 
 CFG = load_config(BUNDLED)  # the bundled model's config, and the same without a mask token
 NO_MASK = dataclasses.replace(CFG, mask_token_id=None)
 
 
-@functools.lru_cache(maxsize=None)
-def bundled():
-    return load_model(BUNDLED), Tokenizer.from_dir(BUNDLED)
-
-
 def task_prompts(per_task: int = 2) -> list[str]:
-    return [ex.prompt for name in ("arith", "code", "choice", "table") for ex in TASKS[name].load("test", n=per_task, seed=1)]
+    return [ex.prompt for ex in task_examples(per_task)]
 
 
 class LiveServer:

@@ -209,3 +209,16 @@ def task_records(names: list[str], n: int, seed: int = 0, split: str = "train") 
     if any(r["response"] is None for r in out):
         raise DataError(f"tasks {', '.join(names)}: every example needs a reference response to train on")
     return out[:n]
+
+
+def training_records(data: str, n: int, seed: int = 0, corpus: str | None = None, corpus_examples: int = 0) -> list[dict]:
+    """The records a training run reads: `data` ("synthetic", "tasks:a,b" or a file), then, if named,
+    `corpus_examples` passages of general text (refusion.corpus) after them (batches shuffle anyway)."""
+    names = task_names(data)
+    recs = (synthetic_records(n, seed) if data == "synthetic" else task_records(names, n, seed) if names
+            else load_records(data))
+    if corpus is not None:
+        from .corpus import corpus_records
+
+        recs = recs + corpus_records(corpus, corpus_examples, seed)
+    return recs

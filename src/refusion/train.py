@@ -38,8 +38,7 @@ from torch import Tensor
 
 from .checkpoint import DTYPES, STATE_FILE, add_mask_token, load_model, save_model
 from .config import ModelConfig
-from .data import DataError, encode_records, filter_by_length, length_batches, load_records, synthetic_records
-from .data import task_names, task_records, train_bpe_tokenizer
+from .data import DataError, encode_records, filter_by_length, length_batches, train_bpe_tokenizer, training_records
 from .lora import apply_lora, merged_state_dict
 from .model import Transformer
 from .objectives import TrainInputs, ar_token_count, build_inputs, compute_loss, make_batch, pad_responses
@@ -193,10 +192,9 @@ class Trainer:
     def _records(self) -> list[dict]:
         if not hasattr(self, "_recs"):
             cfg = self.cfg
-            names = task_names(cfg.data)
-            self._recs = (synthetic_records(cfg.synthetic_examples, cfg.seed) if cfg.data == "synthetic"
-                          else task_records(names, cfg.synthetic_examples, cfg.seed) if names
-                          else load_records(cfg.data))
+            self._recs = training_records(cfg.data, cfg.synthetic_examples, cfg.seed, cfg.corpus, cfg.corpus_examples)
+            if cfg.corpus is not None:
+                self._log(f"data: {cfg.data} + {cfg.corpus_examples} passages of {cfg.corpus}: {len(self._recs)} records")
         return self._recs
 
     def _model(self) -> Transformer:

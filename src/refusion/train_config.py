@@ -31,6 +31,8 @@ class TrainConfig:
     # data
     data: str = "synthetic"  # a JSON / JSONL file of {"query", "response"}, "synthetic", or "tasks:sort,add,..."
     synthetic_examples: int = 20000  # examples generated for "synthetic" or "tasks:..." data
+    corpus: str | None = None  # general text mixed into `data`: "stdlib" (refusion.corpus); None: none
+    corpus_examples: int = 20000  # passages of `corpus` added to the data
     max_length: int = 512  # prompt + response tokens; longer examples are dropped (and counted)
     slot_sizes: list[int] = field(default_factory=lambda: [4, 8, 16, 32])
     eps: float = 1e-3
@@ -69,8 +71,12 @@ class TrainConfig:
         _choice("dtype", self.dtype, ("float32", "bfloat16"))
         _choice("strategy", self.strategy, STRATEGIES)
         _choice("save_dtype", self.save_dtype, SAVE_DTYPES)
+        if self.corpus is not None:
+            from .corpus import CORPORA
+
+            _choice("corpus", self.corpus, CORPORA)
         for name in ("batch_size", "max_steps", "max_length", "save_every", "keep_checkpoints", "synthetic_examples",
-                     "vocab_size", "micro_batch_size", "stop_after", "mdm_eos_pad_to"):
+                     "vocab_size", "micro_batch_size", "stop_after", "mdm_eos_pad_to", "corpus_examples"):
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ConfigError(f"{name} must be >= 1, got {v}")
