@@ -18,7 +18,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .config import ConfigError, ModelConfig
-from .model import Transformer, rope_inv_freq
+from .model import Transformer
 from .tokenizer import MASK_TOKEN, Tokenizer
 
 INDEX = "model.safetensors.index.json"
@@ -121,7 +121,7 @@ def load_model(path: str | Path, dtype: torch.dtype | str | None = None, device:
     model.load_state_dict({k: sd[k].to(dtype) for k in expected}, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.inv_freq = rope_inv_freq(cfg)  # buffers are not in the file and were built on "meta"
+    model.reset_rope()  # buffers are not in the file and were built on "meta"
     return model.to(device).eval()
 
 

@@ -56,15 +56,77 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
     raise ConfigError(f"rope_scaling type {kind!r} is not supported (supported: linear, llama3)")
 
 
-def rope_cos_sin(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    ang = positions[..., None].float() * inv_freq  # [B, T, D/2]
-    ang = torch.cat([ang, ang], dim=-1)[:, None]  # [B, 1, T, D]
-    return ang.cos().to(dtype), ang.sin().to(dtype)
+def rope_tables(cfg: ModelConfig, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
+    """cos and sin of every position's angles, [max_position_embeddings, head_dim] in float32.
+
+    Built once: a forward only indexes them by position id (one gather instead of a product, a
+    concatenation and two transcendental functions over [B, T, head_dim] every time).
+    """
+    pos = torch.arange(cfg.max_position_embeddings, dtype=torch.float32, device=inv_freq.device)
+    ang = pos[:, None] * inv_freq.float()
+    ang = torch.cat([ang, ang], dim=-1)
+    return ang.cos(), ang.sin()
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def additive_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """A bool mask (True = may attend) as the additive float mask SDPA turns it into, built once per
+    forward instead of once per layer. The same where(mask, 0, -inf) SDPA itself uses, so the
+    scores are bit-identical."""
+    return torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device),
+                       torch.full((), float("-inf"), dtype=dtype, device=mask.device))
+
+
+class FusedLinears:
+    """Several nn.Linear submodules on the same input as one matrix product (q/k/v, gate/up).
+
+    The stacked weight is the storage: each layer's weight (and bias) becomes a row-block view of it
+    (`param.data` is re-pointed, the Parameter objects stay), so the layers keep their own names in
+    state_dict and a checkpoint is an ordinary Hugging Face one, and every in-place update of a part
+    (optimizer step, load_state_dict, copy_) is already an update of the whole; nothing is stored
+    twice. A part whose storage was replaced (model.to(), load_state_dict(assign=True)) is noticed
+    by its data pointer and the stack is rebuilt on the next inference forward. The parts are looked
+    up by name on every call, so a layer replaced by an adapter (LoRA) is seen: then, or with
+    hooks on a part, or when training with gradients, the layers run one by one.
+    """
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+        self.weight: Tensor | None = None
+        self.bias: Tensor | None = None
+        self._ptrs: list[int] = []
+
+    def __call__(self, owner: nn.Module, x: Tensor) -> Tensor:
+        parts = [getattr(owner, n) for n in self.names]
+        for m in parts:
+            if (type(m) is not nn.Linear or m._forward_hooks or m._forward_pre_hooks
+                    or (m.weight.requires_grad and torch.is_grad_enabled())):
+                return torch.cat([m(x) for m in parts], dim=-1)
+        if self.weight is None or self._pointers(parts) != self._ptrs:
+            self._stack(parts)
+        return F.linear(x, self.weight, self.bias)
+
+    @staticmethod
+    def _pointers(parts: list[nn.Linear]) -> list[int]:
+        return [t.data_ptr() for m in parts for t in (m.weight, m.bias) if t is not None]
+
+    def _stack(self, parts: list[nn.Linear]) -> None:
+        sizes = [m.out_features for m in parts]
+        # outside inference mode: the views become the parameters' storage, which training may use later
+        with torch.inference_mode(False), torch.no_grad():
+            self.weight = torch.cat([m.weight for m in parts])
+            for m, w in zip(parts, self.weight.split(sizes)):
+                m.weight.data = w
+            self.bias = None
+            if parts[0].bias is not None:
+                self.bias = torch.cat([m.bias for m in parts])
+                for m, b in zip(parts, self.bias.split(sizes)):
+                    m.bias.data = b
+        self._ptrs = self._pointers(parts)
 
 
 class Attention(nn.Module):
@@ -79,22 +141,42 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
+        self.eps = cfg.rms_norm_eps
+        self.qkv = FusedLinears(["q_proj", "k_proj", "v_proj"])  # a plain attribute: no new names
+
+    def _qk_normed(self, qk: Tensor) -> Tensor:
+        """q_norm and k_norm in one pass over q and k side by side ([N, h + kvh, d]): the same
+        arithmetic per head as the two RMSNorms, with the weight of each head's own norm."""
+        if type(self.q_norm) is not RMSNorm or type(self.k_norm) is not RMSNorm:
+            return torch.cat([self.q_norm(qk[:, : self.h]), self.k_norm(qk[:, self.h:])], dim=1)
+        h = qk.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        w = torch.cat([self.q_norm.weight.expand(self.h, -1), self.k_norm.weight.expand(self.kvh, -1)])
+        return w * h.to(qk.dtype)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, is_causal: bool,
-                cache: KVCache | None, layer: int) -> Tensor:
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.h, self.d)
-        k = self.k_proj(x).view(B, T, self.kvh, self.d)
-        v = self.v_proj(x).view(B, T, self.kvh, self.d).transpose(1, 2)
+                cache: KVCache | None, layer: int, shape: tuple[int, int], real: Tensor | None) -> Tensor:
+        """x: [N, hidden], the fed tokens flattened (every B x T of them, or only the `real` ones)."""
+        B, T = shape
+        h, kvh, d = self.h, self.kvh, self.d
+        qkv = self.qkv(self, x).view(-1, h + 2 * kvh, d)
+        qk, v = qkv[:, : h + kvh], qkv[:, h + kvh:]
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), cos, sin)
-        k = apply_rope(k.transpose(1, 2), cos, sin)
+            qk = self._qk_normed(qk)
+        qk = apply_rope(qk, cos, sin)  # per token: q and k of every head at once
+        if real is not None:  # back to the padded [B, T] grid for the cache and attention
+            qk = qk.new_zeros(B * T, h + kvh, d).index_copy_(0, real, qk)
+            v = v.new_zeros(B * T, kvh, d).index_copy_(0, real, v)
+        qk = qk.view(B, T, h + kvh, d).transpose(1, 2)
+        q, k = qk[:, :h], qk[:, h:]
+        v = v.view(B, T, kvh, d).transpose(1, 2)
         if cache is not None:
             k, v = cache.update(layer, k, v)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
-                                           enable_gqa=self.kvh != self.h)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.h * self.d))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=kvh != h)
+        y = y.transpose(1, 2).reshape(B * T, h * d)
+        if real is not None:
+            y = y.index_select(0, real)
+        return self.o_proj(y)
 
 
 class MLP(nn.Module):
@@ -103,9 +185,11 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up = FusedLinears(["gate_proj", "up_proj"])
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(self, x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -116,8 +200,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, mask, is_causal, cache, layer):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, is_causal, cache, layer)
+    def forward(self, x, cos, sin, mask, is_causal, cache, layer, shape, real):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, is_causal, cache, layer, shape, real)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -131,8 +215,17 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.gradient_checkpointing = False
+        self.reset_rope()
+
+    def reset_rope(self, device: torch.device | str | None = None) -> None:
+        """(Re)build the RoPE frequencies and the cos / sin tables of every position (non-persistent
+        buffers: they are not in checkpoints, and a model built on "meta" must call this once)."""
+        inv = rope_inv_freq(self.config).to(device)
+        cos, sin = rope_tables(self.config, inv)
+        self.register_buffer("inv_freq", inv, persistent=False)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
 
     def init_weights(self, std: float = 0.02, seed: int | None = None) -> "Transformer":
         """Fresh initialisation for training from scratch (normal(0, std), unit norms, zero biases)."""
@@ -145,18 +238,24 @@ class Transformer(nn.Module):
                     p.zero_()
                 else:
                     p.copy_(torch.randn(p.shape, generator=gen) * std)
-        self.inv_freq = rope_inv_freq(self.config).to(self.embed_tokens.weight.device)
+        self.reset_rope(self.embed_tokens.weight.device)
         return self
 
     def new_cache(self) -> KVCache:
         return KVCache(self.config.num_layers)
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, attn_mask: Tensor | None = None,
-                cache: KVCache | None = None, num_logits: int | None = None) -> Tensor:
+                cache: KVCache | None = None, num_logits: int | None = None,
+                real: Tensor | None = None) -> Tensor:
         """Logits [B, T, V] (or of the last `num_logits` tokens).
 
         attn_mask: None for causal in feed order (every cached entry visible), or a bool mask
         (True = may attend) / additive float mask broadcastable to [B, heads, T, len(cache) + T].
+        real: the flat indices (into B x T, ascending) of the tokens whose outputs matter; the others
+        are padding. Every per-token operation (embedding, projections, norms, MLP, LM head) then
+        runs on the real tokens only, packed, and only attention sees the padded grid. Padding
+        gets zero keys / values in the cache and zero logits. On a CPU, where a forward costs in
+        proportion to the tokens it computes, this is what makes ragged batches pay.
         """
         B, T = input_ids.shape
         if position_ids.shape != input_ids.shape:
@@ -168,13 +267,25 @@ class Transformer(nn.Module):
                 is_causal = True
             else:  # SDPA's is_causal aligns top-left; with a cache we need the bottom-right triangle
                 attn_mask = torch.ones(T, past + T, dtype=torch.bool, device=input_ids.device).tril(past)
-        x = self.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(position_ids, self.inv_freq, x.dtype)
+        ids, pos = input_ids.reshape(-1), position_ids.reshape(-1)
+        if real is not None:
+            ids, pos = ids[real], pos[real]
+        x = self.embed_tokens(ids)  # [N, hidden]
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            attn_mask = additive_mask(attn_mask, x.dtype)
+        cos = self.rope_cos[pos].to(x.dtype)[:, None]  # [N, 1, head_dim]: broadcast over heads
+        sin = self.rope_sin[pos].to(x.dtype)[:, None]
         for i, block in enumerate(self.layers):
             if self.gradient_checkpointing and self.training and cache is None:
-                x = checkpoint(block, x, cos, sin, attn_mask, is_causal, None, i, use_reentrant=False)
+                x = checkpoint(block, x, cos, sin, attn_mask, is_causal, None, i, (B, T), real, use_reentrant=False)
             else:
-                x = block(x, cos, sin, attn_mask, is_causal, cache, i)
-        if num_logits is not None:
-            x = x[:, -num_logits:]
-        return self.lm_head(self.norm(x))
+                x = block(x, cos, sin, attn_mask, is_causal, cache, i, (B, T), real)
+        need = min(num_logits, T) if num_logits else T  # (0 meant every token before, as x[:, -0:])
+        if real is None:
+            return self.lm_head(self.norm(x.view(B, T, -1)[:, T - need:]))
+        # logits of the real tokens among each row's last `need`, zeros for padding
+        col = real % T
+        keep = (col >= T - need).nonzero().squeeze(1)
+        dst = (real // T * need + col - (T - need))[keep]
+        logits = self.lm_head(self.norm(x[keep]))
+        return logits.new_zeros(B * need, logits.shape[-1]).index_copy_(0, dst, logits).view(B, need, -1)
