@@ -35,8 +35,10 @@ def settings(gen_length: int) -> list[tuple[str, str, dict]]:
         ("ar", "ar", dict(max_new_tokens=L)),
         ("speculative", "speculative", dict(gen_length=L)),
         ("speculative fixed 16", "speculative", dict(gen_length=L, draft_length=16, adaptive=False)),
-        ("speculative accept-prob 0.7", "speculative", dict(gen_length=L, accept_prob=0.7)),
+        ("speculative fixed 32", "speculative", dict(gen_length=L, draft_length=32, adaptive=False)),
+        # greedy: a token with probability >= 0.5 is the argmax already, so only values below 0.5 are lossy
         ("speculative accept-prob 0.3", "speculative", dict(gen_length=L, accept_prob=0.3)),
+        ("speculative accept-prob 0.1", "speculative", dict(gen_length=L, accept_prob=0.1)),
         ("refusion s8 0.9/0.4", "refusion", rf),
         ("refusion s8 0.7/0.2", "refusion", dict(rf, slot_threshold=0.7, token_threshold=0.2)),
         ("refusion-l2r s8 0.9/0.4", "refusion-l2r", rf),

@@ -149,6 +149,10 @@ CASES = [
     (["import-gguf", README, "{dir}/out4"], "README.md is not a GGUF file"),
     (["import-gguf", "{dir}/missing.gguf", "{dir}/out5"], "missing.gguf does not exist"),
     (["import-gguf", "smollm2", "{full}"], "pass --overwrite"),
+    (["export", "{m}", "{dir}/out6"], "m is not a sharded training checkpoint (no dcp/ directory)"),
+    (["export", "{dir}/missing", "{dir}/out7"], "missing does not exist"),
+    (["export", "{m}", "{full}"], "full exists and is not empty; choose another directory or pass --overwrite"),
+    (["export", "{m}", "{dir}/out8", "--dtype", "float64"], "argument --dtype: invalid choice: 'float64'"),
     # train: configuration files and overrides
     (["train", "--config", "{four.toml}"], "batch_size must be an integer, got 'four'"),
     (["train", "--set", "lr=abc"], "lr must be a number, got 'abc'"),
@@ -186,6 +190,10 @@ CASES = [
     (["train", "--set", 'lora={"target_modules": ["qproj"]}'], "lora.target_modules must be a list of"),
     (["train", "--set", 'lora={"rank": 4}'], "lora: unknown keys rank"),
     (["train", "--objective", "bert"], "argument --objective: invalid choice: 'bert'"),
+    (["train", "--strategy", "zero"], "argument --strategy: invalid choice: 'zero'"),
+    (["train", "--set", 'strategy="zero"'], "strategy must be one of ddp, fsdp, got 'zero'"),
+    (["train", "--strategy", "fsdp", "--out", "{dir}/fsdp"],
+     "strategy fsdp shards the model over the processes torchrun starts: run it as torchrun --nproc-per-node N"),
     (["train", "--threads", "0"], "argument --threads: must be >= 1"),
     # eval
     (["eval", "--model", "{m}", "--task", "arith", "--batch-size", "0"], "argument --batch-size: must be >= 1, got 0"),

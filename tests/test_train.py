@@ -144,7 +144,7 @@ def test_loss_falls_for_every_objective(objective, data_file, tmp_path):
     assert (model.config.mask_token_id is None) == (objective == "ar")
     # the objective is recorded, and picks the decoder that fits it
     assert model.config.training_objective == objective
-    assert default_decoder(model.config) == {"refusion": "refusion", "ar": "ar", "mdm": "mdm-threshold"}[objective]
+    assert default_decoder(model.config) == {"refusion": "speculative", "ar": "ar", "mdm": "mdm-threshold"}[objective]
 
 
 def test_micro_batches_and_gradient_checkpointing_match_one_batch(data_file, tmp_path):

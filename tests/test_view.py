@@ -175,11 +175,13 @@ def run_in_pty(argv: list[str], cols: int, rows: int, timeout: float = 120) -> s
     return b"".join(chunks).decode("utf-8", errors="replace")
 
 
-def test_generate_under_a_terminal_prints_the_answer_once_and_leaves_no_frames():
+@pytest.mark.parametrize("decoder", ["speculative", "refusion"])  # left to right, and out of order
+def test_generate_under_a_terminal_prints_the_answer_once_and_leaves_no_frames(decoder):
     # a held-out prompt the bundled model is unsure of: many commits, frames taller than the terminal
     prompt = ("Ann has 3 books. Then Ann gets 2 boxes with 9 books in each. Then Ann buys 10 more. "
               "How many books does Ann have now?")
-    base = [sys.executable, "-m", "refusion.cli", "generate", prompt, "--gen-length", "128", "--threads", "1"]
+    base = [sys.executable, "-m", "refusion.cli", "generate", prompt, "--gen-length", "128", "--threads", "1",
+            "--decoder", decoder]
     plain = subprocess.run(base + ["--no-view"], capture_output=True, text=True, check=True).stdout
     cols, rows = 30, 4  # narrow and short: the answer wraps, and frames are taller than the terminal
     raw = run_in_pty(base, cols, rows)
@@ -191,6 +193,6 @@ def test_generate_under_a_terminal_prints_the_answer_once_and_leaves_no_frames()
     for line in plain.splitlines():  # the answer as the terminal wraps it (at the last column)
         wrapped += [line[i:i + cols].rstrip() for i in range(0, max(len(line), 1), cols)]
     got = term.lines()
-    stats = next(i for i, line in enumerate(got) if line.startswith("[refusion]"))
+    stats = next(i for i, line in enumerate(got) if line.startswith(f"[{decoder}]"))
     assert got[:stats] == wrapped  # the answer once, and nothing the frames left behind
     assert "<|im_end|>" not in raw and "\ufffd" not in raw

@@ -22,6 +22,8 @@ from .model import Transformer
 from .tokenizer import MASK_TOKEN, Tokenizer
 
 INDEX = "model.safetensors.index.json"
+STATE_FILE = "training_state.pt"  # a training checkpoint's optimizer, data position and RNG states
+SHARDED_DIR = "dcp"  # a sharded (FSDP) training checkpoint's weights: refusion.sharded_checkpoint
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -75,6 +77,9 @@ def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
         files = sorted(set(weight_map.values()))
     elif single.exists():
         files = [single.name]
+    elif (path / SHARDED_DIR).is_dir():
+        raise CheckpointError(f"{path} is a sharded training checkpoint (refusion train --strategy fsdp); "
+                              f"export it to a Hugging Face directory first: refusion export {path} OUT")
     else:
         found = ", ".join(sorted(p.name for p in path.iterdir())) or "nothing"
         raise CheckpointError(f"{path} has no model.safetensors or {INDEX} (found: {found})")

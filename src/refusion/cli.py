@@ -225,6 +225,14 @@ def cmd_add_mask_token(args: argparse.Namespace) -> None:
     print(f"{args.out}: mask token {args.token!r} = id {mask_id}, vocab {model.config.vocab_size}")
 
 
+def cmd_export(args: argparse.Namespace) -> None:
+    from .checkpoint import DTYPES
+    from .sharded_checkpoint import export_checkpoint
+
+    _check_out_dir(args.out, args.overwrite)
+    print(export_checkpoint(args.checkpoint, args.out, DTYPES[args.dtype], overwrite=args.overwrite))
+
+
 def cmd_info(args: argparse.Namespace) -> None:
     import torch
 
@@ -306,7 +314,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     from .train_config import load_train_config, to_toml
 
     overrides = list(args.set)
-    for name in ("objective", "init", "data", "out_dir", "max_steps"):
+    for name in ("objective", "init", "data", "out_dir", "max_steps", "strategy"):
         v = getattr(args, name)
         if v is not None:
             overrides.append(f"{name}={json.dumps(v)}")
@@ -411,6 +419,14 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     a.set_defaults(func=cmd_add_mask_token)
 
+    x = sub.add_parser("export", help="a sharded training checkpoint (--strategy fsdp) as a Hugging Face directory")
+    x.add_argument("checkpoint", help="a checkpoint-N directory of an fsdp run")
+    x.add_argument("out", help="output directory")
+    x.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="dtype of the saved weights")
+    x.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    x.set_defaults(func=cmd_export)
+
     n = sub.add_parser("info", help="a model directory's configuration and parameter count (JSON)")
     n.add_argument("model", nargs="?", help="model directory (default: the bundled refusion-tiny)")
     n.set_defaults(func=cmd_info)
@@ -440,7 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train a ReFusion (or AR / MDM baseline) model",
                        description="Train with a config file (TOML or YAML) of TrainConfig fields and overrides.\n"
                                    "Resumes from the newest checkpoint in out_dir. Under torchrun, data parallel\n"
-                                   "over the processes.",
+                                   "over the processes: whole copies (ddp) or sharded (fsdp).",
                        epilog="Every TrainConfig field (refusion/train_config.py) can be set in the config file\n"
                               "or with --set; --print-config prints them all, resolved, as TOML. Defaults:\n\n"
                               + _train_defaults())
@@ -449,9 +465,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a field (JSON value), e.g. --set lr=3e-4 --set model.num_layers=2")
     t.add_argument("--objective", choices=("refusion", "ar", "mdm"), help="training objective")
     t.add_argument("--init", help="start from this checkpoint directory")
-    t.add_argument("--data", help="JSON / JSONL file of {query, response}, or 'synthetic'")
+    t.add_argument("--data", help="JSON / JSONL file of {query, response}, 'synthetic', or 'tasks:NAME,NAME,...' "
+                                  "(a mixture of refusion.tasks' train splits)")
     t.add_argument("--out", dest="out_dir", help="output directory (checkpoints, metrics.jsonl, model/)")
     t.add_argument("--max-steps", type=int, help="optimizer steps")
+    t.add_argument("--strategy", choices=("ddp", "fsdp"),
+                   help="under torchrun: ddp keeps the whole model on every process; fsdp shards weights, gradients "
+                        "and optimizer state over them (FSDP2; sharded checkpoints, model/ exported whole)")
     t.add_argument("--no-resume", action="store_true",
                    help="never continue a run: stop with an error if out_dir already has checkpoints "
                         "(nothing is deleted; choose a new --out to start over)")
@@ -461,6 +481,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_train)
 
     sources.add_parser(sub)
+    from .serve import command as serve  # its flags only; the server loads when it runs
+
+    serve.add_parser(sub)
     return p
 
 

@@ -177,3 +177,35 @@ def synthetic_records(n: int, seed: int = 0, split: str = "train") -> list[dict]
     from .tasks.synthetic import mixture
 
     return [{"query": r["query"], "response": r["response"]} for r in mixture(split, n, seed)]
+
+
+def task_names(data: str) -> list[str] | None:
+    """The task names of a `data = "tasks:a,b,c"` source (None for any other source); errors name the
+    unknown or unusable tasks in one line."""
+    if not data.startswith("tasks:"):
+        return None
+    from .tasks import all_tasks
+
+    names = [t.strip() for t in data[len("tasks:"):].split(",") if t.strip()]
+    if not names:
+        raise DataError(f"data {data!r}: name at least one task, e.g. 'tasks:sort,add,repeat'")
+    known = all_tasks()
+    unknown = [t for t in names if t not in known]
+    if unknown:
+        raise DataError(f"data {data!r}: unknown task(s) {', '.join(unknown)}; known tasks: {', '.join(sorted(known))}")
+    no_train = [t for t in names if "train" not in known[t].splits]
+    if no_train:
+        raise DataError(f"data {data!r}: task(s) {', '.join(no_train)} have no train split")
+    return names
+
+
+def task_records(names: list[str], n: int, seed: int = 0, split: str = "train") -> list[dict]:
+    """n training records of the named tasks (refusion.tasks): equal shares, interleaved."""
+    from .tasks import get_task
+
+    per = -(-n // len(names))
+    loaded = [get_task(t).load(split, n=per, seed=seed) for t in names]
+    out = [{"query": ex.prompt, "response": ex.target} for group in zip(*loaded) for ex in group]
+    if any(r["response"] is None for r in out):
+        raise DataError(f"tasks {', '.join(names)}: every example needs a reference response to train on")
+    return out[:n]

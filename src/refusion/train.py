@@ -10,6 +10,11 @@ the global batch's counts, so N processes x M micro-batches compute the same los
 one process with the whole batch. Checkpoints are Hugging Face directories written atomically,
 with the optimizer, scheduler, data position and RNG states in training_state.pt: a run killed at
 any point and resumed from its last checkpoint continues bit for bit.
+
+Under torchrun the processes share the work in one of two ways (`strategy`): "ddp" keeps the whole
+model, its gradients and optimizer state on every process; "fsdp" shards all three over the
+processes (refusion.fsdp) and writes sharded checkpoints (refusion.sharded_checkpoint), exported
+as a Hugging Face directory at the end.
 """
 
 from __future__ import annotations
@@ -31,18 +36,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .checkpoint import DTYPES, add_mask_token, load_model, save_model
+from .checkpoint import DTYPES, STATE_FILE, add_mask_token, load_model, save_model
 from .config import ModelConfig
 from .data import DataError, encode_records, filter_by_length, length_batches, load_records, synthetic_records
-from .data import train_bpe_tokenizer
+from .data import task_names, task_records, train_bpe_tokenizer
 from .lora import apply_lora, merged_state_dict
 from .model import Transformer
 from .objectives import TrainInputs, ar_token_count, build_inputs, compute_loss, make_batch, pad_responses
+from .run_dir import checkpoints, latest_checkpoint, prune_checkpoints, tensorboard, truncate_metrics, written_by
 from .runtime import resolve_device
 from .tokenizer import Tokenizer
 from .train_config import TrainConfig, load_train_config, to_toml  # noqa: F401 (the training API in one place)
-
-STATE_FILE = "training_state.pt"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -89,13 +93,18 @@ def _batch_rows(batch, lo: int, hi: int):
 
 
 def _rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    s = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        s["cuda"] = torch.cuda.get_rng_state_all()
+    return s
 
 
 def _set_rng_state(s: dict) -> None:
     torch.set_rng_state(s["torch"])
     random.setstate(s["python"])
     np.random.set_state(s["numpy"])
+    if "cuda" in s and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s["cuda"])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -110,23 +119,34 @@ class Trainer:
         self.out = Path(cfg.out_dir)
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
+        self.fsdp = cfg.strategy == "fsdp"
         for note in getattr(cfg, "notes", []):
             self._log(note)
         dev = resolve_device(cfg.device)
-        if self.world > 1 and not dist.is_initialized():
+        if self.fsdp and not dist.is_initialized() and "MASTER_ADDR" not in os.environ:
+            raise ValueError("strategy fsdp shards the model over the processes torchrun starts: run it as "
+                             "torchrun --nproc-per-node N -m refusion.cli train ... (N = 1 works too); "
+                             "without torchrun, train with the default strategy (ddp), which needs no process group")
+        distributed = self.world > 1 or self.fsdp  # FSDP needs a process group even for one process
+        if distributed and not dist.is_initialized():
             dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
-        if dev.type == "cuda" and self.world > 1:
+        if dev.type == "cuda" and distributed:
             dev = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
+            torch.cuda.set_device(dev)  # NCCL collectives and FSDP use the current device
         self.device = dev
         self.progress = progress and self.rank == 0
         self.micro = cfg.micro_batch_size or max(cfg.batch_size // self.world, 1)
         if cfg.batch_size % (self.world * self.micro):
             raise ValueError(f"batch_size {cfg.batch_size} must be a multiple of processes ({self.world}) x "
                              f"micro_batch_size ({self.micro})")
-        self.ckpt = self._latest_checkpoint()
+        self.ckpt = latest_checkpoint(self.out)
         if self.ckpt is not None and not resume:
             raise ValueError(f"{self.out} already holds a run ({self.ckpt.name}) and resuming is off (--no-resume): "
                              "choose a new out_dir, or remove this one to start over")
+        if self.ckpt is not None and written_by(self.ckpt) != cfg.strategy:
+            written = written_by(self.ckpt)
+            raise ValueError(f"{self.ckpt} was written with strategy {written}: resume it with --strategy {written} "
+                             "(or choose a new out_dir)")
         self.tokenizer = self._tokenizer()
         self.model = self._model()
         self.examples = self._examples()
@@ -140,7 +160,7 @@ class Trainer:
         if self.ckpt is not None:
             self._load_state(self.ckpt)
         self.ddp = None
-        if self.world > 1:
+        if self.world > 1 and not self.fsdp:
             self.ddp = torch.nn.parallel.DistributedDataParallel(
                 self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
 
@@ -149,11 +169,6 @@ class Trainer:
     def _log(self, msg: str) -> None:
         if self.rank == 0:
             print(f"refusion train: {msg}", file=sys.stderr)
-
-    def _latest_checkpoint(self) -> Path | None:
-        found = sorted(self.out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
-        found = [p for p in found if (p / STATE_FILE).exists()]
-        return found[-1] if found else None
 
     def _tokenizer(self) -> Tokenizer:
         cfg = self.cfg
@@ -178,15 +193,18 @@ class Trainer:
     def _records(self) -> list[dict]:
         if not hasattr(self, "_recs"):
             cfg = self.cfg
+            names = task_names(cfg.data)
             self._recs = (synthetic_records(cfg.synthetic_examples, cfg.seed) if cfg.data == "synthetic"
+                          else task_records(names, cfg.synthetic_examples, cfg.seed) if names
                           else load_records(cfg.data))
         return self._recs
 
     def _model(self) -> Transformer:
         cfg, tok = self.cfg, self.tokenizer
         needs_mask = cfg.objective in ("refusion", "mdm")
-        # LoRA resumes from the base weights plus the saved adapters (checkpoints hold merged weights)
-        start = cfg.init if cfg.lora else (self.ckpt or cfg.init)
+        # LoRA resumes from the base weights plus the saved adapters (checkpoints hold merged weights);
+        # FSDP from the starting weights, overwritten by the checkpoint's shards once sharded
+        start = cfg.init if (cfg.lora or self.fsdp) else (self.ckpt or cfg.init)
         self.new_tokens: list[int] = []  # rows the base model never trained (LoRA trains them too)
         if start is not None:
             model = load_model(start, dtype=torch.float32)
@@ -207,10 +225,22 @@ class Trainer:
                              f"{model.config.max_position_embeddings}")
         model.config.bidirectional = cfg.objective == "mdm"
         model.config.training_objective = cfg.objective  # picks the model's default decoder
-        if cfg.lora and self.ckpt is None:
-            apply_lora(model, cfg.lora, self.new_tokens)
+        if cfg.lora and (self.ckpt is None or self.fsdp):  # FSDP: the adapters must exist before sharding
+            self._apply_lora(model)
         model.gradient_checkpointing = cfg.gradient_checkpointing
+        if self.fsdp:
+            from .fsdp import shard_model
+
+            # from the CPU: fully_shard moves each unit's slice to the device as it shards it
+            return shard_model(model.train(), self.device, bf16=cfg.dtype == "bfloat16")
         return model.to(self.device).train()
+
+    def _apply_lora(self, model: Transformer) -> None:
+        # adapters start from the run's seed, not from whatever the global generator holds: every
+        # FSDP process builds its own copy before sharding, and the copies must be the same
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.cfg.seed)
+            apply_lora(model, self.cfg.lora, self.new_tokens)
 
     def _examples(self):
         ex = encode_records(self._records(), self.tokenizer)
@@ -250,13 +280,16 @@ class Trainer:
         starts = range(self.rank * per_rank, (self.rank + 1) * per_rank, self.micro)
         totals: dict[str, Tensor] = {}
         tokens = 0
-        autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if cfg.dtype == "bfloat16"
+        # FSDP's bf16 is its mixed precision policy (refusion.fsdp), not autocast
+        autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if cfg.dtype == "bfloat16" and not self.fsdp
                     else nullcontext())
         for k, lo in enumerate(starts):
             sub = _rows(inputs, lo, lo + self.micro).to(self.device)
             sub_batch = _batch_rows(batch, lo, lo + self.micro).to(self.device)
             tokens += int((~sub.pad).sum())
             last = k == len(starts) - 1
+            # DDP reduces once, after the last micro-batch. FSDP reduce-scatters after every one:
+            # its gradients then stay sharded between micro-batches instead of whole on every process
             sync = nullcontext() if (self.ddp is None or last) else self.ddp.no_sync()
             with sync:
                 with autocast:
@@ -264,12 +297,19 @@ class Trainer:
                     mask = sub.attn_mask if sub.attention == "bidirectional" else None
                     logits = model(sub.input_ids, sub.position_ids, mask)
                 loss, stats = compute_loss(cfg.objective, logits, sub, sub_batch, n_ar.to(self.device), B)
-                # DDP averages gradients over processes; the global loss is their sum
+                # DDP and FSDP average gradients over processes; the global loss is their sum
                 (loss * self.world).backward()
             for key, v in stats.items():
                 totals[key] = totals.get(key, 0) + v
         params = [p for p in self.model.parameters() if p.requires_grad]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip) if cfg.grad_clip > 0 else torch.tensor(0.0)
+        if cfg.grad_clip <= 0:
+            grad_norm = torch.tensor(0.0)
+        elif self.fsdp:
+            from .fsdp import clip_grad_norm
+
+            grad_norm = clip_grad_norm(params, cfg.grad_clip)
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
@@ -287,22 +327,34 @@ class Trainer:
     # ---- checkpoints ----------------------------------------------------------------
 
     def _state(self) -> bytes:
+        s = {"step": self.step, "layout_gen": self.layout_gen.get_state(), "rng": _rng_state(),
+             "config": dataclasses.asdict(self.cfg)}
+        if self.fsdp:  # weights and optimizer are in the shards; the export rebuilds LoRA's token rows
+            s["new_tokens"] = self.new_tokens
+        else:
+            s["optimizer"] = self.optimizer.state_dict()
+            s["lora"] = {k: v for k, v in self.model.state_dict().items() if "lora_" in k}
         buf = io.BytesIO()
-        torch.save({"step": self.step, "optimizer": self.optimizer.state_dict(), "layout_gen": self.layout_gen.get_state(),
-                    "rng": _rng_state(), "config": dataclasses.asdict(self.cfg),
-                    "lora": {k: v for k, v in self.model.state_dict().items() if "lora_" in k}}, buf)
+        torch.save(s, buf)
         return buf.getvalue()
 
     def _load_state(self, path: Path) -> None:
         s = torch.load(path / STATE_FILE, weights_only=False)
-        if self.cfg.lora:
-            apply_lora(self.model, self.cfg.lora, self.new_tokens)
-            self.model.load_state_dict(s["lora"], strict=False)
-            self.model.to(self.device)
-            self.optimizer = make_optimizer(self.model, self.cfg)
-        self.optimizer.load_state_dict(s["optimizer"])
+        rng = s["rng"]
+        if self.fsdp:
+            from .sharded_checkpoint import load_sharded
+
+            # a process the checkpoint did not have (more processes now) starts from rank 0's states
+            rng = load_sharded(path, self.model, self.optimizer) or rng
+        else:
+            if self.cfg.lora:
+                self._apply_lora(self.model)
+                self.model.load_state_dict(s["lora"], strict=False)
+                self.model.to(self.device)
+                self.optimizer = make_optimizer(self.model, self.cfg)
+            self.optimizer.load_state_dict(s["optimizer"])
         self.layout_gen.set_state(s["layout_gen"])
-        _set_rng_state(s["rng"])
+        _set_rng_state(rng)
         self.step = s["step"]
         self._log(f"resumed from {path} at step {self.step}")
 
@@ -314,13 +366,17 @@ class Trainer:
         save_model(model, path, self.tokenizer, dtype=dtype, overwrite=True, extra_files=extra)
 
     def save_checkpoint(self) -> Path | None:
+        path = self.out / f"checkpoint-{self.step}"
+        if self.fsdp:  # every process writes its own shards
+            from .sharded_checkpoint import save_sharded
+
+            save_sharded(path, self.model, self.optimizer, _rng_state(), self.tokenizer,
+                         {STATE_FILE: self._state()} if self.rank == 0 else {})
+        elif self.rank == 0:
+            self._save_model(path, None, {STATE_FILE: self._state()})
         if self.rank != 0:
             return None
-        path = self.out / f"checkpoint-{self.step}"
-        self._save_model(path, None, {STATE_FILE: self._state()})
-        old = sorted(self.out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
-        for p in old[:-self.cfg.keep_checkpoints]:
-            shutil.rmtree(p, ignore_errors=True)
+        prune_checkpoints(self.out, self.cfg.keep_checkpoints)
         return path
 
     # ---- the loop -------------------------------------------------------------------
@@ -331,8 +387,8 @@ class Trainer:
         metrics = self.out / "metrics.jsonl"
         if self.rank == 0:
             (self.out / "train_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
-            _truncate_metrics(metrics, self.step)  # a killed run may have logged steps past its checkpoint
-        writer = _tensorboard(self.out) if self.rank == 0 else None
+            truncate_metrics(metrics, self.step)
+        writer = tensorboard(self.out) if self.rank == 0 else None
         bar = None
         if self.progress:
             from tqdm import tqdm
@@ -368,26 +424,16 @@ class Trainer:
                 writer.close()
         final = self.out / "model"
         if self.rank == 0 and self.step >= cfg.max_steps:
-            self._save_model(final, DTYPES[cfg.save_dtype], None)
+            if self.fsdp:  # consolidated from the last checkpoint's shards, by this process alone
+                from .sharded_checkpoint import export_checkpoint
+
+                export_checkpoint(self.out / f"checkpoint-{self.step}", final, DTYPES[cfg.save_dtype], overwrite=True)
+            else:
+                self._save_model(final, DTYPES[cfg.save_dtype], None)
             self._log(f"saved {final}")
         if self.world > 1:
             dist.barrier()
         return final if self.step >= cfg.max_steps else self.out / f"checkpoint-{self.step}"
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    if not path.exists():
-        return
-    lines = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
-    path.write_text("".join(ln + "\n" for ln in lines))
-
-
-def _tensorboard(out: Path):
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:  # TensorBoard is optional; metrics.jsonl always has everything
-        return None
-    return SummaryWriter(str(out / "tensorboard"))
 
 
 def train(cfg: TrainConfig, resume: bool = True, progress: bool = True) -> Path:
@@ -402,6 +448,6 @@ def train(cfg: TrainConfig, resume: bool = True, progress: bool = True) -> Path:
     try:
         return Trainer(cfg, resume=resume, progress=progress).fit()
     except Exception:
-        if created and int(os.environ.get("RANK", "0")) == 0 and not any(out.glob("checkpoint-*")):
+        if created and int(os.environ.get("RANK", "0")) == 0 and not checkpoints(out):
             shutil.rmtree(out, ignore_errors=True)
         raise

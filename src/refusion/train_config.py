@@ -15,6 +15,7 @@ from pathlib import Path
 from .config import OBJECTIVES, ConfigError, ModelConfig
 
 SAVE_DTYPES = ("float32", "bfloat16", "float16")
+STRATEGIES = ("ddp", "fsdp")
 LORA_KEYS = {"r", "alpha", "dropout", "target_modules"}
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -28,8 +29,8 @@ class TrainConfig:
     tokenizer: str | None = None  # a directory with tokenizer.json for a fresh model; None: train a BPE
     vocab_size: int = 1024  # of the BPE trained on the data when `tokenizer` is None
     # data
-    data: str = "synthetic"  # a JSON / JSONL file of {"query", "response"}, or "synthetic"
-    synthetic_examples: int = 20000
+    data: str = "synthetic"  # a JSON / JSONL file of {"query", "response"}, "synthetic", or "tasks:sort,add,..."
+    synthetic_examples: int = 20000  # examples generated for "synthetic" or "tasks:..." data
     max_length: int = 512  # prompt + response tokens; longer examples are dropped (and counted)
     slot_sizes: list[int] = field(default_factory=lambda: [4, 8, 16, 32])
     eps: float = 1e-3
@@ -47,6 +48,7 @@ class TrainConfig:
     grad_clip: float = 1.0  # 0: no clipping
     dtype: str = "float32"  # float32 | bfloat16 (autocast)
     gradient_checkpointing: bool = False
+    strategy: str = "ddp"  # under torchrun: ddp (whole model on every process) | fsdp (weights, grads, Adam state sharded)
     lora: dict | None = None  # e.g. {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
     seed: int = 0
     # output
@@ -65,6 +67,7 @@ class TrainConfig:
             _check_type(f.name, getattr(self, f.name), f.type)
         _choice("objective", self.objective, OBJECTIVES)
         _choice("dtype", self.dtype, ("float32", "bfloat16"))
+        _choice("strategy", self.strategy, STRATEGIES)
         _choice("save_dtype", self.save_dtype, SAVE_DTYPES)
         for name in ("batch_size", "max_steps", "max_length", "save_every", "keep_checkpoints", "synthetic_examples",
                      "vocab_size", "micro_batch_size", "stop_after", "mdm_eos_pad_to"):
@@ -96,6 +99,9 @@ class TrainConfig:
             # they describe a fresh model; one started from a checkpoint would ignore them without a word
             which = "model" if self.model else "tokenizer"
             raise ConfigError(f"{which} describes a fresh model; init {self.init} brings its own (drop one of them)")
+        from .data import task_names
+
+        task_names(self.data)  # a "tasks:..." source names known tasks (one-line error otherwise)
         known = [f.name for f in dataclasses.fields(ModelConfig) if f.name != "extra"]
         unknown = set(self.model) - set(known)
         if unknown:
@@ -173,10 +179,11 @@ def _check_lora(lora: dict) -> None:
 
 
 def _check_paths(cfg: TrainConfig) -> None:
-    if cfg.data != "synthetic":
+    if cfg.data != "synthetic" and not cfg.data.startswith("tasks:"):
         p = Path(cfg.data)
         if not p.exists():
-            raise ConfigError(f"data {cfg.data}: no such file (a JSON / JSONL file of records, or \"synthetic\")")
+            raise ConfigError(f"data {cfg.data}: no such file (a JSON / JSONL file of records, \"synthetic\" or "
+                              f"\"tasks:NAME,...\")")
         if not p.is_file():
             raise ConfigError(f"data {cfg.data} is a directory, not a JSON or JSONL file of records")
     for name, must_hold in (("init", "config.json"), ("tokenizer", "tokenizer.json")):

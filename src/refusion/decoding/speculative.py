@@ -56,7 +56,7 @@ class SpeculativeParams:
     temperature: float = 0.0  # 0 = greedy
     top_k: int | None = None
     top_p: float | None = None
-    accept_prob: float | None = None  # lossy: also accept a draft token with probability >= this
+    accept_prob: float | None = None  # lossy: also accept a draft token with probability >= this (greedy: < 0.5 matters)
 
     def validate(self) -> None:
         check_positive("gen_length", self.gen_length)

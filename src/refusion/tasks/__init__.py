@@ -5,6 +5,7 @@ and scores a model's output against an Example. The chat template is applied by 
 task only writes the user message.
 
   synthetic.py        tasks a small model trained on this machine can learn (train/test splits, seeded)
+  words.py            sort, add, repeat: word-level tasks a sub-megabyte model masters (the fixture model)
   maths.py            GSM8K, MATH, MATH-500 (answer extraction and normalisation)
   code.py             MBPP and HumanEval, scored by running their tests in the sandbox
   multiple_choice.py  ARC-Challenge and MMLU, scored by the chosen letter
@@ -47,7 +48,7 @@ class Task:
     score_many: Callable[[list[Example], list[str]], list[Score]] | None = None  # batched (e.g. parallel sandbox)
 
 
-_MODULES = ("synthetic", "maths", "code", "multiple_choice")
+_MODULES = ("synthetic", "words", "maths", "code", "multiple_choice")
 
 
 def all_tasks() -> dict[str, Task]:

@@ -1,0 +1,507 @@
+"""The HTTP layer: OpenAI-compatible routes on Starlette, talking to the engine thread.
+
+A generation request goes: body (size and time limits) -> JSON (UTF-8, strict) -> schema ->
+prompt ids (template, length limits) -> decoder choice (validated) -> a Job in the engine's queue
+(429 when full). The engine's events come back through an asyncio queue per request; a task that
+watches the connection puts a "gone" marker in the same queue when the client disconnects, so the
+request is cancelled within one engine step whether it streams or not.
+
+Streams are OpenAI's SSE chunks with one extension field, `refusion`, on every chunk (see the
+README, "Serving"): the commits as they land ({positions, tokens, pieces, step}), which may be out
+of position order, while `text` / `delta.content` carry only the complete prefix, left to right.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import gc
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import Route
+
+from ..decoding.common import DecodeResult
+from ..model import Transformer
+from ..tokenizer import Tokenizer
+from .engine import Engine, Event, Job, QueueFull
+from .metrics import Metrics
+from ..decoding import default_decoder
+from .params import SERVE_DECODERS, DecoderChoice, choose
+from .schemas import ChatRequest, CompletionRequest, RequestError, loads, parse_chat, parse_completion
+from .text import TextAssembler
+
+log = logging.getLogger("refusion.serve")
+STATIC = Path(__file__).parent / "static"
+_GENERATE = ("/v1/completions", "/v1/chat/completions")
+
+
+@dataclass
+class ServeConfig:
+    """Limits and sizes; `refusion serve --help` documents each."""
+
+    model_name: str = "refusion"
+    max_tokens_cap: int = 1024  # the most max_tokens a request may ask for (also bounded by the context)
+    default_max_tokens: int = 128
+    max_body_bytes: int = 1 << 20
+    body_timeout: float = 10.0  # seconds to receive a whole body (slow senders are cut off: 408)
+    max_queue: int = 256  # requests waiting for the engine before 429
+    max_running: int = 64  # sequences in the continuous batch
+    static_batch: int = 16  # jobs in one decode() group for the other decoders
+    aliases: list[str] = field(default_factory=list)  # other names accepted in "model"
+
+
+class Server:
+    def __init__(self, model: Transformer, tok: Tokenizer, cfg: ServeConfig, engine: Engine | None = None) -> None:
+        self.model, self.tok, self.cfg = model, tok, cfg
+        self.has_mask = model.config.mask_token_id is not None
+        self.context = model.config.max_position_embeddings
+        self.eos_ids = sorted(set(model.config.eos_ids) | ({tok.eos_id} if tok.eos_id is not None else set()))
+        self.engine = engine or Engine(model, self.eos_ids, max_running=cfg.max_running, max_queue=cfg.max_queue,
+                                       static_batch=cfg.static_batch)
+        self.metrics = Metrics(lambda: self.engine.queue_depth, lambda: self.engine.running)
+        self.engine.on_step = self.metrics.on_step
+        self.created = int(time.time())
+
+    # ---- the ASGI app -------------------------------------------------------------------------
+
+    def app(self) -> Starlette:
+        routes = [
+            Route("/", self.index, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics_text, methods=["GET"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+        ]
+
+        @contextlib.asynccontextmanager
+        async def lifespan(app):
+            self.engine.start()
+            trimmer = asyncio.create_task(self._trim_when_idle())
+            try:
+                yield
+            finally:
+                trimmer.cancel()
+                self.engine.stop()
+
+        app = Starlette(routes=routes, lifespan=lifespan,
+                        exception_handlers={HTTPException: self._http_error, Exception: self._internal_error})
+        return _CountRequests(app, self.metrics)
+
+    async def _trim_when_idle(self, every: float = 2.0) -> None:
+        """Give freed memory back to the OS once a burst is over. glibc keeps what Python and torch
+        free in its heaps and per-thread arenas, so after a burst (64 sequences' caches, 10 MB
+        bodies) the resident size would stay at the peak for good; malloc_trim releases it. Only
+        when nothing runs, and only after some work, so an idle server does nothing."""
+        trim = _malloc_trim()
+        if trim is None:
+            return
+        seen = 0
+        while True:
+            await asyncio.sleep(every)
+            served = self.metrics.served
+            if self.engine.running == 0 and self.engine.queue_depth == 0 and served != seen:
+                seen = served
+                # first the garbage held in reference cycles (a failed request's traceback keeps
+                # its frames, and their buffers, alive until the cycle collector runs)
+                gc.collect()
+                await asyncio.to_thread(trim, 0)
+
+    async def _http_error(self, request: Request, exc: HTTPException) -> Response:
+        kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
+        e = RequestError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", type=kind)
+        return _error(e, exc.headers)
+
+    async def _internal_error(self, request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error")
+        return _error(RequestError(500, f"internal error: {type(exc).__name__}", type="server_error"))
+
+    # ---- small routes -------------------------------------------------------------------------
+
+    async def index(self, request: Request) -> Response:
+        return FileResponse(STATIC / "index.html", media_type="text/html")
+
+    async def health(self, request: Request) -> Response:
+        alive = self.engine.thread is not None and self.engine.thread.is_alive()
+        body = {"status": "ok" if alive else "engine stopped", "model": self.cfg.model_name,
+                "running": self.engine.running, "waiting": self.engine.queue_depth}
+        return JSONResponse(body, status_code=200 if alive else 503)
+
+    async def metrics_text(self, request: Request) -> Response:
+        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def models(self, request: Request) -> Response:
+        card = {"id": self.cfg.model_name, "object": "model", "created": self.created, "owned_by": "refusion",
+                "max_model_len": self.context, "max_tokens_cap": self._cap(),
+                "decoders": list(SERVE_DECODERS if self.has_mask else ("ar",)),
+                "default_decoder": default_decoder(self.model.config)}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    # ---- generation ---------------------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: Request, chat: bool) -> Response:
+        arrived = time.perf_counter()
+        try:
+            body = await self._read_body(request)
+            # parsing and tokenizing a large body takes a while: off the event loop
+            req, prompt, choice = await asyncio.to_thread(self._prepare, body, chat)
+        except RequestError as e:
+            return _error(e)
+        seed = req.seed
+        if seed is None and choice.temperature > 0:  # sampled and unseeded: a fresh seed per request
+            seed = int.from_bytes(os.urandom(7), "little")
+        run = _Run(self, req, prompt, choice, chat, arrived)
+        job = Job(prompt=prompt, choice=choice, seed=seed, sink=run.sink)
+        run.job = job
+        try:
+            self.engine.submit(job)
+        except QueueFull as e:
+            return _error(RequestError(429, f"{e}; retry later", type="rate_limit_error", code="queue_full",
+                                       headers={"Retry-After": "1"}))
+        self.metrics.prompt_tokens.inc(len(prompt))
+        run.watch(request)
+        if req.stream:
+            chunks = run.sse()
+            first = await anext(chunks, None)  # headers wait for the first event: an early failure is a 500
+            if isinstance(first, RequestError):
+                await chunks.aclose()
+                return _error(first)
+            return _SSE(first or b"", chunks)
+        out = await run.collect()
+        return _error(out) if isinstance(out, RequestError) else JSONResponse(out)
+
+    async def _read_body(self, request: Request) -> bytes:
+        limit = self.cfg.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and not declared.isdigit():
+            raise RequestError(400, "Content-Length is not a number")
+        receive, chunks, size = request.receive, [], 0
+        try:
+            async with asyncio.timeout(self.cfg.body_timeout):
+                if declared is not None and int(declared) > limit:
+                    await _drain(receive, 64 * limit)
+                    raise _too_large(limit)
+                while True:  # chunked bodies carry no length: count as they come
+                    msg = await receive()
+                    if msg["type"] == "http.disconnect":
+                        raise RequestError(400, "the client disconnected before sending the whole body")
+                    chunk = msg.get("body", b"")
+                    size += len(chunk)
+                    if size > limit:
+                        chunks.clear()  # an exception's traceback keeps this frame (and its locals) alive
+                        await _drain(receive, 64 * limit)
+                        raise _too_large(limit)
+                    chunks.append(chunk)
+                    if not msg.get("more_body", False):
+                        break
+        except TimeoutError:
+            chunks.clear()
+            raise RequestError(408, f"request body not received within {self.cfg.body_timeout:g} s",
+                               headers={"Connection": "close"}) from None
+        return b"".join(chunks)
+
+    def _prepare(self, body: bytes, chat: bool) -> tuple[CompletionRequest | ChatRequest, list[int], DecoderChoice]:
+        data = loads(body)
+        req = parse_chat(data) if chat else parse_completion(data)
+        if req.model is not None and req.model not in (self.cfg.model_name, *self.cfg.aliases):
+            raise RequestError(404, f"the model {req.model!r} does not exist; this server serves "
+                                    f"{self.cfg.model_name!r}", "model", code="model_not_found")
+        prompt = self._prompt_ids(req)
+        cap = self._cap()
+        if req.max_tokens is not None and req.max_tokens > cap:
+            raise RequestError(400, f"max_tokens {req.max_tokens} exceeds this server's cap of {cap}", "max_tokens")
+        max_tokens = req.max_tokens or max(1, min(self.cfg.default_max_tokens, self.context - len(prompt)))
+        if len(prompt) + max_tokens > self.context:
+            raise RequestError(400, f"this model's maximum context length is {self.context} tokens; the prompt has "
+                                    f"{len(prompt)} and max_tokens asks for {max_tokens}", "prompt",
+                               code="context_length_exceeded")
+        return req, prompt, choose(req, self.model.config, max_tokens)
+
+    def _prompt_ids(self, req: CompletionRequest | ChatRequest) -> list[int]:
+        try:
+            if isinstance(req, ChatRequest):
+                ids = self.tok.encode(self.tok.apply_chat_template(req.messages))
+            elif isinstance(req.prompt, str):
+                ids = self.tok.encode(req.prompt)
+            else:
+                ids = req.prompt
+                bad = next((t for t in ids if not 0 <= t < self.model.config.vocab_size), None)
+                if bad is not None:
+                    raise RequestError(400, f"prompt token id {bad} is outside the vocabulary "
+                                            f"[0, {self.model.config.vocab_size})", "prompt")
+        except ValueError as e:  # the tokenizer's and the chat template's errors
+            if isinstance(e, RequestError):
+                raise
+            raise RequestError(400, f"cannot build the prompt: {e}", "messages" if isinstance(req, ChatRequest)
+                               else "prompt") from None
+        if not ids:
+            raise RequestError(400, "the prompt is empty after tokenization", "prompt")
+        if len(ids) >= self.context:
+            raise RequestError(400, f"this model's maximum context length is {self.context} tokens; the prompt has "
+                                    f"{len(ids)}", "prompt", code="context_length_exceeded")
+        return ids
+
+    def _cap(self) -> int:
+        return min(self.cfg.max_tokens_cap, self.context - 1)
+
+
+class _Run:
+    """One generation request on the asyncio side: events in, OpenAI shapes out."""
+
+    def __init__(self, server: Server, req: CompletionRequest | ChatRequest, prompt: list[int],
+                 choice: DecoderChoice, chat: bool, arrived: float) -> None:
+        self.server, self.req, self.prompt, self.choice, self.chat = server, req, prompt, choice, chat
+        self.arrived = arrived
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.job: Job | None = None
+        self.text = TextAssembler(server.tok, len(prompt), server.eos_ids, req.stop)
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self.watcher: asyncio.Task | None = None
+        self.first_token: float | None = None
+
+    def sink(self, ev: Event) -> None:
+        """Called on the engine thread."""
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, ev)
+
+    def watch(self, request: Request) -> None:
+        async def wait_gone() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            self.queue.put_nowait(Event("gone"))
+        self.watcher = asyncio.create_task(wait_gone())
+
+    async def events(self) -> AsyncIterator[tuple[str, Any]]:
+        """("commit", (delta_text, commits)) ... then ("done", (result, finish_reason)) or ("error", message).
+
+        Events that arrived together are merged into one, so a slow reader gets fewer, larger chunks.
+        """
+        server, job = self.server, self.job
+        try:
+            while True:
+                evs = [await self.queue.get()]
+                while not self.queue.empty():
+                    evs.append(self.queue.get_nowait())
+                commits, delta = [], ""
+                for ev in evs:
+                    if ev.kind == "gone":
+                        server.engine.cancel(job)
+                        return
+                    if ev.kind == "error":
+                        yield "error", ev.message
+                        return
+                    if ev.kind == "commit":
+                        if self.first_token is None:
+                            self.first_token = time.perf_counter()
+                            server.metrics.ttft.observe(self.first_token - self.arrived)
+                        commits.append({"positions": ev.positions, "tokens": ev.tokens, "step": ev.step,
+                                        "pieces": [server.tok.decode([t]) for t in ev.tokens]})
+                        delta += self.text.add(ev.positions, ev.tokens)
+                        if self.text.stopped:
+                            server.engine.cancel(job)  # the answer is complete: free the sequence now
+                    elif ev.kind == "done":
+                        res = ev.result
+                        if not self.text.stopped and not ev.cancelled:
+                            delta += self.text.add(res.positions, res.tokens) + self.text.finish()
+                        if commits or delta:
+                            yield "commit", (delta, commits)
+                        reason = "stop" if self.text.stopped or res.finished else "length"
+                        server.metrics.finished(len(res.tokens), res.forwards)
+                        yield "done", (res, reason)
+                        return
+                if commits or delta:
+                    yield "commit", (delta, commits)
+        finally:
+            if self.watcher is not None:
+                self.watcher.cancel()
+            if job is not None and not job.closed:
+                server.engine.cancel(job)
+
+    # ---- non-streaming ------------------------------------------------------------------------
+
+    async def collect(self) -> dict | RequestError:
+        result, reason = None, "length"
+        async for kind, payload in self.events():
+            if kind == "error":
+                return RequestError(500, payload, type="server_error")
+            if kind == "done":
+                result, reason = payload
+        if result is None:  # the client went away; nobody reads this
+            return RequestError(499, "client closed the request")
+        text = self.text.sent
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.server.cfg.model_name, "choices": [choice],
+                "usage": self._usage(result), "refusion": self._stats(result, full=True)}
+
+    # ---- streaming ----------------------------------------------------------------------------
+
+    async def sse(self) -> AsyncIterator[bytes | RequestError]:
+        first = True
+        async for kind, payload in self.events():
+            if kind == "error":
+                if first:
+                    yield RequestError(500, payload, type="server_error")
+                else:  # headers are out: OpenAI's way is an error object in the stream
+                    yield _sse({"error": {"message": payload, "type": "server_error", "param": None, "code": None}})
+                return
+            ext: dict[str, Any] = {}
+            if first:
+                ext = {"decoder": self.choice.decoder, "prompt_tokens": len(self.prompt),
+                       "gen_length": self.choice.gen_length}
+            if kind == "commit":
+                delta, commits = payload
+                yield _sse(self._chunk(delta, None, {**ext, "commits": commits}, role=first))
+            else:
+                res, reason = payload
+                out = _sse(self._chunk("", reason, {**ext, "commits": [], "stats": self._stats(res)}, role=first))
+                if self.req.include_usage:
+                    out += _sse({"id": self.id, "object": self._object(), "created": self.created,
+                                 "model": self.server.cfg.model_name, "choices": [], "usage": self._usage(res)})
+                yield out + b"data: [DONE]\n\n"
+            first = False
+
+    def _chunk(self, delta: str, reason: str | None, ext: dict, role: bool) -> dict:
+        if self.chat:
+            d: dict[str, Any] = {"role": "assistant", "content": delta} if role else (
+                {"content": delta} if delta else {})
+            choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": reason}
+        return {"id": self.id, "object": self._object(), "created": self.created,
+                "model": self.server.cfg.model_name, "choices": [choice], "refusion": ext}
+
+    def _object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    def _usage(self, res: DecodeResult) -> dict:
+        n = self.text.tokens_at_stop if self.text.stopped else len(res.tokens)
+        return {"prompt_tokens": len(self.prompt), "completion_tokens": n, "total_tokens": len(self.prompt) + n}
+
+    def _stats(self, res: DecodeResult, full: bool = False) -> dict:
+        out = {"decoder": self.choice.decoder, "tokens": len(res.tokens), "forwards": res.forwards,
+               "tokens_fed": res.tokens_fed, "tpf": res.tpf, "tps": res.tps, "seconds": res.seconds}
+        if full:
+            out.update(token_ids=res.tokens, positions=res.positions, steps=res.steps)
+        return out
+
+
+class _SSE:
+    """An ASGI response for a server-sent event stream whose first chunk is already in hand.
+
+    Not Starlette's StreamingResponse: that one also listens for the disconnect, and two readers of
+    one connection would race; here _Run's watcher is the only reader.
+    """
+
+    def __init__(self, first: bytes, rest: AsyncIterator[bytes]) -> None:
+        self.first, self.rest = first, rest
+
+    async def __call__(self, scope, receive, send) -> None:
+        headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                   (b"x-accel-buffering", b"no")]
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            await send({"type": "http.response.body", "body": self.first, "more_body": True})
+            async for chunk in self.rest:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:  # the client went away while we wrote
+            pass
+        finally:
+            await self.rest.aclose()
+
+
+class _CountRequests:
+    """ASGI middleware: requests by endpoint and status, latency of answered generation requests."""
+
+    def __init__(self, app, metrics: Metrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        endpoint = path if path in _GENERATE or path in ("/", "/health", "/metrics", "/v1/models") else "other"
+        start, status = time.perf_counter(), [0]
+
+        async def counting_send(message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                if endpoint in _GENERATE and status[0] == 200:
+                    self.metrics.latency.observe(time.perf_counter() - start)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            self.metrics.requests.labels(endpoint, str(status[0] or 499)).inc()
+            if scope["method"] != "GET":  # health checks and scrapes alone never trigger the idle trim
+                self.metrics.served += 1
+
+
+def _too_large(limit: int) -> RequestError:
+    return RequestError(413, f"request body is larger than {limit} bytes", headers={"Connection": "close"})
+
+
+def _malloc_trim():
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        return None
+
+
+def _sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+def _error(e: RequestError, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers={**e.headers, **(headers or {})})
+
+
+async def _drain(receive, limit: int) -> None:
+    """Read and drop the rest of an oversized body (up to `limit` bytes), so the client, still
+    sending, gets to read our 413 instead of a reset connection."""
+    n = 0
+    while n <= limit:
+        msg = await receive()
+        n += len(msg.get("body", b""))
+        if msg["type"] == "http.disconnect" or not msg.get("more_body", False):
+            return
+
+
+def build(model_dir: str | Path, cfg: ServeConfig | None = None, dtype: str | None = None,
+          device: str = "cpu") -> Server:
+    """Load a model directory and make its server (the app is `server.app()`)."""
+    from ..checkpoint import load_model
+
+    model_dir = Path(model_dir)
+    model = load_model(model_dir, dtype=dtype, device=device)
+    tok = Tokenizer.from_dir(model_dir)
+    cfg = cfg or ServeConfig(model_name=model_dir.name)
+    return Server(model, tok, cfg)

@@ -1,0 +1,273 @@
+"""OpenAI request bodies -> plain dataclasses, checked by hand.
+
+Hand-written rather than a pydantic model so that every malformed body gets one precise message
+naming the offending field, in OpenAI's error shape, and so that type checks are strict: JSON
+`true` is not an integer, `"5"` is not a number, NaN and Infinity are not numbers at all. Fields
+that OpenAI defines but this server cannot honour (n > 1, logprobs, echo, penalties, tools) are
+refused rather than silently ignored; unknown fields are refused too, because a misspelt decoder
+parameter would otherwise change nothing and look like it worked.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+# Decoder parameters a request may carry next to the OpenAI fields (see params.py for which
+# decoder takes which); listed here so that an unknown name is caught before decoding starts.
+DECODER_FIELDS = ("decoder", "slot_size", "serial_blocks", "slot_threshold", "token_threshold", "recompute_kv",
+                  "block_length", "steps", "threshold", "prefix_cache", "top_k", "draft_length", "mask_length",
+                  "adaptive", "accept_prob")
+# OpenAI fields that change nothing here at their default and are refused otherwise.
+_UNSUPPORTED_UNLESS_DEFAULT = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
+                               "best_of": (None, 1), "suffix": (None, ""), "presence_penalty": (None, 0, 0.0),
+                               "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "tools": (None, []),
+                               "functions": (None, []), "tool_choice": (None, "none", "auto"),
+                               "response_format": (None, {"type": "text"})}
+# Accepted and ignored: bookkeeping fields that do not affect the output.
+_IGNORED = ("user", "store", "metadata", "service_tier", "parallel_tool_calls")
+_COMMON = ("model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed")
+MAX_STOP = 4  # OpenAI's limit on stop sequences
+MAX_SEED = 2**63 - 1
+
+
+class RequestError(Exception):
+    """A request the server refuses: HTTP status plus OpenAI's error object."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class GenerationRequest:
+    """What both endpoints share once parsed. prompt is text or token ids (completions only)."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    include_usage: bool = False
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+    decoder: str | None = None
+    decoder_params: dict[str, Any] = field(default_factory=dict)  # the extra body fields, by name
+
+
+@dataclass
+class CompletionRequest(GenerationRequest):
+    prompt: str | list[int] = ""
+
+
+@dataclass
+class ChatRequest(GenerationRequest):
+    messages: list[dict[str, str]] = field(default_factory=list)
+
+
+def loads(body: bytes) -> Any:
+    """JSON from bytes: UTF-8 only, standard JSON only (no NaN/Infinity), any nesting bomb a 400."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RequestError(400, f"request body is not valid UTF-8 (byte {e.start})") from None
+    try:
+        return json.loads(text, parse_constant=_no_constant)
+    except RecursionError:
+        raise RequestError(400, "request body is nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError and our NaN refusal
+        raise RequestError(400, f"request body is not valid JSON: {e}") from None
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def parse_completion(body: Any) -> CompletionRequest:
+    d = _object(body)
+    _known(d, _COMMON + ("prompt",))
+    req = CompletionRequest()
+    _common(d, req)
+    if "prompt" not in d:
+        raise RequestError(400, "missing required field: prompt", "prompt")
+    req.prompt = _prompt(d["prompt"])
+    return req
+
+
+def parse_chat(body: Any) -> ChatRequest:
+    d = _object(body)
+    _known(d, _COMMON + ("messages", "max_completion_tokens"))
+    if "max_completion_tokens" in d:  # the newer name of max_tokens in chat
+        if d.get("max_tokens") is not None:
+            raise RequestError(400, "give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
+        d = {**d, "max_tokens": d["max_completion_tokens"]}
+    req = ChatRequest()
+    _common(d, req)
+    if "messages" not in d:
+        raise RequestError(400, "missing required field: messages", "messages")
+    req.messages = _messages(d["messages"])
+    return req
+
+
+# ---- pieces ---------------------------------------------------------------------------------
+
+
+def _object(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise RequestError(400, f"request body must be a JSON object, got {_kind(body)}")
+    return body
+
+
+def _known(d: dict, fields: tuple[str, ...]) -> None:
+    allowed = set(fields) | set(DECODER_FIELDS) | set(_IGNORED) | set(_UNSUPPORTED_UNLESS_DEFAULT)
+    for k in d:
+        if k not in allowed:
+            raise RequestError(400, f"unrecognized request argument: {k!r}", k)
+    for k, defaults in _UNSUPPORTED_UNLESS_DEFAULT.items():
+        if k in d and not any(d[k] == v and type(d[k]) is type(v) for v in defaults) and d[k] is not None:
+            raise RequestError(400, f"{k} is not supported by this server (leave it out)", k)
+
+
+def _common(d: dict, req: GenerationRequest) -> None:
+    req.model = _opt(d, "model", str)
+    req.max_tokens = _opt_int(d, "max_tokens", lo=1)
+    req.temperature = _opt_number(d, "temperature", 0.0, 2.0)
+    req.top_p = _opt_number(d, "top_p", 0.0, 1.0)
+    if req.top_p is not None and req.top_p == 0.0:
+        raise RequestError(400, "top_p must be greater than 0", "top_p")
+    n = _opt_int(d, "n", lo=0)
+    if n is not None and n != 1:
+        raise RequestError(400, f"n must be 1 (one completion per request), got {n}", "n")
+    req.stream = _opt(d, "stream", bool) or False
+    so = d.get("stream_options")
+    if so is not None:
+        if not isinstance(so, dict) or set(so) - {"include_usage", "continuous_usage_stats"}:
+            raise RequestError(400, "stream_options must be an object with include_usage", "stream_options")
+        if not req.stream:
+            raise RequestError(400, "stream_options needs stream: true", "stream_options")
+        req.include_usage = _opt(so, "include_usage", bool, "stream_options.include_usage") or False
+    req.stop = _stop(d.get("stop"))
+    req.seed = _opt_int(d, "seed", lo=-MAX_SEED - 1, hi=MAX_SEED)
+    req.decoder = _opt(d, "decoder", str)
+    req.decoder_params = {k: d[k] for k in DECODER_FIELDS if k != "decoder" and k in d and d[k] is not None}
+
+
+def _prompt(v: Any) -> str | list[int]:
+    # One prompt per request: a string, a list of token ids, or a one-element list of either.
+    if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
+        v = v[0]
+    if isinstance(v, str):
+        if not v:
+            raise RequestError(400, "prompt is empty", "prompt")
+        _no_surrogates(v, "prompt")
+        return v
+    if isinstance(v, list):
+        if not v:
+            raise RequestError(400, "prompt is empty", "prompt")
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+            return list(v)
+        if all(isinstance(t, (str, list)) for t in v):
+            raise RequestError(400, "one prompt per request (a batch of prompts is not supported)", "prompt")
+    raise RequestError(400, f"prompt must be a string or a list of token ids, got {_kind(v)}", "prompt")
+
+
+def _messages(v: Any) -> list[dict[str, str]]:
+    if not isinstance(v, list) or not v:
+        raise RequestError(400, "messages must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(v):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise RequestError(400, f"{where} must be an object, got {_kind(m)}", where)
+        role = m.get("role")
+        if role not in ("system", "developer", "user", "assistant"):
+            raise RequestError(400, f"{where}.role must be system, developer, user or assistant, got {role!r}",
+                               f"{where}.role")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: only text can be fed to this model
+            texts = []
+            for j, part in enumerate(content):
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                    raise RequestError(400, f"{where}.content[{j}] must be a text part", f"{where}.content")
+                texts.append(part["text"])
+            content = "".join(texts)
+        if not isinstance(content, str):
+            raise RequestError(400, f"{where}.content must be a string, got {_kind(content)}", f"{where}.content")
+        _no_surrogates(content, f"{where}.content")
+        # developer is OpenAI's newer name for system; chat templates know system
+        out.append({"role": "system" if role == "developer" else role, "content": content})
+    if not any(m["content"] for m in out):
+        raise RequestError(400, "messages are empty (no content)", "messages")
+    return out
+
+
+def _stop(v: Any) -> list[str]:
+    if v is None:
+        return []
+    stops = [v] if isinstance(v, str) else v
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise RequestError(400, f"stop must be a string or a list of strings, got {_kind(v)}", "stop")
+    if len(stops) > MAX_STOP:
+        raise RequestError(400, f"at most {MAX_STOP} stop sequences, got {len(stops)}", "stop")
+    if any(not s for s in stops):
+        raise RequestError(400, "stop sequences must not be empty", "stop")
+    for s in stops:
+        _no_surrogates(s, "stop")
+    return stops
+
+
+def _no_surrogates(s: str, param: str) -> None:
+    # JSON escapes can spell lone surrogates ("\ud800"), which are not text and cannot be tokenized
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise RequestError(400, f"{param} contains an invalid Unicode code point (a lone surrogate)", param) from None
+
+
+def _opt(d: dict, key: str, typ: type, param: str | None = None) -> Any:
+    v = d.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, typ) or (typ is not bool and isinstance(v, bool)):
+        raise RequestError(400, f"{param or key} must be {_name(typ)}, got {_kind(v)}", param or key)
+    return v
+
+
+def _opt_int(d: dict, key: str, lo: int | None = None, hi: int | None = None) -> int | None:
+    v = _opt(d, key, int)
+    if v is not None and ((lo is not None and v < lo) or (hi is not None and v > hi)):
+        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise RequestError(400, f"{key} must be {rng}, got {v}", key)
+    return v
+
+
+def _opt_number(d: dict, key: str, lo: float, hi: float) -> float | None:
+    v = d.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise RequestError(400, f"{key} must be a number, got {_kind(v)}", key)
+    v = float(v) if abs(v) < 1e300 else math.inf  # huge JSON integers must not overflow float()
+    if not lo <= v <= hi:
+        raise RequestError(400, f"{key} must lie in [{lo:g}, {hi:g}], got {v:g}", key)
+    return v
+
+
+def _name(typ: type) -> str:
+    return {str: "a string", bool: "a boolean", int: "an integer", float: "a number", dict: "an object",
+            list: "a list"}.get(typ, typ.__name__)
+
+
+def _kind(v: Any) -> str:
+    if v is None:
+        return "null"
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
+            dict: "an object"}.get(type(v), type(v).__name__)

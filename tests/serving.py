@@ -1,0 +1,61 @@
+"""Helpers for the server tests: a real uvicorn server on 127.0.0.1 in a thread, and what a request
+would give from `decode()` alone."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import socket
+import threading
+import time
+
+from refusion.checkpoint import load_config, load_model
+from refusion.cli import BUNDLED
+from refusion.decoding import decode
+from refusion.tasks.synthetic import TASKS
+from refusion.tokenizer import Tokenizer
+
+
+CFG = load_config(BUNDLED)  # the bundled model's config, and the same without a mask token
+NO_MASK = dataclasses.replace(CFG, mask_token_id=None)
+
+
+@functools.lru_cache(maxsize=None)
+def bundled():
+    return load_model(BUNDLED), Tokenizer.from_dir(BUNDLED)
+
+
+def task_prompts(per_task: int = 2) -> list[str]:
+    return [ex.prompt for name in ("arith", "code", "choice", "table") for ex in TASKS[name].load("test", n=per_task, seed=1)]
+
+
+class LiveServer:
+    """uvicorn serving `server.app()` on a free loopback port, in a background thread."""
+
+    def __init__(self, server) -> None:
+        import uvicorn
+
+        self.server = server
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.uv = uvicorn.Server(uvicorn.Config(server.app(), log_level="warning", lifespan="on"))
+        self.thread = threading.Thread(target=self.uv.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.uv.started:
+            if time.time() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        self.uv.should_exit = True
+        self.thread.join(30)
+
+
+def solo(prompt: list[int], decoder: str, params: dict, seed: int | None = None):
+    """What decode() gives a request's prompt alone."""
+    model, _ = bundled()
+    return decode(model, [prompt], decoder, eos_ids=model.config.eos_ids, seed=seed, **params)[0]
