@@ -11,7 +11,7 @@ import transformers
 
 from refusion.checkpoint import load_model, save_model
 from refusion.config import ModelConfig
-from refusion.model import Transformer, rope_inv_freq
+from refusion.model import Transformer, apply_rope, rope_inv_freq
 
 CFG = dict(vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
            mask_token_id=49, eos_token_id=1)
@@ -115,14 +115,20 @@ def test_an_adapter_on_one_projection_is_not_bypassed():
     assert not torch.allclose(logits(m), base)
 
 
-def test_rope_tables_match_the_angles_computed_per_position():
+def test_rope_from_the_table_is_the_textbook_rotation():
     m = model(rope_theta=1e6)
     inv = rope_inv_freq(m.config)
     pos = torch.tensor([0, 1, 7, 300])
     ang = pos[:, None].float() * inv
     ang = torch.cat([ang, ang], -1)
-    torch.testing.assert_close(m.rope_cos[pos], ang.cos(), atol=1e-6, rtol=0)
-    torch.testing.assert_close(m.rope_sin[pos], ang.sin(), atol=1e-6, rtol=0)
+    cos, sin = ang.cos()[:, None], ang.sin()[:, None]
+    x = torch.randn(4, 3, m.config.head_dim, generator=torch.Generator().manual_seed(0))
+    x1, x2 = x.chunk(2, -1)
+    want = x * cos + torch.cat([-x2, x1], -1) * sin
+    table = m.rope[pos]
+    got = apply_rope(x, table[:, :1], table[:, 1:])
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    torch.testing.assert_close(table[:, 0, None], cos, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("num_logits", [None, 2])

@@ -28,6 +28,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # one call for the same arithmetic as below (bit-identical), without its dispatch overhead
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # normalise in float32 like the reference implementations, then return to the input dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -56,21 +59,25 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
     raise ConfigError(f"rope_scaling type {kind!r} is not supported (supported: linear, llama3)")
 
 
-def rope_tables(cfg: ModelConfig, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
-    """cos and sin of every position's angles, [max_position_embeddings, head_dim] in float32.
+def rope_table(cfg: ModelConfig, inv_freq: Tensor) -> Tensor:
+    """[max_position_embeddings, 2, head_dim] float32: cos of every position's angles, and sin with
+    its first half negated (so that rotating half of x is a roll: see apply_rope).
 
-    Built once: a forward only indexes them by position id (one gather instead of a product, a
+    Built once: a forward only indexes it by position id (one gather instead of a product, a
     concatenation and two transcendental functions over [B, T, head_dim] every time).
     """
     pos = torch.arange(cfg.max_position_embeddings, dtype=torch.float32, device=inv_freq.device)
     ang = pos[:, None] * inv_freq.float()
     ang = torch.cat([ang, ang], dim=-1)
-    return ang.cos(), ang.sin()
+    sin = ang.sin()
+    half = sin.shape[-1] // 2
+    return torch.stack([ang.cos(), torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)], dim=1)
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+def apply_rope(x: Tensor, cos: Tensor, sin_rot: Tensor) -> Tensor:
+    """x * cos + rotate_half(x) * sin, with rotate_half(x) * sin = roll(x) * sin_rot: cat(-x2, x1) * sin
+    and cat(x2, x1) * cat(-sin1, sin2) are the same products to the bit (negation is exact)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_rot
 
 
 def additive_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
@@ -129,6 +136,14 @@ class FusedLinears:
         self._ptrs = self._pointers(parts)
 
 
+def linear(m: nn.Module, x: Tensor) -> Tensor:
+    """m(x), calling F.linear directly for a plain nn.Linear without hooks (a module call's overhead
+    is a noticeable share of a small model's forward); anything else (an adapter) is called."""
+    if type(m) is nn.Linear and not (m._forward_hooks or m._forward_pre_hooks):
+        return F.linear(x, m.weight, m.bias)
+    return m(x)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -149,9 +164,11 @@ class Attention(nn.Module):
         arithmetic per head as the two RMSNorms, with the weight of each head's own norm."""
         if type(self.q_norm) is not RMSNorm or type(self.k_norm) is not RMSNorm:
             return torch.cat([self.q_norm(qk[:, : self.h]), self.k_norm(qk[:, self.h:])], dim=1)
+        w = torch.cat([self.q_norm.weight.expand(self.h, -1), self.k_norm.weight.expand(self.kvh, -1)])
+        if qk.dtype == torch.float32 and w.dtype == torch.float32:
+            return F.rms_norm(qk, (self.d,), None, self.eps) * w  # bit-identical to the lines below
         h = qk.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        w = torch.cat([self.q_norm.weight.expand(self.h, -1), self.k_norm.weight.expand(self.kvh, -1)])
         return w * h.to(qk.dtype)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, is_causal: bool,
@@ -176,7 +193,7 @@ class Attention(nn.Module):
         y = y.transpose(1, 2).reshape(B * T, h * d)
         if real is not None:
             y = y.index_select(0, real)
-        return self.o_proj(y)
+        return linear(self.o_proj, y)
 
 
 class MLP(nn.Module):
@@ -189,7 +206,7 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up(self, x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return linear(self.down_proj, F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -222,10 +239,8 @@ class Transformer(nn.Module):
         """(Re)build the RoPE frequencies and the cos / sin tables of every position (non-persistent
         buffers: they are not in checkpoints, and a model built on "meta" must call this once)."""
         inv = rope_inv_freq(self.config).to(device)
-        cos, sin = rope_tables(self.config, inv)
         self.register_buffer("inv_freq", inv, persistent=False)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        self.register_buffer("rope", rope_table(self.config, inv), persistent=False)
 
     def init_weights(self, std: float = 0.02, seed: int | None = None) -> "Transformer":
         """Fresh initialisation for training from scratch (normal(0, std), unit norms, zero biases)."""
@@ -273,8 +288,10 @@ class Transformer(nn.Module):
         x = self.embed_tokens(ids)  # [N, hidden]
         if attn_mask is not None and attn_mask.dtype == torch.bool:
             attn_mask = additive_mask(attn_mask, x.dtype)
-        cos = self.rope_cos[pos].to(x.dtype)[:, None]  # [N, 1, head_dim]: broadcast over heads
-        sin = self.rope_sin[pos].to(x.dtype)[:, None]
+        rope = self.rope[pos]  # [N, 2, head_dim]
+        if rope.dtype != x.dtype:
+            rope = rope.to(x.dtype)
+        cos, sin = rope[:, :1], rope[:, 1:]  # [N, 1, head_dim]: broadcast over heads
         for i, block in enumerate(self.layers):
             if self.gradient_checkpointing and self.training and cache is None:
                 x = checkpoint(block, x, cos, sin, attn_mask, is_causal, None, i, (B, T), real, use_reentrant=False)
@@ -282,10 +299,10 @@ class Transformer(nn.Module):
                 x = block(x, cos, sin, attn_mask, is_causal, cache, i, (B, T), real)
         need = min(num_logits, T) if num_logits else T  # (0 meant every token before, as x[:, -0:])
         if real is None:
-            return self.lm_head(self.norm(x.view(B, T, -1)[:, T - need:]))
+            return linear(self.lm_head, self.norm(x.view(B, T, -1)[:, T - need:]))
         # logits of the real tokens among each row's last `need`, zeros for padding
         col = real % T
         keep = (col >= T - need).nonzero().squeeze(1)
         dst = (real // T * need + col - (T - need))[keep]
-        logits = self.lm_head(self.norm(x[keep]))
+        logits = linear(self.lm_head, self.norm(x[keep]))
         return logits.new_zeros(B * need, logits.shape[-1]).index_copy_(0, dst, logits).view(B, need, -1)
