@@ -2,6 +2,8 @@
 
     python benchmarks/check_outputs.py --write benchmarks/results/outputs_refusion-tiny.json   # before
     python benchmarks/check_outputs.py --check benchmarks/results/outputs_refusion-tiny.json   # after
+    python benchmarks/check_outputs.py --model tests/fixtures/refusion-words --tasks sort,add,repeat \
+        --gen-length 64 --check benchmarks/results/outputs_refusion-words.json
 
 Every decoder setting of benchmarks/decode.py plus sampled variants decodes held-out prompts of the
 bundled model's task families, alone and in batches of 8; tokens, positions, steps, forwards and
