@@ -31,13 +31,26 @@ def test_fused_weights_are_the_layers_own_storage():
     m = model()
     before = {k: v.clone() for k, v in m.state_dict().items()}
     logits(m)  # the first inference forward stacks the weights
+    w = m._inference_weights()[0]
     attn, mlp = m.layers[0].self_attn, m.layers[0].mlp
-    assert attn.qkv.weight is not None and mlp.gate_up.weight is not None
-    assert attn.q_proj.weight.data_ptr() == attn.qkv.weight.data_ptr()
-    assert attn.v_proj.weight.data_ptr() == attn.qkv.weight[-attn.v_proj.out_features:].data_ptr()
+    assert attn.q_proj.weight.data_ptr() == w.qkv.data_ptr()
+    assert attn.v_proj.weight.data_ptr() == w.qkv[-attn.v_proj.out_features:].data_ptr()
+    assert mlp.up_proj.weight.data_ptr() == w.gate_up[-mlp.up_proj.out_features:].data_ptr()
     # same names, same values; nothing else in the state dict
     after = m.state_dict()
     assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
+
+
+def test_inference_path_equals_the_modules():
+    """Without gradients the blocks run as one function over stacked weights; with them, as modules."""
+    m = model(qkv_bias=True)
+    ids = torch.tensor([[3, 4, 5, 6], [7, 8, 9, 10]])
+    pos = torch.tensor([[0, 2, 1, 3], [5, 4, 7, 6]])
+    with torch.inference_mode():
+        fast = m(ids, pos)
+    slow = m(ids, pos).detach()  # grad mode: the modules
+    assert m._inference_weights() is not None
+    torch.testing.assert_close(fast, slow, atol=0, rtol=0)
 
 
 def test_save_writes_plain_names_that_transformers_reads(tmp_path):

@@ -11,6 +11,7 @@ one to one.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,16 @@ from .cache import KVCache
 from .config import ConfigError, ModelConfig
 
 
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+    """RMSNorm over the last dimension, normalised in float32 like the reference implementations."""
+    if x.dtype == torch.float32 and (weight is None or weight.dtype == torch.float32):
+        # one call for the same arithmetic as below (bit-identical), without its dispatch overhead
+        return F.rms_norm(x, x.shape[-1:], weight, eps)
+    h = x.float()
+    h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return h if weight is None else weight * h
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -28,13 +39,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            # one call for the same arithmetic as below (bit-identical), without its dispatch overhead
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # normalise in float32 like the reference implementations, then return to the input dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> Tensor:
@@ -88,60 +93,31 @@ def additive_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
                        torch.full((), float("-inf"), dtype=dtype, device=mask.device))
 
 
-class FusedLinears:
-    """Several nn.Linear submodules on the same input as one matrix product (q/k/v, gate/up).
-
-    The stacked weight is the storage: each layer's weight (and bias) becomes a row-block view of it
-    (`param.data` is re-pointed, the Parameter objects stay), so the layers keep their own names in
-    state_dict and a checkpoint is an ordinary Hugging Face one, and every in-place update of a part
-    (optimizer step, load_state_dict, copy_) is already an update of the whole; nothing is stored
-    twice. A part whose storage was replaced (model.to(), load_state_dict(assign=True)) is noticed
-    by its data pointer and the stack is rebuilt on the next inference forward. The parts are looked
-    up by name on every call, so a layer replaced by an adapter (LoRA) is seen: then, or with
-    hooks on a part, or when training with gradients, the layers run one by one.
-    """
-
-    def __init__(self, names: list[str]) -> None:
-        self.names = names
-        self.weight: Tensor | None = None
-        self.bias: Tensor | None = None
-        self._ptrs: list[int] = []
-
-    def __call__(self, owner: nn.Module, x: Tensor) -> Tensor:
-        parts = [getattr(owner, n) for n in self.names]
-        for m in parts:
-            if (type(m) is not nn.Linear or m._forward_hooks or m._forward_pre_hooks
-                    or (m.weight.requires_grad and torch.is_grad_enabled())):
-                return torch.cat([m(x) for m in parts], dim=-1)
-        if self.weight is None or self._pointers(parts) != self._ptrs:
-            self._stack(parts)
-        return F.linear(x, self.weight, self.bias)
-
-    @staticmethod
-    def _pointers(parts: list[nn.Linear]) -> list[int]:
-        return [t.data_ptr() for m in parts for t in (m.weight, m.bias) if t is not None]
-
-    def _stack(self, parts: list[nn.Linear]) -> None:
-        sizes = [m.out_features for m in parts]
-        # outside inference mode: the views become the parameters' storage, which training may use later
-        with torch.inference_mode(False), torch.no_grad():
-            self.weight = torch.cat([m.weight for m in parts])
-            for m, w in zip(parts, self.weight.split(sizes)):
-                m.weight.data = w
-            self.bias = None
-            if parts[0].bias is not None:
-                self.bias = torch.cat([m.bias for m in parts])
-                for m, b in zip(parts, self.bias.split(sizes)):
-                    m.bias.data = b
-        self._ptrs = self._pointers(parts)
-
-
 def linear(m: nn.Module, x: Tensor) -> Tensor:
     """m(x), calling F.linear directly for a plain nn.Linear without hooks (a module call's overhead
     is a noticeable share of a small model's forward); anything else (an adapter) is called."""
     if type(m) is nn.Linear and not (m._forward_hooks or m._forward_pre_hooks):
         return F.linear(x, m.weight, m.bias)
     return m(x)
+
+
+def attend(qk: Tensor, v: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, is_causal: bool,
+           cache: KVCache | None, layer: int, B: int, T: int, real: Tensor | None, heads: int) -> Tensor:
+    """Attention of the fed tokens, from their normed q and k ([N, heads + kv_heads, d], side by side)
+    and v ([N, kv_heads, d]); returns [N, heads * d]. Shared by the module and inference paths."""
+    kvh, d = v.shape[1], v.shape[2]
+    qk = apply_rope(qk, cos, sin)  # per token: q and k of every head at once
+    if real is not None:  # back to the padded [B, T] grid for the cache and attention
+        qk = qk.new_zeros(B * T, heads + kvh, d).index_copy_(0, real, qk)
+        v = v.new_zeros(B * T, kvh, d).index_copy_(0, real, v)
+    qk = qk.view(B, T, heads + kvh, d).transpose(1, 2)
+    q, k = qk[:, :heads], qk[:, heads:]
+    v = v.view(B, T, kvh, d).transpose(1, 2)
+    if cache is not None:
+        k, v = cache.update(layer, k, v)
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=kvh != heads)
+    y = y.transpose(1, 2).reshape(B * T, heads * d)
+    return y if real is None else y.index_select(0, real)
 
 
 class Attention(nn.Module):
@@ -156,44 +132,18 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
-        self.eps = cfg.rms_norm_eps
-        self.qkv = FusedLinears(["q_proj", "k_proj", "v_proj"])  # a plain attribute: no new names
-
-    def _qk_normed(self, qk: Tensor) -> Tensor:
-        """q_norm and k_norm in one pass over q and k side by side ([N, h + kvh, d]): the same
-        arithmetic per head as the two RMSNorms, with the weight of each head's own norm."""
-        if type(self.q_norm) is not RMSNorm or type(self.k_norm) is not RMSNorm:
-            return torch.cat([self.q_norm(qk[:, : self.h]), self.k_norm(qk[:, self.h:])], dim=1)
-        w = torch.cat([self.q_norm.weight.expand(self.h, -1), self.k_norm.weight.expand(self.kvh, -1)])
-        if qk.dtype == torch.float32 and w.dtype == torch.float32:
-            return F.rms_norm(qk, (self.d,), None, self.eps) * w  # bit-identical to the lines below
-        h = qk.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return w * h.to(qk.dtype)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, is_causal: bool,
                 cache: KVCache | None, layer: int, shape: tuple[int, int], real: Tensor | None) -> Tensor:
         """x: [N, hidden], the fed tokens flattened (every B x T of them, or only the `real` ones)."""
-        B, T = shape
-        h, kvh, d = self.h, self.kvh, self.d
-        qkv = self.qkv(self, x).view(-1, h + 2 * kvh, d)
-        qk, v = qkv[:, : h + kvh], qkv[:, h + kvh:]
+        N = x.shape[0]
+        q = self.q_proj(x).view(N, self.h, self.d)
+        k = self.k_proj(x).view(N, self.kvh, self.d)
+        v = self.v_proj(x).view(N, self.kvh, self.d)
         if self.qk_norm:
-            qk = self._qk_normed(qk)
-        qk = apply_rope(qk, cos, sin)  # per token: q and k of every head at once
-        if real is not None:  # back to the padded [B, T] grid for the cache and attention
-            qk = qk.new_zeros(B * T, h + kvh, d).index_copy_(0, real, qk)
-            v = v.new_zeros(B * T, kvh, d).index_copy_(0, real, v)
-        qk = qk.view(B, T, h + kvh, d).transpose(1, 2)
-        q, k = qk[:, :h], qk[:, h:]
-        v = v.view(B, T, kvh, d).transpose(1, 2)
-        if cache is not None:
-            k, v = cache.update(layer, k, v)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=kvh != h)
-        y = y.transpose(1, 2).reshape(B * T, h * d)
-        if real is not None:
-            y = y.index_select(0, real)
-        return linear(self.o_proj, y)
+            q, k = self.q_norm(q), self.k_norm(k)
+        y = attend(torch.cat([q, k], dim=1), v, cos, sin, mask, is_causal, cache, layer, *shape, real, self.h)
+        return self.o_proj(y)
 
 
 class MLP(nn.Module):
@@ -202,11 +152,9 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.gate_up = FusedLinears(["gate_proj", "up_proj"])
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up(self, x).chunk(2, dim=-1)
-        return linear(self.down_proj, F.silu(gate) * up)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Block(nn.Module):
@@ -220,6 +168,133 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, mask, is_causal, cache, layer, shape, real):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, is_causal, cache, layer, shape, real)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# ---- the inference path ---------------------------------------------------------------------------
+#
+# Without gradients, the blocks run as one function over plain tensors instead of as modules: a
+# small model's forward is mostly per-call overhead (Python, module calls, dispatch), not arithmetic.
+# q/k/v and gate/up become one matrix product each. Their stacked weights are the storage: each
+# layer's weight (and bias) is re-pointed (`param.data`) to a row block of the stack, so the layers
+# keep their names in state_dict (a checkpoint stays an ordinary Hugging Face one), an in-place update
+# of a layer (optimizer step, load_state_dict, copy_) is an update of the stack, and nothing is stored
+# twice. Every forward checks that each block still holds the same plain modules without hooks and
+# the same storage (model.to() and load_state_dict(assign=True) replace it); otherwise the tensors
+# are gathered again, or, with an adapter (LoRA) or a hook on a layer, the modules run.
+
+
+@dataclass
+class BlockWeights:
+    """One block's tensors as the inference path reads them."""
+
+    eps: float
+    ln1: Tensor
+    qkv: Tensor  # q_proj, k_proj and v_proj stacked by rows; their weights are views of it
+    qkv_bias: Tensor | None
+    qk_norm: Tensor | None  # [heads + kv_heads, d]: q_norm's weight for each query head, then k_norm's
+    o: Tensor
+    o_bias: Tensor | None
+    ln2: Tensor
+    gate_up: Tensor  # gate_proj and up_proj stacked likewise
+    down: Tensor
+
+
+def stack_linears(parts: list[nn.Linear]) -> tuple[Tensor, Tensor | None]:
+    """One weight (and bias) for several linear layers on the same input, the layers' own parameters
+    re-pointed to row blocks of it."""
+    sizes = [m.out_features for m in parts]
+    # outside inference mode: the stack becomes the parameters' storage, which training may use later
+    with torch.inference_mode(False), torch.no_grad():
+        weight = torch.cat([m.weight for m in parts])
+        for m, w in zip(parts, weight.split(sizes)):
+            m.weight.data = w
+        bias = None
+        if parts[0].bias is not None:
+            bias = torch.cat([m.bias for m in parts])
+            for m, b in zip(parts, bias.split(sizes)):
+                m.bias.data = b
+    return weight, bias
+
+
+def _block_parts(block: nn.Module) -> list[nn.Module] | None:
+    """The modules the inference path replaces, in a fixed order, or None when one is not the plain
+    module (an adapter) or has hooks (which the modules' own calls would run)."""
+    if type(block) is not Block:
+        return None
+    attn, mlp = block._modules["self_attn"], block._modules["mlp"]
+    if type(attn) is not Attention or type(mlp) is not MLP:
+        return None
+    am, mm = attn._modules, mlp._modules
+    parts = [block._modules["input_layernorm"], block._modules["post_attention_layernorm"],
+             am["q_proj"], am["k_proj"], am["v_proj"], am["o_proj"], mm["gate_proj"], mm["up_proj"], mm["down_proj"]]
+    if attn.qk_norm:
+        parts += [am["q_norm"], am["k_norm"]]
+    for m in (block, attn, mlp, *parts):
+        if m._forward_hooks or m._forward_pre_hooks:
+            return None
+    for m in parts[:2] + parts[9:]:
+        if type(m) is not RMSNorm:
+            return None
+    for m in parts[2:9]:
+        if type(m) is not nn.Linear:
+            return None
+    return parts
+
+
+def _gather(block: Block, parts: list[nn.Module]) -> BlockWeights:
+    ln1, ln2, q, k, v, o, gate, up, down = parts[:9]
+    attn = block.self_attn
+    qkv, qkv_bias = stack_linears([q, k, v])
+    gate_up, _ = stack_linears([gate, up])
+    qk_norm = None
+    if attn.qk_norm:
+        qn, kn = parts[9:]
+        with torch.inference_mode(False), torch.no_grad():
+            qk_norm = torch.cat([qn.weight.expand(attn.h, -1), kn.weight.expand(attn.kvh, -1)])
+    return BlockWeights(eps=ln1.eps, ln1=ln1.weight, qkv=qkv, qkv_bias=qkv_bias, qk_norm=qk_norm, o=o.weight,
+                        o_bias=o.bias, ln2=ln2.weight, gate_up=gate_up, down=down.weight)
+
+
+class Watch:
+    """What the gathered tensors depend on, checked before every inference forward in a few
+    microseconds: each block's modules are the same objects in the same places, without hooks;
+    their parameters are the same objects on the same storage; and the q/k norms were not changed in
+    place (their stacked weight is a copy)."""
+
+    def __init__(self, blocks: list[nn.Module], parts: list[list[nn.Module]]) -> None:
+        self.places: list[tuple[dict, str, object]] = []
+        for block in blocks:
+            for owner in (block, block._modules["self_attn"], block._modules["mlp"]):
+                self.places += [(owner._modules, k, m) for k, m in owner._modules.items()]
+        self.places += [(m._parameters, k, p) for ps in parts for m in ps for k, p in m._parameters.items()]
+        self.hooks = [d for block in blocks for m in block.modules() for d in (m._forward_hooks, m._forward_pre_hooks)]
+        self.params = [p for ps in parts for m in ps for p in m._parameters.values() if p is not None]
+        self.ptrs = [p.data_ptr() for p in self.params]
+        self.norms = [m.weight for ps in parts for m in ps[9:]]
+        self.versions = [w._version for w in self.norms]
+
+    def holds(self) -> bool:
+        for d, k, o in self.places:
+            if d.get(k) is not o:
+                return False
+        for h in self.hooks:
+            if h:
+                return False
+        return [p.data_ptr() for p in self.params] == self.ptrs and [w._version for w in self.norms] == self.versions
+
+
+def block_inference(x: Tensor, w: BlockWeights, heads: int, kv_heads: int, cos: Tensor, sin: Tensor,
+                    mask: Tensor | None, is_causal: bool, cache: KVCache | None, layer: int, B: int, T: int,
+                    real: Tensor | None) -> Tensor:
+    """Block.forward's arithmetic over plain tensors (the same products, to the bit)."""
+    d = w.qkv.shape[0] // (heads + 2 * kv_heads)
+    qkv = F.linear(rms_norm(x, w.ln1, w.eps), w.qkv, w.qkv_bias).view(-1, heads + 2 * kv_heads, d)
+    qk, v = qkv[:, : heads + kv_heads], qkv[:, heads + kv_heads:]
+    if w.qk_norm is not None:
+        qk = rms_norm(qk, None, w.eps) * w.qk_norm
+    x = x + F.linear(attend(qk, v, cos, sin, mask, is_causal, cache, layer, B, T, real, heads), w.o, w.o_bias)
+    gate, up = F.linear(rms_norm(x, w.ln2, w.eps), w.gate_up).chunk(2, dim=-1)
+    return x + F.linear(F.silu(gate) * up, w.down)
 
 
 class Transformer(nn.Module):
@@ -259,6 +334,20 @@ class Transformer(nn.Module):
     def new_cache(self) -> KVCache:
         return KVCache(self.config.num_layers)
 
+    def _inference_weights(self) -> list[BlockWeights] | None:
+        """Every block's tensors for the inference path (gathered again when a block's modules or
+        storage changed), or None when some block must run as modules."""
+        cached = self.__dict__.get("_inference_cache")
+        if cached is not None and cached[0].holds():
+            return cached[1]
+        parts = [_block_parts(b) for b in self.layers]
+        if any(p is None for p in parts):
+            return None
+        weights = [_gather(b, p) for b, p in zip(self.layers, parts)]
+        # stacking re-pointed the projections' storage: the watch is set up after it
+        self.__dict__["_inference_cache"] = (Watch(list(self.layers), parts), weights)
+        return weights
+
     def forward(self, input_ids: Tensor, position_ids: Tensor, attn_mask: Tensor | None = None,
                 cache: KVCache | None = None, num_logits: int | None = None,
                 real: Tensor | None = None) -> Tensor:
@@ -292,8 +381,12 @@ class Transformer(nn.Module):
         if rope.dtype != x.dtype:
             rope = rope.to(x.dtype)
         cos, sin = rope[:, :1], rope[:, 1:]  # [N, 1, head_dim]: broadcast over heads
+        fast = None if torch.is_grad_enabled() else self._inference_weights()
         for i, block in enumerate(self.layers):
-            if self.gradient_checkpointing and self.training and cache is None:
+            if fast is not None:
+                x = block_inference(x, fast[i], self.config.num_heads, self.config.num_kv_heads, cos, sin, attn_mask,
+                                    is_causal, cache, i, B, T, real)
+            elif self.gradient_checkpointing and self.training and cache is None:
                 x = checkpoint(block, x, cos, sin, attn_mask, is_causal, None, i, (B, T), real, use_reentrant=False)
             else:
                 x = block(x, cos, sin, attn_mask, is_causal, cache, i, (B, T), real)
