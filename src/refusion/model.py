@@ -102,10 +102,13 @@ def linear(m: nn.Module, x: Tensor) -> Tensor:
 
 
 def attend(qk: Tensor, v: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, is_causal: bool,
-           cache: KVCache | None, layer: int, B: int, T: int, real: Tensor | None, heads: int) -> Tensor:
+           cache: KVCache | None, layer: int, B: int, T: int, real: Tensor | None, heads: int, kvh: int,
+           gqa: bool) -> Tensor:
     """Attention of the fed tokens, from their normed q and k ([N, heads + kv_heads, d], side by side)
-    and v ([N, kv_heads, d]); returns [N, heads * d]. Shared by the module and inference paths."""
-    kvh, d = v.shape[1], v.shape[2]
+    and v ([N, kv_heads, d]); returns [N, heads * d]. Shared by the module and inference paths.
+    gqa (kvh != heads) comes as a plain bool: under torch.compile with dynamic sizes the head counts
+    are symbols, and SDPA takes no symbolic bool."""
+    d = v.shape[2]
     qk = apply_rope(qk, cos, sin)  # per token: q and k of every head at once
     if real is not None:  # back to the padded [B, T] grid for the cache and attention
         qk = qk.new_zeros(B * T, heads + kvh, d).index_copy_(0, real, qk)
@@ -115,7 +118,7 @@ def attend(qk: Tensor, v: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
     v = v.view(B, T, kvh, d).transpose(1, 2)
     if cache is not None:
         k, v = cache.update(layer, k, v)
-    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=kvh != heads)
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=gqa)
     y = y.transpose(1, 2).reshape(B * T, heads * d)
     return y if real is None else y.index_select(0, real)
 
@@ -142,7 +145,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(N, self.kvh, self.d)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        y = attend(torch.cat([q, k], dim=1), v, cos, sin, mask, is_causal, cache, layer, *shape, real, self.h)
+        y = attend(torch.cat([q, k], dim=1), v, cos, sin, mask, is_causal, cache, layer, *shape, real, self.h, self.kvh,
+                   self.kvh != self.h)
         return self.o_proj(y)
 
 
@@ -188,6 +192,7 @@ class BlockWeights:
     """One block's tensors as the inference path reads them."""
 
     eps: float
+    gqa: bool  # fewer key/value heads than query heads
     ln1: Tensor
     qkv: Tensor  # q_proj, k_proj and v_proj stacked by rows; their weights are views of it
     qkv_bias: Tensor | None
@@ -251,7 +256,7 @@ def _gather(block: Block, parts: list[nn.Module]) -> BlockWeights:
         qn, kn = parts[9:]
         with torch.inference_mode(False), torch.no_grad():
             qk_norm = torch.cat([qn.weight.expand(attn.h, -1), kn.weight.expand(attn.kvh, -1)])
-    return BlockWeights(eps=ln1.eps, ln1=ln1.weight, qkv=qkv, qkv_bias=qkv_bias, qk_norm=qk_norm, o=o.weight,
+    return BlockWeights(eps=ln1.eps, gqa=attn.kvh != attn.h, ln1=ln1.weight, qkv=qkv, qkv_bias=qkv_bias, qk_norm=qk_norm, o=o.weight,
                         o_bias=o.bias, ln2=ln2.weight, gate_up=gate_up, down=down.weight)
 
 
@@ -271,7 +276,7 @@ class Watch:
         self.params = [p for ps in parts for m in ps for p in m._parameters.values() if p is not None]
         self.ptrs = [p.data_ptr() for p in self.params]
         self.norms = [m.weight for ps in parts for m in ps[9:]]
-        self.versions = [w._version for w in self.norms]
+        self.versions = [_version(w) for w in self.norms]
 
     def holds(self) -> bool:
         for d, k, o in self.places:
@@ -280,7 +285,12 @@ class Watch:
         for h in self.hooks:
             if h:
                 return False
-        return [p.data_ptr() for p in self.params] == self.ptrs and [w._version for w in self.norms] == self.versions
+        return [p.data_ptr() for p in self.params] == self.ptrs and [_version(w) for w in self.norms] == self.versions
+
+
+def _version(t: Tensor) -> int:
+    # tensors made under inference_mode keep no version counter (and cannot be changed outside it)
+    return 0 if t.is_inference() else t._version
 
 
 def block_inference(x: Tensor, w: BlockWeights, heads: int, kv_heads: int, cos: Tensor, sin: Tensor,
@@ -292,7 +302,8 @@ def block_inference(x: Tensor, w: BlockWeights, heads: int, kv_heads: int, cos: 
     qk, v = qkv[:, : heads + kv_heads], qkv[:, heads + kv_heads:]
     if w.qk_norm is not None:
         qk = rms_norm(qk, None, w.eps) * w.qk_norm
-    x = x + F.linear(attend(qk, v, cos, sin, mask, is_causal, cache, layer, B, T, real, heads), w.o, w.o_bias)
+    y = attend(qk, v, cos, sin, mask, is_causal, cache, layer, B, T, real, heads, kv_heads, w.gqa)
+    x = x + F.linear(y, w.o, w.o_bias)
     gate, up = F.linear(rms_norm(x, w.ln2, w.eps), w.gate_up).chunk(2, dim=-1)
     return x + F.linear(F.silu(gate) * up, w.down)
 
@@ -308,6 +319,7 @@ class Transformer(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.gradient_checkpointing = False
+        self.compiled = None  # a refusion.compiled.CompiledForward once enable_compile() was called
         self.reset_rope()
 
     def reset_rope(self, device: torch.device | str | None = None) -> None:
@@ -333,6 +345,16 @@ class Transformer(nn.Module):
 
     def new_cache(self) -> KVCache:
         return KVCache(self.config.num_layers)
+
+    def enable_compile(self, on: bool = True, **options):
+        """Inference forwards through torch.compile'd graphs where a shape bucket fits, eager
+        elsewhere (refusion.compiled: what is compiled, when it falls back, and why it is off by
+        default: not bit-identical to eager). Returns the CompiledForward (its .stats count graphs,
+        compile seconds and recompiles), or None when turned off."""
+        from .compiled import CompiledForward
+
+        self.compiled = CompiledForward(self, **options) if on else None
+        return self.compiled
 
     def _inference_weights(self) -> list[BlockWeights] | None:
         """Every block's tensors for the inference path (gathered again when a block's modules or
@@ -364,6 +386,10 @@ class Transformer(nn.Module):
         B, T = input_ids.shape
         if position_ids.shape != input_ids.shape:
             raise ValueError(f"position_ids {tuple(position_ids.shape)} must match input_ids {tuple(input_ids.shape)}")
+        if self.compiled is not None and not torch.is_grad_enabled():
+            out = self.compiled(input_ids, position_ids, attn_mask, cache, num_logits, real)
+            if out is not None:
+                return out
         past = 0 if cache is None else cache.length
         is_causal = False
         if attn_mask is None and T > 1:
