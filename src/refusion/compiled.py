@@ -98,6 +98,20 @@ def _mark(args: tuple, io: StaticIO) -> None:
                     torch._dynamo.mark_dynamic(t, d)
 
 
+def _own(t: Tensor) -> Tensor:
+    """t, or a copy laid out row-major from offset 0. A decoder may pass views into a larger buffer,
+    and their offsets and strides are sizes to dynamo too (offset 0 or 1, a row stride other than
+    the width, even where is_contiguous() holds because a size is 1) that would make graphs of
+    their own."""
+    want, n = [], 1
+    for size in reversed(t.shape):
+        want.append(n)
+        n *= size
+    if t.storage_offset() == 0 and t.stride() == tuple(reversed(want)):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 class CompiledForward:
     """Transformer.forward for inference through compiled graphs where one fits (see the module doc)."""
 
@@ -115,7 +129,9 @@ class CompiledForward:
         def graph(*args):
             return _graph(*args, heads=heads, kv_heads=kv_heads)
 
-        self._fn = torch.compile(graph, fullgraph=True, dynamic=False, options={"size_asserts": False})
+        # a graph per shape class: more than dynamo's default limit of 8 where several decoders share a model
+        self._fn = torch.compile(graph, fullgraph=True, dynamic=False, options={"size_asserts": False},
+                                 recompile_limit=64)
 
     def __call__(self, input_ids: Tensor, position_ids: Tensor, attn_mask: Tensor | None, cache,
                   num_logits: int | None, real: Tensor | None = None) -> Tensor | None:
@@ -140,15 +156,13 @@ class CompiledForward:
             attn_mask = additive_mask(attn_mask, m.embed_tokens.weight.dtype)
         need = min(num_logits, T) if num_logits else T
         last = torch.arange(T - need, T, device=input_ids.device)
-        # inputs of their own (a decoder may pass views into one buffer): a storage offset is a size
-        # to dynamo too, and offsets 0 and 1 would make graphs of their own
-        input_ids, position_ids, cols = (t if t.storage_offset() == 0 and t.is_contiguous() else t.clone()
-                                         for t in (input_ids, position_ids, io.cols))
-        io.cols = cols
+        input_ids, position_ids, attn_mask, io.cols = (_own(t) for t in (input_ids, position_ids, attn_mask, io.cols))
+        real = None if real is None else _own(real)
         args = (input_ids, position_ids, attn_mask, io.write_rows, io.read_rows, io.cols, io.k, io.v,
                 m.embed_tokens.weight, m.rope, blocks, m.norm.weight, m.norm.eps, m.lm_head.weight, last, real)
         # the shape class a graph serves: which sizes are 1, the mask's rank, what is left out
-        key = (B >= 2, T >= 2, need >= 2, io.k[0].shape[0] >= 2, io.read_rows is None, real is None, attn_mask.dim(),
+        key = (B >= 2, T >= 2, need >= 2, io.k[0].shape[0] >= 2, io.read_rows is None,
+               None if real is None else real.shape[0] >= 2, attn_mask.dim(),
                tuple(s >= 2 for s in attn_mask.shape), input_ids.dtype, io.k[0].dtype)
         _mark(args, io)
         if key in self._seen:  # the common case: no config change, just the graph
@@ -166,8 +180,7 @@ class CompiledForward:
     def _compile(self, key: tuple, args: tuple, B: int, T: int, io: StaticIO) -> Tensor:
         """The first call of a shape class, timed."""
         start = time.perf_counter()
-        with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=4096):
-            logits = self._fn(*args)
+        logits = self._fn(*args)
         seconds = time.perf_counter() - start
         self._seen.add(key)
         self.stats.graphs += 1
