@@ -7,8 +7,11 @@
 
 Every decoder setting of benchmarks/decode.py plus sampled variants decodes held-out prompts of the
 bundled model's task families, alone and in batches of 8; tokens, positions, steps, forwards and
-tokens fed are recorded per prompt. --check exits 1 on the first difference and names it. Not a
-unit test (it takes a minute); run it after any change to the model or a decoder.
+tokens fed are recorded per prompt. --check exits 1 on any difference and names the first ones.
+Not a unit test (it takes a few minutes); run it after any change to the model or a decoder.
+
+--compile decodes through the compiled forward (refusion.compiled), which is not bit-identical to
+eager: --check then counts, per setting, the prompts whose output differs from the (eager) record.
 """
 
 from __future__ import annotations
@@ -67,15 +70,19 @@ def main() -> None:
     ap.add_argument("--tasks", default="arith,code,choice,table")
     ap.add_argument("--n", type=int, default=4, help="prompts per task")
     ap.add_argument("--gen-length", type=int, default=128)
+    ap.add_argument("--compile", action="store_true", help="decode through the compiled forward")
     g = ap.add_mutually_exclusive_group(required=True)
     g.add_argument("--write", help="record the outputs to this JSON file")
     g.add_argument("--check", help="compare the outputs with this JSON record")
     args = ap.parse_args()
     torch.set_num_threads(1)
     model, tok = load_model(args.model), Tokenizer.from_dir(args.model)
+    stats = model.enable_compile().stats if args.compile else None
     prompts = [tok.chat_prompt_ids(ex.prompt) for name in args.tasks.split(",")
                for ex in get_task(name).load("test", n=args.n, seed=1)]
     got = record(model, prompts, args.gen_length)
+    if stats is not None:
+        print(f"compiled: {stats.summary()}")
     if args.write:
         Path(args.write).parent.mkdir(parents=True, exist_ok=True)
         Path(args.write).write_text(json.dumps(dict(args=vars(args), outputs=got)))
@@ -85,6 +92,10 @@ def main() -> None:
     bad = [(k, i, field) for k in want for i, (a, b) in enumerate(zip(want[k], got.get(k, [])))
            for field in a if a[field] != b[field]]
     missing = [k for k in want if k not in got or len(got[k]) != len(want[k])]
+    if args.compile:
+        for k in want:
+            rows = {i for k2, i, _ in bad if k2 == k}
+            print(f"{k:<40} {len(want[k]) - len(rows)}/{len(want[k])} identical")
     if bad or missing:
         for k, i, field in bad[:10]:
             print(f"DIFFERENT: {k}, prompt {i}, {field}")
