@@ -14,6 +14,36 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+CAPACITY_STEP = 256  # capacities are multiples of this: buffers grow (and are copied) rarely
+
+
+def round_capacity(n: int) -> int:
+    return -(-max(n, 1) // CAPACITY_STEP) * CAPACITY_STEP
+
+
+class StaticIO:
+    """A cache as a compiled forward (refusion.compiled) uses it: per layer, the whole buffers
+    ([rows, kv_heads, capacity, head_dim]: the capacity is a dynamic size of the graph, so a cache
+    that grows compiles nothing), the cache row and column of every fed token, and which rows
+    attention reads. Built by a cache's `static_io`, traced into the graph, where `keys` (every
+    column a query may see, and every column this forward writes) is the mask's last size."""
+
+    def __init__(self, k: list[Tensor], v: list[Tensor], write_rows: Tensor, read_rows: Tensor | None,
+                 cols: Tensor, keys: int) -> None:
+        self.k, self.v = k, v
+        self.write_rows = write_rows  # [B, 1]: the cache row of each batch row
+        self.read_rows = read_rows  # [B], or None: the batch is every row of the buffers, in order
+        self.cols = cols  # [B, T]
+        self.keys = keys
+
+    def update(self, i: int, k_new: Tensor, v_new: Tensor) -> tuple[Tensor, Tensor]:
+        self.k[i][self.write_rows, :, self.cols] = k_new.transpose(1, 2).to(self.k[i].dtype)
+        self.v[i][self.write_rows, :, self.cols] = v_new.transpose(1, 2).to(self.v[i].dtype)
+        k, v = self.k[i][:, :, : self.keys], self.v[i][:, :, : self.keys]
+        if self.read_rows is None:
+            return k, v
+        return k.index_select(0, self.read_rows), v.index_select(0, self.read_rows)
+
 
 class KVCache:
     def __init__(self, num_layers: int) -> None:
@@ -49,9 +79,11 @@ class KVCache:
         end = self.length + t
         buf_k, buf_v = self.k[i], self.v[i]
         if buf_k is None:
-            cap = max(end, 64)
+            cap = round_capacity(end)
             shape = (k_new.shape[0], k_new.shape[1], cap, k_new.shape[3])
-            buf_k, buf_v = k_new.new_empty(shape), v_new.new_empty(shape)
+            # zeros, not empty: a compiled forward reads whole buffers under a mask, and uninitialised
+            # memory can hold NaN, which no mask cancels (NaN + -inf is NaN)
+            buf_k, buf_v = k_new.new_zeros(shape), v_new.new_zeros(shape)
         elif self._shared or end > buf_k.shape[2] or buf_k.shape[0] != k_new.shape[0]:
             buf_k, buf_v = self._grown(buf_k, end, k_new.shape[0]), self._grown(buf_v, end, k_new.shape[0])
         buf_k[:, :, self.length: end] = k_new
@@ -71,8 +103,8 @@ class KVCache:
     def _grown(self, buf: Tensor, need: int, rows: int) -> Tensor:
         cap = buf.shape[2]
         if need > cap:
-            cap = max(need, 2 * cap)
-        new = buf.new_empty((rows, buf.shape[1], cap, buf.shape[3]))
+            cap = round_capacity(max(need, 2 * cap))
+        new = buf.new_zeros((rows, buf.shape[1], cap, buf.shape[3]))
         new[:, :, : self.length] = buf[:, :, : self.length]  # broadcasts a shared row to all rows
         return new
 
@@ -114,11 +146,32 @@ class KVCache:
             for name in ("k", "v"):
                 buf = getattr(self, name)[i]
                 parts = [buf[:1, :, :prefix]] + [buf[r: r + 1, :, prefix: prefix + n] for r, n in enumerate(lengths)]
-                merged = buf.new_empty((1, buf.shape[1], max(total, 64), buf.shape[3]))
+                merged = buf.new_zeros((1, buf.shape[1], round_capacity(total), buf.shape[3]))
                 merged[:, :, :total] = torch.cat(parts, dim=2)
                 getattr(self, name)[i] = merged
         self.length = total
         self._shared = False
+
+    def static_io(self, B: int, T: int) -> StaticIO | None:
+        """For a compiled forward of B x T tokens appended at columns length..length+T-1; None when
+        this cache cannot: not allocated yet, or rows shared by expand() or other than B."""
+        if self.k[0] is None or self._shared or self.rows != B:
+            return None
+        keys = self.length + T
+        # room past the keys: a graph traced with keys < capacity takes the keys as a strided view, and
+        # keys == capacity (a contiguous one) would be a shape class of its own
+        if self.k[0].shape[2] <= keys:
+            for name in ("k", "v"):
+                bufs = getattr(self, name)
+                for i in range(self.num_layers):
+                    bufs[i] = self._grown(bufs[i], keys + 1, B)
+        dev = self.k[0].device
+        cols = torch.arange(self.length, keys, device=dev).expand(B, T)
+        return StaticIO(list(self.k), list(self.v), torch.arange(B, device=dev)[:, None], None, cols, keys)
+
+    def advance(self, T: int) -> None:
+        """What the last layer's update does in an eager forward: the T new entries become valid."""
+        self.length += T
 
     def clone(self) -> "KVCache":
         c = KVCache(self.num_layers)
@@ -141,7 +194,8 @@ class SlotKVCache:
 
     def __init__(self, num_layers: int, rows: int, capacity: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str) -> None:
-        shape = (rows, capacity, kv_heads, head_dim)
+        capacity = round_capacity(capacity)
+        shape = (rows, kv_heads, capacity, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.capacity = capacity
@@ -149,17 +203,24 @@ class SlotKVCache:
         self.rows: Tensor | None = None  # which cache rows the batch rows are (None: all, in order)
         self.used = 0  # attention reads columns [0, used)
         self.length = 0  # the model reads this to decide on a default mask; the decoder always passes one
+        self._write_rows: Tensor | None = None  # [B, 1], built once per forward (at layer 0)
 
     def update(self, i: int, k_new: Tensor, v_new: Tensor) -> tuple[Tensor, Tensor]:
-        B = k_new.shape[0]
-        rows = self.rows if self.rows is not None else torch.arange(B, device=k_new.device)
-        r = rows[:, None].expand_as(self.write_index)
-        self.k[i][r, self.write_index] = k_new.transpose(1, 2).to(self.k[i].dtype)
-        self.v[i][r, self.write_index] = v_new.transpose(1, 2).to(self.v[i].dtype)
-        k, v = self.k[i], self.v[i]
+        if i == 0 or self._write_rows is None:
+            rows = self.rows if self.rows is not None else torch.arange(k_new.shape[0], device=k_new.device)
+            self._write_rows = rows[:, None]
+        self.k[i][self._write_rows, :, self.write_index] = k_new.transpose(1, 2).to(self.k[i].dtype)
+        self.v[i][self._write_rows, :, self.write_index] = v_new.transpose(1, 2).to(self.v[i].dtype)
+        k, v = self.k[i][:, :, : self.used], self.v[i][:, :, : self.used]
         if self.rows is not None:
-            k, v = k[self.rows], v[self.rows]
-        return k[:, : self.used].transpose(1, 2), v[:, : self.used].transpose(1, 2)
+            k, v = k.index_select(0, self.rows), v.index_select(0, self.rows)
+        return k, v
+
+    def static_io(self, B: int, T: int) -> StaticIO | None:
+        if self.used >= self.capacity:  # see KVCache.static_io: eager rather than a graph of its own
+            return None
+        rows = self.rows if self.rows is not None else torch.arange(B, device=self.k[0].device)
+        return StaticIO(list(self.k), list(self.v), rows[:, None], self.rows, self.write_index, self.used)
 
 
 class RaggedKVCache:
@@ -178,7 +239,7 @@ class RaggedKVCache:
                  device: torch.device | str, rows: int = 1, capacity: int = 64) -> None:
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
-        shape = (rows, kv_heads, capacity, head_dim)
+        shape = (rows, kv_heads, round_capacity(capacity), head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.row0 = 0
@@ -201,7 +262,7 @@ class RaggedKVCache:
             return
         # grow geometrically so that a server admitting one sequence at a time reallocates rarely
         rows = self.rows if rows <= self.rows else max(rows, 2 * self.rows)
-        capacity = self.capacity if capacity <= self.capacity else max(capacity, 2 * self.capacity)
+        capacity = self.capacity if capacity <= self.capacity else round_capacity(max(capacity, 2 * self.capacity))
         for buffers in (self.k, self.v):
             for i, old in enumerate(buffers):
                 new = old.new_zeros((rows, self.kv_heads, capacity, self.head_dim))
@@ -226,3 +287,10 @@ class RaggedKVCache:
         self.v[i][self._rows, :, self.write_index] = v_new.transpose(1, 2).to(self.dtype)
         sl = slice(self.row0, self.row0 + B)
         return self.k[i][sl, :, : self.used], self.v[i][sl, :, : self.used]
+
+    def static_io(self, B: int, T: int) -> StaticIO | None:
+        if self.used >= self.capacity:  # see KVCache.static_io: eager rather than a graph of its own
+            return None
+        rows = torch.arange(self.row0, self.row0 + B, device=self.device)
+        read = None if self.row0 == 0 and B == self.rows else rows
+        return StaticIO(list(self.k), list(self.v), rows[:, None], read, self.write_index, self.used)

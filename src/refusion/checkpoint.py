@@ -18,7 +18,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .config import ConfigError, ModelConfig
-from .model import Transformer, rope_inv_freq
+from .model import Transformer
 from .tokenizer import MASK_TOKEN, Tokenizer
 
 INDEX = "model.safetensors.index.json"
@@ -95,8 +95,12 @@ def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def load_model(path: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu",
-               require_mask: bool = False) -> Transformer:
-    """Load a Hugging Face model directory into a refusion Transformer (eval mode)."""
+               require_mask: bool = False, compile: bool = False) -> Transformer:
+    """Load a Hugging Face model directory into a refusion Transformer (eval mode).
+
+    compile: inference forwards through torch.compile'd graphs (Transformer.enable_compile; its
+    CompileStats are model.compiled.stats). Faster per forward once compiled, but not bit-identical
+    to the eager default, so off unless asked for."""
     from .runtime import resolve_device
 
     device = resolve_device(device)  # before reading the weights: a bad device fails at once
@@ -126,8 +130,11 @@ def load_model(path: str | Path, dtype: torch.dtype | str | None = None, device:
     model.load_state_dict({k: sd[k].to(dtype) for k in expected}, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.inv_freq = rope_inv_freq(cfg)  # buffers are not in the file and were built on "meta"
-    return model.to(device).eval()
+    model.reset_rope()  # buffers are not in the file and were built on "meta"
+    model = model.to(device).eval()
+    if compile:
+        model.enable_compile()
+    return model
 
 
 def _atomic_dir(path: Path, overwrite: bool):

@@ -174,7 +174,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     decoder = _choose_decoder(args, config)
     params = decoder_params(args, decoder)
     check_prompts(config, [prompt], make_params(decoder, **params).gen_length)
-    model = load_model(model_dir, dtype=args.dtype, device=device)
+    model = load_model(model_dir, dtype=args.dtype, device=device, compile=args.compile)
     set_threads(args.threads, count_parameters(model))
     view = None
     if not args.json and not args.no_view and sys.stderr.isatty():
@@ -192,6 +192,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
     print(text if text is not None else " ".join(map(str, res.tokens)))
     print(f"[{decoder}] {len(res.tokens)} tokens, {res.forwards} forwards, TPF {res.tpf:.2f}, "
           f"{res.tps:.1f} tokens/s, {res.seconds:.2f} s", file=sys.stderr)
+    if model.compiled is not None:
+        print(f"[compile] {model.compiled.stats.summary()}", file=sys.stderr)
 
 
 # ---- model directories --------------------------------------------------------------------------
@@ -287,18 +289,22 @@ def cmd_eval(args: argparse.Namespace) -> None:
             raise ValueError(f"{taken[0]} exists (an earlier eval); pass --overwrite to replace it, or --label / "
                              "--tag to keep both")
     examples = [t.load(cfg.split, n=cfg.n, seed=cfg.seed) for t in tasks]  # a missing download fails here
-    model = load_model(model_dir, dtype=args.dtype, device=device)
+    model = load_model(model_dir, dtype=args.dtype, device=device, compile=args.compile)
     set_threads(args.threads, count_parameters(model))
     tok = Tokenizer.from_dir(model_dir)
     for task, stem, exs in zip(tasks, stems, examples):
         summary = evaluate(model, tok, task, cfg, model_name=name, records_path=out / f"{stem}.jsonl",
                            progress=not args.no_progress, examples=exs)
         summary["model_path"] = str(model_dir)
+        if model.compiled is not None:  # compiling is inside the decode seconds: its share, separately
+            summary["compile"] = model.compiled.stats.as_dict()
         (out / f"{stem}.json").write_text(json.dumps(summary, indent=2))
         lo, hi = summary["ci95"]
         print(f"{name} {task.name} {summary['decoder']}: accuracy {100 * summary['accuracy']:.1f}% "
               f"[{100 * lo:.1f}, {100 * hi:.1f}] over {summary['n']}, {summary['tps']:.1f} tokens/s, "
               f"TPF {summary['tpf']:.2f} -> {out / stem}.json")
+        if model.compiled is not None:
+            print(f"[compile] {model.compiled.stats.summary()}")
 
 
 def cmd_report(args: argparse.Namespace) -> None:
@@ -372,6 +378,8 @@ def _add_runtime_flags(p: argparse.ArgumentParser, threads_default: str) -> None
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights' dtype")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto")
     p.add_argument("--threads", type=_positive, help=f"CPU threads (default: {threads_default})")
+    p.add_argument("--compile", action="store_true", help="run the model through torch.compile'd graphs: faster "
+                   "forwards after seconds of compiling, outputs not bit-identical to the default")
 
 
 def _version() -> str:

@@ -71,7 +71,11 @@ def generate_ar(model: Transformer, prompts: list[list[int]], max_new_tokens: in
     T = feed_ids.shape[1]
     mask = torch.ones(T, T, dtype=torch.bool, device=device).tril() & key_valid[:, None, None, :]
     mask |= torch.eye(T, dtype=torch.bool, device=device)
-    logits = model(feed_ids, feed_pos, attn_mask=mask, cache=cache, num_logits=1)[:, -1]
+    # On a CPU, where a forward costs in proportion to the tokens it computes, padding and finished
+    # rows are left out of the per-token work (model.forward's `real`); their outputs are never read.
+    pack = device.type == "cpu"
+    real = key_valid.reshape(-1).nonzero().squeeze(1) if pack and not bool(key_valid.all()) else None
+    logits = model(feed_ids, feed_pos, attn_mask=mask, cache=cache, num_logits=1, real=real)[:, -1]
     if first_from_mask:
         cache.crop(P)  # the mask's keys and values are not part of the sequence
     fed = [len(p) + int(first_from_mask) for p in prompts]
@@ -92,8 +96,9 @@ def generate_ar(model: Transformer, prompts: list[list[int]], max_new_tokens: in
         done |= torch.isin(tok, eos_t)
         if step + 1 == max_new_tokens or bool(done.all()):
             break
+        real = (~done).nonzero().squeeze(1) if pack and bool(done.any()) else None
         logits = model(tok[:, None], (lens + step)[:, None], attn_mask=keys_valid[:, None, None, :P + step + 1],
-                       cache=cache)[:, -1]
+                       cache=cache, real=real)[:, -1]
 
     # Host-side bookkeeping once at the end, not per step.
     out = out[:, :n_steps].tolist()

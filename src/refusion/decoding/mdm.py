@@ -105,7 +105,14 @@ def generate_mdm(model: Transformer, prompts: list[list[int]], params: MDMParams
             # feed everything, or (prefix cache) only what the cache does not hold: from the previous
             # block on at a block's first step (that block has just been finished), the block on after
             first = 0 if cache is None else len(cache)
-            logits = model(x[:, first:], positions[:, first:], attn_mask=attn[:, :, first:], cache=cache)
+            # on a CPU, rows with nothing left to decode in this block (and prompt padding) skip the
+            # per-token work (model.forward's `real`): their logits are never read, and the keys and
+            # values they would write are either padding (masked) or cropped off below
+            real = None
+            if device.type == "cpu":
+                live = key_valid[:, first:] & active[:, None]
+                real = None if bool(live.all()) else live.reshape(-1).nonzero().squeeze(1)
+            logits = model(x[:, first:], positions[:, first:], attn_mask=attn[:, :, first:], cache=cache, real=real)
             if cache is not None:
                 cache.crop(lo)  # keep the prompt and the finished blocks only
             logits = logits[:, lo - first: hi - first].float()

@@ -26,7 +26,7 @@ import torch
 from ..cache import SlotKVCache
 from ..model import Transformer
 from .common import (DecodeResult, check_positive, check_probability, check_prompts, check_sampling,
-                     resolve_params)
+                     packed_index, resolve_params)
 
 PLAN, VERIFY, DRAFT, IVERIFY, RECOMPUTE, DONE = "plan", "verify", "draft", "iverify", "recompute", "done"
 
@@ -338,7 +338,8 @@ def _step(model: Transformer, cache: SlotKVCache, active: list[_Seq], n_rows: in
     cache.write_index = col_t
     cache.rows = None if B == n_rows else torch.tensor([q.row for q in active], device=device)
     cache.used = hi + 1
-    logits = model(ids_t, pos_t, attn_mask=mask[:, None], cache=cache, num_logits=need).float()
+    real = packed_index([len(f[0]) for f in feeds], T, device)  # rows of different widths: only real tokens
+    logits = model(ids_t, pos_t, attn_mask=mask[:, None], cache=cache, num_logits=need, real=real).float()
     lse = logits.logsumexp(-1)
     top, amax = logits.max(-1)
     pmax = (top - lse).exp()

@@ -44,7 +44,7 @@ from torch import Tensor
 
 from ..cache import RaggedKVCache
 from ..model import Transformer
-from .common import DecodeResult, check_positive, check_probability, check_sampling, resolve_params
+from .common import DecodeResult, check_positive, check_probability, check_sampling, packed_index, resolve_params
 
 
 @dataclass
@@ -278,7 +278,8 @@ class SpeculativeBatch:
         cache.row0, cache.write_index, cache.used = lo, col_t, used
         # a query sees every kept column of its row and its own row's fed tokens up to itself
         mask = torch.arange(used, device=self.device)[None, None, :] <= col_t[:, :, None]
-        logits = self.model(ids_t, pos_t, attn_mask=mask[:, None], cache=cache, num_logits=need).float()
+        real = packed_index([len(ids) for ids, _ in feeds], W, self.device)  # ragged rows: only real tokens
+        logits = self.model(ids_t, pos_t, attn_mask=mask[:, None], cache=cache, num_logits=need, real=real).float()
         j, extra, amax = self._judge(seqs, logits, ids_t[:, W - need:], anchor_t, k_t, meta[0])
         host = torch.cat([j[:, None], extra[:, None], amax], 1).cpu().numpy()  # the step's one transfer
         for b, (q, (ids, _)) in enumerate(zip(seqs, feeds)):

@@ -71,7 +71,8 @@ class Server:
         self.eos_ids = sorted(set(model.config.eos_ids) | ({tok.eos_id} if tok.eos_id is not None else set()))
         self.engine = engine or Engine(model, self.eos_ids, max_running=cfg.max_running, max_queue=cfg.max_queue,
                                        static_batch=cfg.static_batch)
-        self.metrics = Metrics(lambda: self.engine.queue_depth, lambda: self.engine.running)
+        self.metrics = Metrics(lambda: self.engine.queue_depth, lambda: self.engine.running,
+                               model.compiled.stats if model.compiled is not None else None)
         self.engine.on_step = self.metrics.on_step
         self.created = int(time.time())
 
@@ -496,12 +497,12 @@ async def _drain(receive, limit: int) -> None:
 
 
 def build(model_dir: str | Path, cfg: ServeConfig | None = None, dtype: str | None = None,
-          device: str = "cpu") -> Server:
-    """Load a model directory and make its server (the app is `server.app()`)."""
+          device: str = "cpu", compile: bool = False) -> Server:
+    """Load a model directory and make its server (the app is `server.app()`); compile: see load_model."""
     from ..checkpoint import load_model
 
     model_dir = Path(model_dir)
-    model = load_model(model_dir, dtype=dtype, device=device)
+    model = load_model(model_dir, dtype=dtype, device=device, compile=compile)
     tok = Tokenizer.from_dir(model_dir)
     cfg = cfg or ServeConfig(model_name=model_dir.name)
     return Server(model, tok, cfg)

@@ -77,6 +77,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     eng.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto")
     eng.add_argument("--threads", type=_positive,
                      help="torch CPU threads (default: 1 for a model under 50M parameters, else torch's default)")
+    eng.add_argument("--compile", action="store_true",
+                     help="run the model through torch.compile'd graphs: faster forwards once each shape class is "
+                          "compiled (seconds, paid once; counted at /metrics), outputs not bit-identical")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level")
     s.set_defaults(func=cmd_serve)
@@ -99,7 +102,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
                       default_max_tokens=args.default_max_tokens, max_body_bytes=args.max_body_bytes,
                       body_timeout=args.body_timeout, max_queue=args.max_queue, max_running=args.max_running,
                       static_batch=args.static_batch, aliases=[str(model_dir)])
-    server = build(model_dir, cfg, dtype=args.dtype, device=device)
+    server = build(model_dir, cfg, dtype=args.dtype, device=device, compile=args.compile)
     set_threads(args.threads, count_parameters(server.model))
     print(f"refusion: serving {cfg.model_name} on http://{args.host}:{args.port}/ "
           f"(OpenAI API under /v1, metrics at /metrics)", file=sys.stderr)

@@ -16,7 +16,9 @@ _TPF_BUCKETS = (0.5, 1, 1.25, 1.5, 2, 3, 4, 6, 8, 12, 16, 32)
 
 
 class Metrics:
-    def __init__(self, queue_depth: Callable[[], float], running: Callable[[], float]) -> None:
+    def __init__(self, queue_depth: Callable[[], float], running: Callable[[], float], compiled=None) -> None:
+        """compiled: the model's CompileStats (refusion.compiled) when it runs compiled: compiling is
+        paid once per graph over the server's lifetime, so it is shown apart from request latency."""
         r = self.registry = CollectorRegistry()
         self.served = 0  # requests other than GETs answered (a plain count, for the idle-time memory trim)
         self.requests = Counter("refusion_requests", "HTTP requests answered, by endpoint and status code",
@@ -39,6 +41,12 @@ class Metrics:
         g.set_function(queue_depth)
         g = Gauge("refusion_running_sequences", "sequences the engine is decoding", registry=r)
         g.set_function(running)
+        if compiled is not None:
+            for name, doc, attr in (("compiled_graphs", "graphs torch.compile built (--compile)", "graphs"),
+                                    ("compile_seconds", "seconds spent compiling them", "compile_seconds"),
+                                    ("recompiles", "graphs compiled again for a shape already served", "recompiles")):
+                g = Gauge(f"refusion_{name}", doc, registry=r)
+                g.set_function(lambda attr=attr: getattr(compiled, attr))
 
     def on_step(self, sequences: int, seconds: float) -> None:
         self.steps.inc()

@@ -1,0 +1,109 @@
+"""Speed work must not change a single output token: record every decoder's outputs, or compare with a record.
+
+    python benchmarks/check_outputs.py --write benchmarks/results/outputs_refusion-tiny.json   # before
+    python benchmarks/check_outputs.py --check benchmarks/results/outputs_refusion-tiny.json   # after
+    python benchmarks/check_outputs.py --model tests/fixtures/refusion-words --tasks sort,add,repeat \
+        --gen-length 64 --check benchmarks/results/outputs_refusion-words.json
+
+Every decoder setting of benchmarks/decode.py plus sampled variants decodes held-out prompts of the
+bundled model's task families, alone and in batches of 8; tokens, positions, steps, forwards and
+tokens fed are recorded per prompt. --check exits 1 on any difference and names the first ones.
+Not a unit test (it takes a few minutes); run it after any change to the model or a decoder.
+
+--compile decodes through the compiled forward (refusion.compiled), which is not bit-identical to
+eager: --check then counts, per setting, the prompts whose output differs from the (eager) record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from refusion.checkpoint import load_model
+from refusion.cli import BUNDLED
+from refusion.decoding import decode
+from refusion.tasks import get_task
+from refusion.tokenizer import Tokenizer
+
+
+def settings(L: int) -> list[tuple[str, str, dict]]:
+    rf = dict(gen_length=L, slot_size=8, serial_blocks=1, slot_threshold=0.9, token_threshold=0.4)
+    return [
+        ("ar", "ar", dict(max_new_tokens=L)),
+        ("ar sampled", "ar", dict(max_new_tokens=L, temperature=0.8, top_p=0.9)),
+        ("speculative", "speculative", dict(gen_length=L)),
+        ("speculative fixed 16", "speculative", dict(gen_length=L, draft_length=16, adaptive=False)),
+        ("speculative accept-prob 0.3", "speculative", dict(gen_length=L, accept_prob=0.3)),
+        ("speculative sampled", "speculative", dict(gen_length=L, temperature=0.8, top_k=20)),
+        ("refusion s8 0.9/0.4", "refusion", rf),
+        ("refusion s4 B2 0.7/0.2", "refusion", dict(rf, slot_size=4, serial_blocks=2, slot_threshold=0.7,
+                                                     token_threshold=0.2)),
+        ("refusion recompute", "refusion", dict(rf, recompute_kv=True)),
+        ("refusion sampled", "refusion", dict(rf, temperature=0.7)),
+        ("refusion-l2r s8 0.9/0.4", "refusion-l2r", rf),
+        ("mdm", "mdm", dict(gen_length=L, block_length=32, steps=L // 2)),
+        ("mdm-threshold 0.9", "mdm-threshold", dict(gen_length=L, block_length=32, threshold=0.9, prefix_cache=True)),
+    ]
+
+
+def record(model, prompts: list[list[int]], L: int) -> dict:
+    out = {}
+    for name, decoder, params in settings(L):
+        for bs in (1, 8):
+            rows = []
+            for i in range(0, len(prompts), bs):
+                for r in decode(model, prompts[i: i + bs], decoder, seed=0, **params):
+                    rows.append(dict(tokens=r.tokens, positions=r.positions, steps=r.steps, forwards=r.forwards,
+                                     tokens_fed=r.tokens_fed))
+            out[f"{name} | batch {bs}"] = rows
+            print(f"{name:<30} batch {bs}: {sum(len(r['tokens']) for r in rows)} tokens", flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=str(BUNDLED))
+    ap.add_argument("--tasks", default="arith,code,choice,table")
+    ap.add_argument("--n", type=int, default=4, help="prompts per task")
+    ap.add_argument("--gen-length", type=int, default=128)
+    ap.add_argument("--compile", action="store_true", help="decode through the compiled forward")
+    g = ap.add_mutually_exclusive_group(required=True)
+    g.add_argument("--write", help="record the outputs to this JSON file")
+    g.add_argument("--check", help="compare the outputs with this JSON record")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    model, tok = load_model(args.model), Tokenizer.from_dir(args.model)
+    stats = model.enable_compile().stats if args.compile else None
+    prompts = [tok.chat_prompt_ids(ex.prompt) for name in args.tasks.split(",")
+               for ex in get_task(name).load("test", n=args.n, seed=1)]
+    got = record(model, prompts, args.gen_length)
+    if stats is not None:
+        print(f"compiled: {stats.summary()}")
+    if args.write:
+        Path(args.write).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.write).write_text(json.dumps(dict(args=vars(args), outputs=got)))
+        print(f"wrote {args.write}")
+        return
+    want = json.loads(Path(args.check).read_text())["outputs"]
+    bad = [(k, i, field) for k in want for i, (a, b) in enumerate(zip(want[k], got.get(k, [])))
+           for field in a if a[field] != b[field]]
+    missing = [k for k in want if k not in got or len(got[k]) != len(want[k])]
+    if args.compile:
+        for k in want:
+            rows = {i for k2, i, _ in bad if k2 == k}
+            print(f"{k:<40} {len(want[k]) - len(rows)}/{len(want[k])} identical")
+    if bad or missing:
+        for k, i, field in bad[:10]:
+            print(f"DIFFERENT: {k}, prompt {i}, {field}")
+        for k in missing:
+            print(f"MISSING: {k}")
+        sys.exit(1)
+    print(f"identical: {len(want)} settings x prompts, tokens, positions, steps, forwards and tokens fed")
+
+
+if __name__ == "__main__":
+    main()

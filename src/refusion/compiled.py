@@ -1,0 +1,193 @@
+"""The inference forward compiled with torch.compile, with eager as the fallback.
+
+On a CPU a small model's eager forward is mostly per-operator overhead (dispatch, Python, small
+tensors): on the bundled model a single-token forward is 1.4 ms of which the matrix products are
+0.4 ms. Compiled as one graph (inductor fuses the norms, RoPE, residuals and SiLU into a few C++
+kernels; the products and attention stay library calls) it is about 0.85 ms.
+
+Shapes: the batch, the feed width and the number of keys are dynamic dimensions, so one graph
+serves every size >= 2 of each, and a decode whose widths change every step (speculative drafts,
+plan-and-infill phases) compiles nothing after its first steps. The cache buffers go in whole, their
+rows and capacity dynamic too, so a cache that grows compiles nothing either. torch specialises
+sizes 0 and 1, so the buckets are "1" and "2 or more" of each size: a handful of graphs cover
+everything (width, batch, logits wanted: 1 or more; all cache rows or some; padding left out or
+not). Nothing is padded to a bucket, and with `real` the graph, like eager, computes only a
+ragged batch's real tokens. Every decoder on one model needs about 10 graphs (check_outputs
+--compile), each compiled once per process: a server or an evaluation pays it once.
+CompileStats counts graphs, compile seconds and recompilations (a graph compiled again for a shape
+it already had: there should be none).
+
+What falls back to eager: gradients, more tokens than `max_tokens` in one forward (there the
+products dominate and compiling saves little), no cache, a KVCache not allocated yet (its
+prefill) or with rows shared by expand() (the reference port's), a full Slot/RaggedKVCache, models
+whose blocks run as modules (adapters, hooks).
+
+Not bit-identical to eager: inductor's fused reductions and transcendental kernels round
+differently (logits differ by ~1e-5), so a near-tie between two tokens can resolve the other way.
+It is therefore off unless asked for (Transformer.enable_compile, load_model(compile=True),
+`--compile`); benchmarks/check_outputs.py --compile reports how many outputs it changed (none of
+the recorded ones on the bundled model and the words fixture, every decoder, batch 1 and 8).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .cache import KVCache, StaticIO
+from .model import BlockWeights, additive_mask, block_inference, rms_norm
+
+
+@dataclass
+class CompileStats:
+    """Counters a benchmark reports: compiling is paid once per graph, recompiling should never happen."""
+
+    graphs: int = 0  # graphs compiled
+    compile_seconds: float = 0.0  # spent in the calls that compiled (tracing + C++ compilation)
+    compiled_calls: int = 0
+    eager_calls: int = 0  # forwards that fell back to eager
+    recompiles: int = 0  # compilations for a shape class already compiled (guards that failed)
+    shapes: list = field(default_factory=list)  # one line per graph: its shape class and compile seconds
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def summary(self) -> str:
+        return (f"{self.graphs} graphs compiled in {self.compile_seconds:.1f} s, {self.recompiles} recompiles, "
+                f"{self.compiled_calls} forwards compiled, {self.eager_calls} eager")
+
+
+def _graph(ids: Tensor, pos: Tensor, mask: Tensor, write_rows: Tensor, read_rows: Tensor | None, cols: Tensor,
+           kbufs: list[Tensor], vbufs: list[Tensor], embed: Tensor, rope: Tensor, blocks: list[BlockWeights],
+           norm: Tensor, eps: float, lm_head: Tensor, last: Tensor, real: Tensor | None, heads: int,
+           kv_heads: int) -> Tensor:
+    """The whole forward of a [B, T] feed over the cache buffers: logits of the columns in
+    `last` (a tensor, not an int, so that its length is a dynamic size rather than a constant).
+    With `real`, as Transformer.forward: per-token work on the real tokens only, zero logits for
+    padding."""
+    B, T = ids.shape
+    ids, pos = ids.reshape(-1), pos.reshape(-1)
+    if real is not None:
+        ids, pos = ids[real], pos[real]
+    x = F.embedding(ids, embed)
+    r = rope[pos].to(x.dtype)
+    cos, sin = r[:, :1], r[:, 1:]
+    io = StaticIO(kbufs, vbufs, write_rows, read_rows, cols, mask.shape[-1])
+    for i, w in enumerate(blocks):
+        x = block_inference(x, w, heads, kv_heads, cos, sin, mask, False, io, i, B, T, real)
+    if real is not None:  # padding's hidden state is zero, and so its logits (rms_norm(0) = 0)
+        x = x.new_zeros(B * T, x.shape[-1]).index_copy(0, real, x)
+    x = x.view(B, T, -1).index_select(1, last)
+    return F.linear(rms_norm(x, norm, eps), lm_head)
+
+
+def _mark(args: tuple, io: StaticIO) -> None:
+    """Mark the batch, width and key dimensions dynamic where they are >= 2 (torch specialises 0 and 1
+    anyway). On every call, not only the first: should a guard ever fail, the graph compiled again
+    must be the dynamic one too."""
+    input_ids, position_ids, attn_mask, last, real = args[0], args[1], args[2], args[-2], args[-1]
+    marks = [(last, (0,)), (real, (0,)), (input_ids, (0, 1)), (position_ids, (0, 1)), (io.cols, (0, 1)),
+             (attn_mask, tuple(range(attn_mask.dim()))), (io.write_rows, (0,)), (io.read_rows, (0,))]
+    marks += [(t, (0, 2)) for t in io.k + io.v]  # rows and capacity
+    for t, dims in marks:
+        if t is not None:
+            for d in dims:
+                if t.shape[d] >= 2:
+                    torch._dynamo.mark_dynamic(t, d)
+
+
+def _own(t: Tensor) -> Tensor:
+    """t, or a copy laid out row-major from offset 0. A decoder may pass views into a larger buffer,
+    and their offsets and strides are sizes to dynamo too (offset 0 or 1, a row stride other than
+    the width, even where is_contiguous() holds because a size is 1) that would make graphs of
+    their own."""
+    want, n = [], 1
+    for size in reversed(t.shape):
+        want.append(n)
+        n *= size
+    if t.storage_offset() == 0 and t.stride() == tuple(reversed(want)):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+class CompiledForward:
+    """Transformer.forward for inference through compiled graphs where one fits (see the module doc)."""
+
+    def __init__(self, model, max_tokens: int = 512) -> None:
+        self.model = model
+        self.max_tokens = max_tokens
+        self.stats = CompileStats()
+        self._seen: set[tuple] = set()
+        # Static by default (weights, head counts), with the batch, width, key and capacity sizes marked
+        # dynamic on every call (see _mark), so that one graph per shape class serves every size.
+        # size_asserts off: the wrapper would check ~50 input sizes and strides on every call, which
+        # dynamo's guards have just checked.
+        heads, kv_heads = model.config.num_heads, model.config.num_kv_heads
+
+        def graph(*args):
+            return _graph(*args, heads=heads, kv_heads=kv_heads)
+
+        # a graph per shape class: more than dynamo's default limit of 8 where several decoders share a model
+        self._fn = torch.compile(graph, fullgraph=True, dynamic=False, options={"size_asserts": False},
+                                 recompile_limit=64)
+
+    def __call__(self, input_ids: Tensor, position_ids: Tensor, attn_mask: Tensor | None, cache,
+                  num_logits: int | None, real: Tensor | None = None) -> Tensor | None:
+        """Logits as Transformer.forward returns them, or None: run eager instead."""
+        m = self.model
+        B, T = input_ids.shape
+        blocks = m._inference_weights() if B * T <= self.max_tokens else None
+        if blocks is None or cache is None or not hasattr(cache, "static_io") \
+                or type(m.lm_head) is not torch.nn.Linear or m.lm_head._forward_hooks or m.lm_head._forward_pre_hooks \
+                or m.embed_tokens._forward_hooks or m.embed_tokens._forward_pre_hooks:
+            self.stats.eager_calls += 1
+            return None
+        appends = isinstance(cache, KVCache)  # else the decoder placed every token (write_index, used)
+        io = cache.static_io(B, T)
+        if io is None:
+            self.stats.eager_calls += 1
+            return None
+        keys = io.keys
+        if attn_mask is None:  # causal in feed order, every cached entry visible
+            attn_mask = torch.ones(T, keys, dtype=torch.bool, device=input_ids.device).tril(keys - T)
+        if attn_mask.dtype == torch.bool:
+            attn_mask = additive_mask(attn_mask, m.embed_tokens.weight.dtype)
+        need = min(num_logits, T) if num_logits else T
+        last = torch.arange(T - need, T, device=input_ids.device)
+        input_ids, position_ids, attn_mask, io.cols = (_own(t) for t in (input_ids, position_ids, attn_mask, io.cols))
+        real = None if real is None else _own(real)
+        args = (input_ids, position_ids, attn_mask, io.write_rows, io.read_rows, io.cols, io.k, io.v,
+                m.embed_tokens.weight, m.rope, blocks, m.norm.weight, m.norm.eps, m.lm_head.weight, last, real)
+        # the shape class a graph serves: which sizes are 1, the mask's rank, what is left out
+        key = (B >= 2, T >= 2, need >= 2, io.k[0].shape[0] >= 2, io.read_rows is None,
+               None if real is None else real.shape[0] >= 2, attn_mask.dim(),
+               tuple(s >= 2 for s in attn_mask.shape), input_ids.dtype, io.k[0].dtype)
+        _mark(args, io)
+        if key in self._seen:  # the common case: no config change, just the graph
+            graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            logits = self._fn(*args)
+            if torch._dynamo.utils.counters["stats"]["unique_graphs"] != graphs:
+                self.stats.recompiles += 1
+        else:
+            logits = self._compile(key, args, B, T, io)
+        if appends:
+            cache.advance(T)
+        self.stats.compiled_calls += 1
+        return logits
+
+    def _compile(self, key: tuple, args: tuple, B: int, T: int, io: StaticIO) -> Tensor:
+        """The first call of a shape class, timed."""
+        start = time.perf_counter()
+        logits = self._fn(*args)
+        seconds = time.perf_counter() - start
+        self._seen.add(key)
+        self.stats.graphs += 1
+        self.stats.compile_seconds += seconds
+        self.stats.shapes.append(dict(batch=">=2" if B >= 2 else "1", width=">=2" if T >= 2 else "1",
+                                      seconds=round(seconds, 2)))
+        return logits

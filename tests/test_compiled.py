@@ -1,0 +1,128 @@
+"""The compiled forward (refusion.compiled): close to eager for every cache, no recompiles as widths vary,
+eager wherever it does not apply. Compiling takes seconds per graph, so the cases share a few graphs."""
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+
+from refusion.checkpoint import load_model
+from refusion.config import ModelConfig
+from refusion.decoding import decode
+from refusion.model import Transformer
+
+FIXTURE = Path(__file__).parent / "fixtures" / "refusion-words"
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@functools.lru_cache(maxsize=None)
+def fixture():
+    return load_model(FIXTURE)
+
+
+def tiny() -> Transformer:
+    cfg = ModelConfig(vocab_size=40, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
+                      mask_token_id=39, eos_token_id=1)
+    return Transformer(cfg).init_weights(seed=0, std=0.3).eval()
+
+
+@torch.inference_mode()
+def test_appending_cache_steps_match_eager():
+    m = tiny()
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 39, (2, 9), generator=g)
+    eager, comp = m.new_cache(), m.new_cache()
+    m(prompt, torch.arange(9).expand(2, 9), cache=eager)
+    m(prompt, torch.arange(9).expand(2, 9), cache=comp)
+    cf = m.enable_compile()
+    for t, width in enumerate([1, 1, 3, 1, 2]):  # width 1 and width >= 2: two graphs
+        ids = torch.randint(0, 39, (2, width), generator=g)
+        pos = torch.arange(width).expand(2, width) + 9 + t * 3
+        m.compiled = cf
+        got = m(ids, pos, cache=comp, num_logits=1)
+        m.compiled = None
+        want = m(ids, pos, cache=eager, num_logits=1)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+        assert len(comp) == len(eager)
+    n = len(eager)
+    torch.testing.assert_close(comp.k[1][:, :, :n], eager.k[1][:, :, :n], atol=1e-4, rtol=0)
+    assert cf.stats.compiled_calls == 5 and cf.stats.recompiles == 0 and cf.stats.graphs == 2
+
+
+@torch.inference_mode()
+def test_nothing_compiles_after_warm_up_as_widths_and_caches_grow():
+    """Counted by dynamo itself. A warm-up decode per decoder at batch 1 and at batch 3 compiles the
+    shape classes (which sizes are 1, what is left out); then decodes of other prompt lengths, whose
+    feed widths change every step and whose caches are larger (AR's KVCache grows past its capacity
+    in the middle of the decode), build no graph."""
+    from torch._dynamo.utils import counters
+
+    m = tiny()
+    g = torch.Generator().manual_seed(1)
+
+    def prompts(*lengths):
+        return [torch.randint(2, 39, (n,), generator=g).tolist() for n in lengths]
+
+    runs = [("speculative", dict(gen_length=24)), ("refusion", dict(gen_length=24, slot_size=4)),
+            ("ar", dict(max_new_tokens=24))]
+    stats = m.enable_compile().stats
+    try:
+        for decoder, params in runs:
+            for batch in (prompts(5), prompts(5, 9, 12)):
+                decode(m, batch, decoder, eos_ids=[], **params)
+        graphs, calls = counters["stats"]["unique_graphs"], stats.compiled_calls
+        for decoder, params in runs:  # 250 + 24 tokens: past the first capacity (cache.CAPACITY_STEP)
+            for batch in (prompts(250), prompts(200, 7, 30)):
+                decode(m, batch, decoder, eos_ids=[], **params)
+    finally:
+        m.compiled = None
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert stats.recompiles == 0 and stats.compiled_calls - calls > 100
+
+
+@pytest.mark.parametrize("decoder,params", [
+    ("speculative", dict(gen_length=48)),  # RaggedKVCache, widths changing every step
+    ("refusion", dict(gen_length=48, slot_size=8)),  # SlotKVCache, plan / verify / infill widths
+    ("ar", dict(max_new_tokens=24)),  # KVCache, batch with finished rows
+])
+def test_decoders_through_the_compiled_forward(decoder, params):
+    """On a trained model (no near-ties in these prompts) the outputs equal eager's, and after the
+    first graph of each shape class nothing compiles again however the widths change."""
+    from refusion.tasks import get_task
+    from refusion.tokenizer import Tokenizer
+
+    m = fixture()
+    tok = Tokenizer.from_dir(FIXTURE)
+    prompts = [tok.chat_prompt_ids(ex.prompt) for name in ("sort", "add") for ex in get_task(name).load("test", n=2, seed=3)]
+    m.compiled = None
+    want = decode(m, prompts, decoder, **params)
+    stats = m.enable_compile().stats
+    try:
+        got = decode(m, prompts, decoder, **params)
+        graphs = stats.graphs
+        again = decode(m, prompts[::-1], decoder, **params)
+    finally:
+        m.compiled = None
+    assert [r.tokens for r in got] == [r.tokens for r in want]
+    assert [r.tokens for r in again] == [r.tokens for r in want[::-1]]
+    assert stats.compiled_calls > 0 and stats.recompiles == 0
+    assert stats.graphs == graphs  # the second run compiled nothing
+
+
+@torch.inference_mode(False)
+def test_eager_where_compiling_does_not_apply():
+    m = tiny()
+    stats = m.enable_compile(max_tokens=8).stats
+    ids, pos = torch.tensor([[3, 4, 5]]), torch.arange(3)[None]
+    m(ids, pos)  # gradients on (and no cache): eager
+    with torch.inference_mode():
+        m(ids, pos)  # no cache
+        c = m.new_cache()
+        m(ids, pos, cache=c)  # nothing cached yet: the prefill runs eager
+        c.expand(2)  # rows shared by expand(): eager
+        m(torch.tensor([[6], [7]]), torch.tensor([[3], [3]]), cache=c)
+        wide = m.new_cache()
+        m(torch.arange(12)[None], torch.arange(12)[None], cache=wide)  # 12 tokens > max_tokens
+    assert stats.compiled_calls == 0 and stats.eager_calls == 4 and stats.graphs == 0
