@@ -67,9 +67,9 @@ def record(model, prompts: list[list[int]], L: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(BUNDLED))
-    ap.add_argument("--tasks", default="arith,code,choice,table")
+    ap.add_argument("--tasks", default="sort,add,repeat,code")  # the bundled model's families
     ap.add_argument("--n", type=int, default=4, help="prompts per task")
-    ap.add_argument("--gen-length", type=int, default=128)
+    ap.add_argument("--gen-length", type=int, default=96)
     ap.add_argument("--compile", action="store_true", help="decode through the compiled forward")
     g = ap.add_mutually_exclusive_group(required=True)
     g.add_argument("--write", help="record the outputs to this JSON file")

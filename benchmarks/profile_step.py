@@ -116,9 +116,9 @@ def run(model, prompts, decoder, params, bs) -> tuple[float, int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(BUNDLED))
-    ap.add_argument("--tasks", default="arith,code,choice,table")
+    ap.add_argument("--tasks", default="sort,add,repeat,code")  # the bundled model's families
     ap.add_argument("--n", type=int, default=2, help="prompts per task")
-    ap.add_argument("--gen-length", type=int, default=128)
+    ap.add_argument("--gen-length", type=int, default=96)
     ap.add_argument("--batch-sizes", default="1,8")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--only", help="comma-separated decoder names (default: all)")

@@ -103,10 +103,10 @@ def timed(fn, repeats: int) -> tuple[float, object]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(BUNDLED))
-    ap.add_argument("--tasks", default="arith,code,choice,table")
+    ap.add_argument("--tasks", default="sort,add,repeat,code")  # the bundled model's families
     ap.add_argument("--n", type=int, default=3, help="prompts per task")
     ap.add_argument("--repeats", type=int, default=3, help="runs per prompt and side (median)")
-    ap.add_argument("--gen-length", type=int, default=128)
+    ap.add_argument("--gen-length", type=int, default=96)
     ap.add_argument("--slot-size", type=int, default=8)
     ap.add_argument("--serial-blocks", type=int, default=1)
     ap.add_argument("--slot-threshold", type=float, default=0.9)

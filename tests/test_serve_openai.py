@@ -149,7 +149,7 @@ def test_stop_sequences(client):
 
 
 def test_seeds_reproduce(client):
-    prompt = [{"role": "user", "content": task_prompts(1)[0]}]
+    prompt = [{"role": "user", "content": "Continue this Python code:\nimport os"}]  # many likely continuations
     for decoder in ("speculative", "refusion", "ar"):
         kw = dict(model=NAME, messages=prompt, max_tokens=48, temperature=1.0, extra_body={"decoder": decoder})
         a = client.chat.completions.create(seed=7, **kw).model_extra["refusion"]["token_ids"]
@@ -250,18 +250,18 @@ def wait_idle(live, timeout=10.0) -> float:
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_client_that_disconnects_frees_its_sequence(live, stream):
-    # this raw prompt makes the bundled model ramble to the length limit
-    body = {"model": NAME, "prompt": "1 2 3 4 5 6 7 8 9 10", "max_tokens": 500, "stream": stream, "decoder": "speculative"}
+    # this raw prompt makes the bundled model ramble to the length limit, one token per step (greedy AR)
+    body = {"model": NAME, "prompt": "red red red red red red", "max_tokens": 400, "stream": stream, "decoder": "ar"}
     steps0 = live.server.engine.steps
     if stream:
         with httpx.stream("POST", live.url + "/v1/completions", json=body, timeout=60) as r:
             next(r.iter_lines())  # one chunk, then hang up
     else:
         with pytest.raises(httpx.ReadTimeout):
-            httpx.post(live.url + "/v1/completions", json=body, timeout=0.3)
+            httpx.post(live.url + "/v1/completions", json=body, timeout=0.1)
     wait_idle(live)
-    # freed long before the 500 tokens it asked for
-    assert live.server.engine.steps - steps0 < 400
+    # freed long before the 400 tokens (steps) it asked for
+    assert live.server.engine.steps - steps0 < 300
 
 
 class Poisoned:

@@ -41,7 +41,7 @@ class Parser(argparse.ArgumentParser):
 
 def default_model_dir() -> Path:
     """The model `refusion generate` runs when none is named: the small ReFusion model shipped in
-    the package (configs/refusion-tiny.toml is its recipe) or, where it is absent, SmolLM2-135M-
+    the package (scripts/study.sh makes it; recipe.toml beside it) or, where it is absent, SmolLM2-135M-
     Instruct imported from its GGUF package on first use (autoregressive decoding only)."""
     if (BUNDLED / "config.json").exists():
         return BUNDLED

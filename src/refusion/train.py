@@ -1,6 +1,6 @@
 """The training loop: one process or many (torchrun), three objectives, exact resume.
 
-    refusion train --config configs/refusion-tiny.toml --set lr=3e-4 --set max_steps=2000
+    refusion train --config configs/synthetic-scratch.toml --set lr=3e-4 --set max_steps=2000
     torchrun --nproc-per-node 2 -m refusion.cli train --config ...
 
 Every step takes one global batch (the same examples whatever the number of processes), builds the
