@@ -129,7 +129,7 @@ def main() -> None:
         return reference_refusion(hf, q, *ref_args)
 
     def ref_ours(q):
-        compiled, ours.compiled = ours.compiled, None  # the port on the eager model
+        compiled, ours.compiled = getattr(ours, "compiled", None), None  # the port on the eager model (none before the compiled path existed)
         try:
             return reference_refusion(ours, q, *ref_args)
         finally:
