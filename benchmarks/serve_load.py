@@ -5,7 +5,7 @@
 
 1. Starts `refusion serve` in a subprocess on 127.0.0.1 (a free port).
 2. Load: 1, 4, 16 and 64 concurrent clients, each sending streaming chat requests one after the
-   other (prompts: the synthetic tasks' test split). Per level: aggregate tokens/s (completion
+   other (prompts: the test splits of the model's task families). Per level: aggregate tokens/s (completion
    tokens of all requests / wall time of the level), time to first token (request sent -> first
    chunk carrying a committed token) and latency (-> `data: [DONE]`), p50 and p99; every answer is
    checked against decode() run in this process on the same prompt alone.
@@ -37,6 +37,7 @@ import statistics
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import httpx
@@ -44,7 +45,8 @@ import httpx
 from refusion.checkpoint import load_model
 from refusion.cli import BUNDLED
 from refusion.decoding import decode
-from refusion.tasks.synthetic import TASKS
+from refusion.data import SYNTHETIC_TASKS, trained_tasks
+from refusion.tasks import get_task
 from refusion.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -387,6 +389,8 @@ def main() -> None:
     ap.add_argument("--slow-pause", type=float, default=0.0005, help="seconds between the slow reader's bytes")
     ap.add_argument("--server-threads", type=int, default=1, help="torch threads of the server")
     ap.add_argument("--body-timeout", type=float, default=2.0, help="the server's --body-timeout (stalled bodies)")
+    ap.add_argument("--tasks", help="prompt families (default: those the model's recipe.toml trains on, "
+                                    "else the synthetic ones)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/serve_load.json"))
     ap.add_argument("--screenshot", default=str(ROOT / "results/serve_page.png"))
     args = ap.parse_args()
@@ -394,7 +398,11 @@ def main() -> None:
     model_dir = Path(args.model) if args.model else BUNDLED
     name = model_dir.name
     model, tok = load_model(model_dir), Tokenizer.from_dir(model_dir)
-    texts = [ex.prompt for t in ("arith", "code", "choice", "table") for ex in TASKS[t].load("test", n=16, seed=2)]
+    recipe = model_dir / "recipe.toml"
+    names = (args.tasks.split(",") if args.tasks
+             else trained_tasks(tomllib.loads(recipe.read_text())["data"]) if recipe.is_file() else None)
+    names = names or SYNTHETIC_TASKS
+    texts = [ex.prompt for t in names for ex in get_task(t).load("test", n=16, seed=2)]
     # the correct answers: decode() in this process, the server's default decoder and settings
     ids = [tok.chat_prompt_ids(t) for t in texts]
     eos = sorted(set(model.config.eos_ids) | {tok.eos_id})

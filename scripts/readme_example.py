@@ -29,22 +29,20 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from refusion.checkpoint import load_model  # noqa: E402
 from refusion.cli import BUNDLED  # noqa: E402
-from refusion.data import task_names, training_records  # noqa: E402
+from refusion.data import trained_tasks, training_records  # noqa: E402
 from refusion.decoding import default_decoder  # noqa: E402
 from refusion.evaluate import EvalConfig, evaluate  # noqa: E402
 from refusion.runtime import count_parameters, set_threads  # noqa: E402
 from refusion.tasks import get_task  # noqa: E402
 
-SYNTHETIC = ("arith", "code", "choice", "table")  # data = "synthetic"
 GEN_LENGTH = 128  # `refusion generate`'s default
 
 
 def recipe_tasks(recipe: dict) -> tuple[str, ...]:
-    data = recipe.get("data", "synthetic")
-    names = SYNTHETIC if data == "synthetic" else task_names(data)
+    names = trained_tasks(recipe.get("data", "synthetic"))
     if names is None:
-        raise SystemExit(f"the recipe trains on the file {data}, not on tasks with test splits")
-    return tuple(names)
+        raise SystemExit(f"the recipe trains on the file {recipe['data']}, not on tasks with test splits")
+    return names
 
 
 def training_prompts(recipe: dict) -> set[str]:

@@ -8,11 +8,9 @@ import tomllib
 
 from refusion.checkpoint import load_model
 from refusion.cli import BUNDLED
-from refusion.data import task_names
+from refusion.data import trained_tasks
 from refusion.tasks import Example, get_task
 from refusion.tokenizer import Tokenizer
-
-SYNTHETIC = ("arith", "code", "choice", "table")  # data = "synthetic"
 
 
 @functools.lru_cache(maxsize=None)
@@ -23,8 +21,7 @@ def bundled():
 
 @functools.lru_cache(maxsize=None)
 def bundled_tasks() -> tuple[str, ...]:
-    data = tomllib.loads((BUNDLED / "recipe.toml").read_text())["data"]
-    return SYNTHETIC if data == "synthetic" else tuple(task_names(data))
+    return trained_tasks(tomllib.loads((BUNDLED / "recipe.toml").read_text())["data"])
 
 
 def task_examples(per_task: int = 2, seed: int = 1) -> list[Example]:
