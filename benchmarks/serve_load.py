@@ -45,7 +45,7 @@ import httpx
 from refusion.checkpoint import load_model
 from refusion.cli import BUNDLED
 from refusion.decoding import decode
-from refusion.data import SYNTHETIC_TASKS, trained_tasks
+from refusion.data import trained_tasks
 from refusion.tasks import get_task
 from refusion.tokenizer import Tokenizer
 
@@ -401,7 +401,7 @@ def main() -> None:
     recipe = model_dir / "recipe.toml"
     names = (args.tasks.split(",") if args.tasks
              else trained_tasks(tomllib.loads(recipe.read_text())["data"]) if recipe.is_file() else None)
-    names = names or SYNTHETIC_TASKS
+    names = names or trained_tasks("synthetic")
     texts = [ex.prompt for t in names for ex in get_task(t).load("test", n=16, seed=2)]
     # the correct answers: decode() in this process, the server's default decoder and settings
     ids = [tok.chat_prompt_ids(t) for t in texts]

@@ -68,7 +68,8 @@ def _parse_ids(text: str) -> list[int]:
     return ids
 
 
-def _positive(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (shared with `refusion serve`'s flags)."""
     try:
         v = int(text)
     except ValueError:
@@ -377,7 +378,7 @@ def add_decoder_flags(g: argparse.ArgumentParser) -> None:
 def _add_runtime_flags(p: argparse.ArgumentParser, threads_default: str) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights' dtype")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto")
-    p.add_argument("--threads", type=_positive, help=f"CPU threads (default: {threads_default})")
+    p.add_argument("--threads", type=positive_int, help=f"CPU threads (default: {threads_default})")
     p.add_argument("--compile", action="store_true", help="run the model through torch.compile'd graphs: faster "
                    "forwards after seconds of compiling, outputs not bit-identical to the default")
 
@@ -442,9 +443,9 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="evaluate a model on tasks with a decoder (accuracy and speed)")
     e.add_argument("--model", help="model directory (default: the bundled refusion-tiny)")
     e.add_argument("--task", required=True, help="task name(s), comma-separated: " + ", ".join(all_tasks()))
-    e.add_argument("--n", type=_positive, help="number of samples, drawn with --seed (default: the whole split)")
+    e.add_argument("--n", type=positive_int, help="number of samples, drawn with --seed (default: the whole split)")
     e.add_argument("--split", default="test", help="train or test (benchmarks have only test)")
-    e.add_argument("--batch-size", type=_positive, default=1, help="prompts decoded together")
+    e.add_argument("--batch-size", type=positive_int, default=1, help="prompts decoded together")
     e.add_argument("--system", help="system message for the chat template")
     e.add_argument("--label", help="model name in the results (default: the run directory's name)")
     e.add_argument("--tag", help="suffix for the decoder name, to tell parameter settings apart")
@@ -484,7 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="never continue a run: stop with an error if out_dir already has checkpoints "
                         "(nothing is deleted; choose a new --out to start over)")
     t.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
-    t.add_argument("--threads", type=_positive, help="CPU threads (default: torch's default)")
+    t.add_argument("--threads", type=positive_int, help="CPU threads (default: torch's default)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.set_defaults(func=cmd_train)
 

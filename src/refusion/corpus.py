@@ -7,7 +7,7 @@ first lines of a passage, the response is the rest of the passage, so a causal L
 real code (the loss is on the response, as in every objective here).
 
 The passages are a pure function of (n, seed) on a given Python version; another version's library
-gives other passages (the version is in the records' count message, not in the records).
+gives other passages (this project's configs and CI use Python 3.11).
 """
 
 from __future__ import annotations

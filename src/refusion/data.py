@@ -199,13 +199,14 @@ def task_names(data: str) -> list[str] | None:
     return names
 
 
-SYNTHETIC_TASKS = ("arith", "code", "choice", "table")  # what data = "synthetic" trains on
-
-
 def trained_tasks(data: str) -> tuple[str, ...] | None:
     """The task families a training source draws from ("synthetic" or "tasks:a,b"); None for a file.
     Their test splits are what a model trained on it should be evaluated, tested and demonstrated on."""
-    return SYNTHETIC_TASKS if data == "synthetic" else (tuple(task_names(data)) if data.startswith("tasks:") else None)
+    if data == "synthetic":
+        from .tasks.synthetic import MIXTURE
+
+        return MIXTURE
+    return tuple(task_names(data)) if data.startswith("tasks:") else None
 
 
 def task_records(names: list[str], n: int, seed: int = 0, split: str = "train") -> list[dict]:

@@ -7,6 +7,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..cli import positive_int
+
 DESCRIPTION = """\
 Serve a model over HTTP with OpenAI's API (continuous batching; streaming with SSE).
 
@@ -18,16 +20,6 @@ stream_options) plus the decoder and its parameters as extra body fields, e.g.
 {"decoder": "refusion", "slot_size": 8, "serial_blocks": 2}. The default decoder is the one
 the model's training objective fits (speculative for a ReFusion model: AR's output at several
 tokens per forward). See the README's "Serving" section for every field."""
-
-
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
 
 
 def _seconds(text: str) -> float:
@@ -59,23 +51,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--served-model-name", help="the model id clients send and /v1/models lists "
                                                "(default: the directory's name)")
     lim = s.add_argument_group("limits (each refusal is a 4xx in OpenAI's error JSON)")
-    lim.add_argument("--max-tokens-cap", type=_positive, default=1024,
+    lim.add_argument("--max-tokens-cap", type=positive_int, default=1024,
                      help="largest max_tokens a request may ask for (also bounded by the model's context)")
-    lim.add_argument("--default-max-tokens", type=_positive, default=128, help="max_tokens when a request gives none")
-    lim.add_argument("--max-body-bytes", type=_positive, default=1 << 20, help="largest request body; more is a 413")
+    lim.add_argument("--default-max-tokens", type=positive_int, default=128, help="max_tokens when a request gives none")
+    lim.add_argument("--max-body-bytes", type=positive_int, default=1 << 20, help="largest request body; more is a 413")
     lim.add_argument("--body-timeout", type=_seconds, default=10.0,
                      help="seconds to receive a whole request body; slower is a 408")
-    lim.add_argument("--max-queue", type=_positive, default=256,
+    lim.add_argument("--max-queue", type=positive_int, default=256,
                      help="requests waiting for the engine; one more is a 429 with Retry-After")
     eng = s.add_argument_group("engine")
-    eng.add_argument("--max-running", type=_positive, default=64,
+    eng.add_argument("--max-running", type=positive_int, default=64,
                      help="sequences decoded together in the continuous batch (speculative, greedy ar)")
-    eng.add_argument("--static-batch", type=_positive, default=16,
+    eng.add_argument("--static-batch", type=positive_int, default=16,
                      help="requests for the other decoders (refusion, sampled ar, mdm, ...) run together in one "
                           "decode() call when their parameters match")
     eng.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights' dtype")
     eng.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto")
-    eng.add_argument("--threads", type=_positive,
+    eng.add_argument("--threads", type=positive_int,
                      help="torch CPU threads (default: 1 for a model under 50M parameters, else torch's default)")
     eng.add_argument("--compile", action="store_true",
                      help="run the model through torch.compile'd graphs: faster forwards once each shape class is "

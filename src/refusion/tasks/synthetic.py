@@ -282,8 +282,10 @@ TASKS: dict[str, Task] = {
 }
 
 
-def mixture(split: str, n: int, seed: int = 0, tasks: tuple[str, ...] = ("arith", "code", "choice", "table")
-            ) -> list[dict]:
+MIXTURE = ("arith", "code", "choice", "table")  # what data = "synthetic" trains on
+
+
+def mixture(split: str, n: int, seed: int = 0, tasks: tuple[str, ...] = MIXTURE) -> list[dict]:
     """Training records {"query", "response", "task"}: equal shares of each task, interleaved."""
     per = -(-n // len(tasks))
     loaded = [load(t, split, per, seed) for t in tasks]
