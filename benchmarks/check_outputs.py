@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
-from refusion.checkpoint import load_model
-from refusion.cli import BUNDLED
+from refusion.model.checkpoint import load_model
+from refusion.bundled import BUNDLED
 from refusion.decoding import decode
 from refusion.tasks import get_task
-from refusion.tokenizer import Tokenizer
+from refusion.model.tokenizer import Tokenizer
 
 
 def settings(L: int) -> list[tuple[str, str, dict]]:

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-from refusion.checkpoint import load_model
+from refusion.model.checkpoint import load_model
 from refusion.decoding import decode
 from refusion.tasks import get_task
-from refusion.tokenizer import Tokenizer
+from refusion.model.tokenizer import Tokenizer
 
 
 def settings(gen_length: int) -> list[tuple[str, str, dict]]:

@@ -36,11 +36,11 @@ from types import SimpleNamespace
 import torch
 import transformers
 
-from refusion.checkpoint import load_model
-from refusion.cli import BUNDLED
+from refusion.model.checkpoint import load_model
+from refusion.bundled import BUNDLED
 from refusion.decoding import decode
 from refusion.tasks import get_task
-from refusion.tokenizer import Tokenizer
+from refusion.model.tokenizer import Tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from reference_refusion import reference_refusion  # noqa: E402

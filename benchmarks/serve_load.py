@@ -42,12 +42,12 @@ from pathlib import Path
 
 import httpx
 
-from refusion.checkpoint import load_model
-from refusion.cli import BUNDLED
+from refusion.model.checkpoint import load_model
+from refusion.bundled import BUNDLED
 from refusion.decoding import decode
-from refusion.data import trained_tasks
+from refusion.training.data import trained_tasks
 from refusion.tasks import get_task
-from refusion.tokenizer import Tokenizer
+from refusion.model.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -48,7 +48,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from refusion.runtime import count_parameters
-    from refusion.train import TrainConfig, Trainer
+    from refusion.training.trainer import TrainConfig, Trainer
 
     base = _rss_kib()
     model = {"hidden_size": args.hidden, "intermediate_size": args.intermediate, "num_layers": args.layers,

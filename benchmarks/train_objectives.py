@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from refusion.train import TrainConfig, Trainer
+from refusion.training.trainer import TrainConfig, Trainer
 
 STUDY_MODEL = {"hidden_size": 256, "intermediate_size": 768, "num_layers": 4, "num_heads": 8, "num_kv_heads": 4}
 

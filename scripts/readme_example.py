@@ -27,11 +27,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from refusion.checkpoint import load_model  # noqa: E402
-from refusion.cli import BUNDLED  # noqa: E402
-from refusion.data import trained_tasks, training_records  # noqa: E402
+from refusion.model.checkpoint import load_model  # noqa: E402
+from refusion.bundled import BUNDLED  # noqa: E402
+from refusion.training.data import trained_tasks, training_records  # noqa: E402
 from refusion.decoding import default_decoder  # noqa: E402
-from refusion.evaluate import EvalConfig, evaluate  # noqa: E402
+from refusion.evaluation.evaluate import EvalConfig, evaluate  # noqa: E402
 from refusion.runtime import count_parameters, set_threads  # noqa: E402
 from refusion.tasks import get_task  # noqa: E402
 
@@ -83,7 +83,7 @@ def main() -> None:
 
     model = load_model(BUNDLED)
     set_threads(None, count_parameters(model))
-    from refusion.tokenizer import Tokenizer
+    from refusion.model.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(BUNDLED)
     decoder = default_decoder(model.config)

@@ -10,7 +10,7 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --disable-pip-version-check "torch==${TORCH_VERSION:-2.13.0}" 2>&1 | grep -v "^WARNING: Location" || true
 .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test,serve]" 2>&1 | grep -v "^WARNING: Location" || true
 # `lm_eval --model refusion`: lm-eval finds no plugins by itself; a one-line .pth registers ours
-.venv/bin/python -m refusion.lm_eval_adapter --install-hook >/dev/null
+.venv/bin/python -m refusion.evaluation.lm_eval --install-hook >/dev/null
 # The browser tests drive Debian's Chromium (never a downloaded one): installed when missing and
 # this runs as root; elsewhere those tests are skipped and say why.
 if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then

@@ -6,11 +6,11 @@ from __future__ import annotations
 import functools
 import tomllib
 
-from refusion.checkpoint import load_model
-from refusion.cli import BUNDLED
-from refusion.data import trained_tasks
+from refusion.model.checkpoint import load_model
+from refusion.bundled import BUNDLED
+from refusion.training.data import trained_tasks
 from refusion.tasks import Example, get_task
-from refusion.tokenizer import Tokenizer
+from refusion.model.tokenizer import Tokenizer
 
 
 @functools.lru_cache(maxsize=None)

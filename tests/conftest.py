@@ -5,7 +5,7 @@ import pytest
 import torch
 import transformers
 
-from refusion.fetch import qwen3_tokenizer_files
+from refusion.model.fetch import qwen3_tokenizer_files
 
 QWEN3_VOCAB = 151936  # the published checkpoint's padded embedding size
 BEGIN_ID, MASK_ID, IM_END, ENDOFTEXT = 151669, 151670, 151645, 151643

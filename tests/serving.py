@@ -9,8 +9,8 @@ import threading
 import time
 
 from bundled import bundled, task_examples
-from refusion.checkpoint import load_config
-from refusion.cli import BUNDLED
+from refusion.model.checkpoint import load_config
+from refusion.bundled import BUNDLED
 from refusion.decoding import decode
 
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from refusion.checkpoint import load_model
+from refusion.model.checkpoint import load_model
 from refusion.decoding import decode
 from refusion.tasks import get_task
-from refusion.tokenizer import Tokenizer
+from refusion.model.tokenizer import Tokenizer
 
 FIXTURE = Path(__file__).parent / "fixtures" / "refusion-words"
 

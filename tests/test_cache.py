@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from refusion.cache import KVCache
-from refusion.config import ModelConfig
-from refusion.model import Transformer
+from refusion.model.cache import KVCache
+from refusion.model.config import ModelConfig
+from refusion.model.transformer import Transformer
 
 
 def kv(rows, t, start=0.0, h=2, d=3):
@@ -107,7 +107,7 @@ def test_merged_infill_cache_equals_packed_forward():
 
 
 def test_ragged_cache_grows_and_moves_rows_keeping_entries():
-    from refusion.cache import RaggedKVCache
+    from refusion.model.cache import RaggedKVCache
 
     c = RaggedKVCache(num_layers=2, kv_heads=2, head_dim=4, dtype=torch.float32, device="cpu", rows=2, capacity=3)
     k = torch.randn(2, 2, 3, 4)

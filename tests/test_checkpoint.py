@@ -7,11 +7,11 @@ import pytest
 import torch
 import transformers
 
-from refusion.checkpoint import CheckpointError, add_mask_token, load_model, save_model
-from refusion.config import ModelConfig
+from refusion.model.checkpoint import CheckpointError, add_mask_token, load_model, save_model
+from refusion.model.config import ModelConfig
 from refusion.decoding import generate_ar
-from refusion.model import Transformer
-from refusion.tokenizer import Tokenizer
+from refusion.model.transformer import Transformer
+from refusion.model.tokenizer import Tokenizer
 
 from conftest import BEGIN_ID, IM_END, MASK_ID, QWEN3_VOCAB, write_qwen3_tokenizer
 

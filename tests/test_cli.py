@@ -6,11 +6,11 @@ import sys
 
 import pytest
 
-from refusion.checkpoint import save_model
+from refusion.model.checkpoint import save_model
 from refusion.cli import main
-from refusion.config import ModelConfig
+from refusion.model.config import ModelConfig
 from refusion.decoding import decode
-from refusion.model import Transformer
+from refusion.model.transformer import Transformer
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ def test_generate_json_equals_the_python_api(model_dir, capsys, decoder, flags, 
                "--decoder", decoder, "--json", *flags])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
-    from refusion.checkpoint import load_model
+    from refusion.model.checkpoint import load_model
     ref = decode(load_model(model_dir), [[3, 4, 5]], decoder, seed=0, gen_length=16, **params)[0]
     assert out["tokens"] == ref.tokens and out["positions"] == ref.positions and out["steps"] == ref.steps
     assert out["forwards"] == ref.forwards and out["decoder"] == decoder
@@ -79,8 +79,8 @@ def test_the_default_decoder_fits_the_training_objective_and_a_misfit_is_warned(
 
 
 def test_info_without_a_path_is_the_bundled_model_with_its_parameter_count(capsys):
-    from refusion.checkpoint import load_model
-    from refusion.cli import BUNDLED
+    from refusion.model.checkpoint import load_model
+    from refusion.bundled import BUNDLED
 
     assert main(["info"]) == 0
     d = json.loads(capsys.readouterr().out)
@@ -102,7 +102,8 @@ def test_threads_default_to_one_for_a_small_model_and_follow_the_flag(model_dir,
 
 
 def test_every_flag_has_help_with_its_default():
-    from refusion.cli import HelpFormatter, build_parser
+    from refusion.cli.args import HelpFormatter
+    from refusion.cli import build_parser
 
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
@@ -122,9 +123,9 @@ def test_every_flag_has_help_with_its_default():
 
 
 def test_add_mask_token_takes_an_ordinary_word_only_when_forced(tmp_path, capsys):
-    from refusion.checkpoint import load_model
-    from refusion.data import train_bpe_tokenizer
-    from refusion.tokenizer import Tokenizer
+    from refusion.model.checkpoint import load_model
+    from refusion.training.data import train_bpe_tokenizer
+    from refusion.model.tokenizer import Tokenizer
 
     tok = train_bpe_tokenizer(["the cat sat"] * 10, vocab_size=270)
     cfg = ModelConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,

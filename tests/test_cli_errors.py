@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from refusion.checkpoint import save_model
+from refusion.model.checkpoint import save_model
 from refusion.cli import main
-from refusion.config import ModelConfig
-from refusion.data import train_bpe_tokenizer
-from refusion.model import Transformer
+from refusion.model.config import ModelConfig
+from refusion.training.data import train_bpe_tokenizer
+from refusion.model.transformer import Transformer
 
 README = str(Path(__file__).parents[1] / "README.md")
 NO_CUDA = not torch.cuda.is_available()

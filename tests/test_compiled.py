@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from refusion.checkpoint import load_model
-from refusion.config import ModelConfig
+from refusion.model.checkpoint import load_model
+from refusion.model.config import ModelConfig
 from refusion.decoding import decode
-from refusion.model import Transformer
+from refusion.model.transformer import Transformer
 
 FIXTURE = Path(__file__).parent / "fixtures" / "refusion-words"
 
@@ -91,7 +91,7 @@ def test_decoders_through_the_compiled_forward(decoder, params):
     """On a trained model (no near-ties in these prompts) the outputs equal eager's, and after the
     first graph of each shape class nothing compiles again however the widths change."""
     from refusion.tasks import get_task
-    from refusion.tokenizer import Tokenizer
+    from refusion.model.tokenizer import Tokenizer
 
     m = fixture()
     tok = Tokenizer.from_dir(FIXTURE)

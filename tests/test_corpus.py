@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from refusion.config import ConfigError
-from refusion.corpus import corpus_records, stdlib_files, stdlib_records
-from refusion.data import training_records
-from refusion.train import TrainConfig
+from refusion.model.config import ConfigError
+from refusion.training.corpus import corpus_records, stdlib_files, stdlib_records
+from refusion.training.data import training_records
+from refusion.training.trainer import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 

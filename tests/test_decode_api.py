@@ -5,9 +5,9 @@ import math
 
 import pytest
 
-from refusion.config import ModelConfig
+from refusion.model.config import ModelConfig
 from refusion.decoding import DECODERS, decode, default_decoder, make_params
-from refusion.model import Transformer
+from refusion.model.transformer import Transformer
 
 PARAMS = {"refusion": dict(gen_length=16, slot_size=4, slot_threshold=0.1, token_threshold=0.1),
           "refusion-l2r": dict(gen_length=16, slot_size=4),

@@ -4,7 +4,7 @@ import pytest
 import torch
 import transformers
 
-from refusion.checkpoint import load_model
+from refusion.model.checkpoint import load_model
 from refusion.decoding import generate_ar
 from refusion.decoding.common import sample
 

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from refusion.config import ModelConfig
+from refusion.model.config import ModelConfig
 from refusion.decoding import decode
-from refusion.model import Transformer
+from refusion.model.transformer import Transformer
 
 PROMPTS = [[3, 4, 5, 6, 7], [8, 9], [10, 11, 12, 13, 14, 15, 16, 17]]
 

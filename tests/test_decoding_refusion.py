@@ -17,9 +17,9 @@ import random
 import pytest
 import torch
 
-from refusion.config import ModelConfig
+from refusion.model.config import ModelConfig
 from refusion.decoding.refusion import ReFusionParams, generate_refusion
-from refusion.model import Transformer
+from refusion.model.transformer import Transformer
 from reference_refusion import reference_refusion
 
 MASK = 23

@@ -14,12 +14,12 @@ import random
 import pytest
 import torch
 
-from refusion.cache import KVCache
-from refusion.config import ModelConfig
+from refusion.model.cache import KVCache
+from refusion.model.config import ModelConfig
 from refusion.decoding import decode, generate_ar
 from refusion.decoding import speculative as spec
 from refusion.decoding.speculative import SpeculativeBatch, SpeculativeParams, generate_speculative
-from refusion.model import Transformer
+from refusion.model.transformer import Transformer
 
 MASK = 23
 CFG = dict(vocab_size=24, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,

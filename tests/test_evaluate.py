@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from refusion.cli import main
-from refusion.checkpoint import save_model
-from refusion.config import ModelConfig
-from refusion.data import train_bpe_tokenizer
-from refusion.evaluate import EvalConfig, evaluate, model_label, wilson_interval
-from refusion.model import Transformer
-from refusion.report import averages, load_summaries, report
+from refusion.model.checkpoint import save_model
+from refusion.model.config import ModelConfig
+from refusion.training.data import train_bpe_tokenizer
+from refusion.evaluation.evaluate import EvalConfig, evaluate, model_label, wilson_interval
+from refusion.model.transformer import Transformer
+from refusion.evaluation.report import averages, load_summaries, report
 from refusion.tasks import Example, Score, Task
 
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 import transformers
 
-from refusion.checkpoint import load_model, save_model
-from refusion.config import ModelConfig
-from refusion.model import Transformer, apply_rope, rope_inv_freq
+from refusion.model.checkpoint import load_model, save_model
+from refusion.model.config import ModelConfig
+from refusion.model.transformer import Transformer, apply_rope, rope_inv_freq
 
 CFG = dict(vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
            mask_token_id=49, eos_token_id=1)

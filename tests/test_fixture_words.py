@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from refusion.checkpoint import load_model
+from refusion.model.checkpoint import load_model
 from refusion.decoding import decode
 from refusion.tasks.words import TASKS
-from refusion.tokenizer import Tokenizer
+from refusion.model.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

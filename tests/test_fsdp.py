@@ -20,13 +20,13 @@ import pytest
 import torch
 import transformers
 
-from refusion.checkpoint import CheckpointError, load_model, save_model
-from refusion.config import ModelConfig
+from refusion.model.checkpoint import CheckpointError, load_model, save_model
+from refusion.model.config import ModelConfig
 from refusion.decoding import decode, default_decoder
-from refusion.model import Transformer
-from refusion.sharded_checkpoint import export_checkpoint
-from refusion.tokenizer import Tokenizer
-from refusion.train import Trainer
+from refusion.model.transformer import Transformer
+from refusion.training.sharded_checkpoint import export_checkpoint
+from refusion.model.tokenizer import Tokenizer
+from refusion.training.trainer import Trainer
 from test_train import TINY, _tokenizer_without_mask, data_file, losses, tiny_config  # noqa: F401 (data_file: a fixture)
 
 STEPS = 12

@@ -12,8 +12,8 @@ import transformers
 from safetensors.torch import load_file
 from tokenizers import Tokenizer as HFTokenizer
 
-from refusion.convert.gguf import import_gguf, import_smollm2
-from refusion.fetch import smollm2_gguf_file
+from refusion.model.gguf import import_gguf, import_smollm2
+from refusion.model.fetch import smollm2_gguf_file
 
 # ---- fast: synthetic GGUF ---------------------------------------------------------------------------
 
@@ -241,9 +241,9 @@ def test_greedy_answer_mentions_paris(smol):
 
 @pytest.mark.slow
 def test_refusion_itself_answers_paris_and_matches_transformers_logits(smol):
-    from refusion.checkpoint import load_model
+    from refusion.model.checkpoint import load_model
     from refusion.decoding import generate_ar
-    from refusion.tokenizer import Tokenizer
+    from refusion.model.tokenizer import Tokenizer
 
     out = smol[1]
     model, tok = load_model(out), Tokenizer.from_dir(out)

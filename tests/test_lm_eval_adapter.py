@@ -20,7 +20,7 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window  # noqa: E402
 
 from refusion.decoding import decode  # noqa: E402
-from refusion.lm_eval_adapter import HOOK_LINE, ReFusionLM, hook_path  # noqa: E402
+from refusion.evaluation.lm_eval import HOOK_LINE, ReFusionLM, hook_path  # noqa: E402
 from refusion.tasks.synthetic import TASKS  # noqa: E402
 from serving import bundled  # noqa: E402
 
@@ -73,7 +73,7 @@ def write_tasks(d: Path) -> tuple[list[dict], list[dict]]:
 
 def subprocess_env() -> dict:
     # the child imports the same refusion as this test (PYTHONPATH may be relative to the repo)
-    import refusion.checkpoint
+    import refusion.model.checkpoint
 
     src = str(Path(refusion.checkpoint.__file__).resolve().parents[1])
     path = os.pathsep.join([src] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])

@@ -4,9 +4,9 @@ import pytest
 import torch
 import transformers
 
-from refusion.checkpoint import load_model, save_model
-from refusion.config import ModelConfig
-from refusion.model import Transformer
+from refusion.model.checkpoint import load_model, save_model
+from refusion.model.config import ModelConfig
+from refusion.model.transformer import Transformer
 
 TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)

@@ -8,7 +8,7 @@ from dataclasses import fields
 import pytest
 import torch
 
-from refusion.objectives import (Batch, TrainInputs, ar_inputs, ar_loss, build_inputs, compute_loss, make_batch,
+from refusion.training.objectives import (Batch, TrainInputs, ar_inputs, ar_loss, build_inputs, compute_loss, make_batch,
                                  mdm_inputs, mdm_loss, refusion_inputs, refusion_loss)
 
 MASK, PAD, EOS = 99, 0, 2
@@ -430,7 +430,7 @@ def test_validation_errors():
 
 
 def test_pad_responses_with_eos_llada_style():
-    from refusion.objectives import pad_responses
+    from refusion.training.objectives import pad_responses
 
     b = make_batch([[1, 2], [3]], [[5, 6, 9], [7, 9]], pad_id=0)
     p = pad_responses(b, eos_id=9, length=4)

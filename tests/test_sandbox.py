@@ -7,8 +7,8 @@ import uuid
 
 import pytest
 
-from refusion import sandbox
-from refusion.sandbox import isolation, run_many, run_python
+from refusion.tasks import sandbox
+from refusion.tasks.sandbox import isolation, run_many, run_python
 
 # Programs that get around the Python guard (ctypes) are only safe to run where the namespaces hold
 # them: without a pid namespace, ctypes kill(-1, 9) as root would kill every process on the machine.

@@ -4,11 +4,11 @@ import pytest
 
 pytest.importorskip("starlette")
 
-from refusion.cli import BUNDLED  # noqa: E402
+from refusion.bundled import BUNDLED  # noqa: E402
 from refusion.serve.params import choose  # noqa: E402
 from refusion.serve.schemas import RequestError, loads, parse_chat, parse_completion  # noqa: E402
 from refusion.serve.text import TextAssembler  # noqa: E402
-from refusion.tokenizer import Tokenizer  # noqa: E402
+from refusion.model.tokenizer import Tokenizer  # noqa: E402
 from serving import CFG, NO_MASK  # noqa: E402
 
 

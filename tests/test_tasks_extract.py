@@ -6,7 +6,7 @@ from refusion.tasks import Example
 from refusion.tasks.common import extract_code, extract_final_number, extract_letter, subset
 from refusion.tasks.maths import last_boxed, math_equal, normalize_math, score_gsm8k
 from refusion.tasks.code import program_for
-from refusion.sandbox import run_python
+from refusion.tasks.sandbox import run_python
 
 
 def test_gsm8k_numbers():

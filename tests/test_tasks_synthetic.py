@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from refusion.data import synthetic_records
+from refusion.training.data import synthetic_records
 from refusion.tasks import Example, all_tasks
 from refusion.tasks.synthetic import TASKS, extract_code, extract_final_number, extract_letter, load, mixture
 

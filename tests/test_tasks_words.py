@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from refusion.data import DataError, task_names, task_records
+from refusion.training.data import DataError, task_names, task_records
 from refusion.tasks import _MODULES, all_tasks
 from refusion.tasks.words import TASKS, load
-from refusion.train import TrainConfig, Trainer, load_train_config
+from refusion.training.trainer import TrainConfig, Trainer, load_train_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

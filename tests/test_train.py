@@ -15,16 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from refusion.checkpoint import load_model, save_model
-from refusion.config import ModelConfig
-from refusion.data import (DataError, Example, encode_records, filter_by_length, length_batches, load_records,
+from refusion.model.checkpoint import load_model, save_model
+from refusion.model.config import ModelConfig
+from refusion.training.data import (DataError, Example, encode_records, filter_by_length, length_batches, load_records,
                            train_bpe_tokenizer)
-from refusion.model import Transformer
-from refusion.tokenizer import Tokenizer
+from refusion.model.transformer import Transformer
+from refusion.model.tokenizer import Tokenizer
 from refusion.cli import main
 from refusion.decoding import default_decoder
-from refusion.lora import apply_lora, merged_state_dict
-from refusion.train import TrainConfig, Trainer, load_train_config, lr_at, train
+from refusion.model.lora import apply_lora, merged_state_dict
+from refusion.training.trainer import TrainConfig, Trainer, load_train_config, lr_at, train
 
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2}
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import fcntl
 import pytest
 
-from refusion.data import train_bpe_tokenizer
-from refusion.view import DIM, HIGHLIGHT, RESET, SlotView, _strip_ansi
+from refusion.training.data import train_bpe_tokenizer
+from refusion.cli.view import DIM, HIGHLIGHT, RESET, SlotView, _strip_ansi
 
 BUNDLED = Path(__file__).parents[1] / "src" / "refusion" / "assets" / "refusion-tiny"
 

@@ -19,9 +19,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..config import ModelConfig
-    from ..model import Transformer
-    from .common import DecodeResult
+    from refusion.model.config import ModelConfig
+    from refusion.model.transformer import Transformer
+    from refusion.decoding.common import DecodeResult
 
 DECODERS = ("speculative", "refusion", "refusion-l2r", "ar", "mdm", "mdm-threshold")
 
@@ -68,18 +68,18 @@ def make_params(decoder: str, **params) -> Any:
     """`decoder`'s validated parameter dataclass (ReFusionParams, MDMParams, ARParams) from keyword
     arguments: what decode() checks before it touches the model, usable without a model."""
     if decoder in ("refusion", "refusion-l2r"):
-        from .refusion import ReFusionParams
+        from refusion.decoding.refusion import ReFusionParams
 
         _check(decoder, params, _fields(ReFusionParams))
         p = ReFusionParams(**params)
         p.left_to_right = p.left_to_right or decoder == "refusion-l2r"
     elif decoder == "speculative":
-        from .speculative import SpeculativeParams
+        from refusion.decoding.speculative import SpeculativeParams
 
         _check(decoder, params, _fields(SpeculativeParams))
         p = SpeculativeParams(**params)
     elif decoder in ("mdm", "mdm-threshold"):
-        from .mdm import MDMParams
+        from refusion.decoding.mdm import MDMParams
 
         _check(decoder, params, _fields(MDMParams))
         p = MDMParams(**params)
@@ -88,7 +88,7 @@ def make_params(decoder: str, **params) -> Any:
         if decoder == "mdm" and p.threshold is not None:
             raise ValueError("decoder 'mdm' commits a fixed number per step; use 'mdm-threshold' for a threshold")
     elif decoder == "ar":
-        from .ar import ARParams
+        from refusion.decoding.ar import ARParams
 
         _check(decoder, params, _fields(ARParams) | {"max_new_tokens"})
         if "max_new_tokens" in params:  # generate_ar's name for gen_length
@@ -117,24 +117,24 @@ def decode(model: Transformer, prompts: list[list[int]], decoder: str = "specula
     the commits give when sorted by position and cut after the first EOS, so a streaming client
     should do the same.
     """
-    from .common import check_prompts
+    from refusion.decoding.common import check_prompts
 
     p = make_params(decoder, **params)
     check_prompts(model.config, prompts, p.gen_length)  # every decoder, before it allocates anything
     if decoder in ("refusion", "refusion-l2r"):
-        from .refusion import generate_refusion
+        from refusion.decoding.refusion import generate_refusion
 
         return generate_refusion(model, prompts, p, eos_ids=eos_ids, seed=seed, on_commit=on_commit)
     if decoder == "speculative":
-        from .speculative import generate_speculative
+        from refusion.decoding.speculative import generate_speculative
 
         return generate_speculative(model, prompts, p, eos_ids=eos_ids, seed=seed, on_commit=on_commit)
     if decoder in ("mdm", "mdm-threshold"):
-        from .mdm import generate_mdm
+        from refusion.decoding.mdm import generate_mdm
 
         return generate_mdm(model, prompts, p, eos_ids=eos_ids, seed=seed, on_commit=on_commit)
     if decoder == "ar":
-        from .ar import generate_ar
+        from refusion.decoding.ar import generate_ar
 
         on_token = None if on_commit is None else (lambda r, q, t: on_commit(r, [q], [t]))
         return generate_ar(model, prompts, max_new_tokens=p.gen_length, temperature=p.temperature, top_k=p.top_k,

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model import Transformer
-from .common import DecodeResult, check_positive, check_prompts, check_sampling, left_pad, sample
+from refusion.model.transformer import Transformer
+from refusion.decoding.common import DecodeResult, check_positive, check_prompts, check_sampling, left_pad, sample
 
 
 @dataclass

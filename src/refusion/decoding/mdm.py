@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model import Transformer
-from .common import (DecodeResult, check_positive, check_probability, check_prompts, check_sampling, left_pad,
+from refusion.model.transformer import Transformer
+from refusion.decoding.common import (DecodeResult, check_positive, check_probability, check_prompts, check_sampling, left_pad,
                      resolve_params)
 
 

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..cache import SlotKVCache
-from ..model import Transformer
-from .common import (DecodeResult, check_positive, check_probability, check_prompts, check_sampling,
+from refusion.model.cache import SlotKVCache
+from refusion.model.transformer import Transformer
+from refusion.decoding.common import (DecodeResult, check_positive, check_probability, check_prompts, check_sampling,
                      packed_index, resolve_params)
 
 PLAN, VERIFY, DRAFT, IVERIFY, RECOMPUTE, DONE = "plan", "verify", "draft", "iverify", "recompute", "done"

@@ -42,9 +42,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..cache import RaggedKVCache
-from ..model import Transformer
-from .common import DecodeResult, check_positive, check_probability, check_sampling, packed_index, resolve_params
+from refusion.model.cache import RaggedKVCache
+from refusion.model.transformer import Transformer
+from refusion.decoding.common import DecodeResult, check_positive, check_probability, check_sampling, packed_index, resolve_params
 
 
 @dataclass

@@ -33,15 +33,15 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from ..decoding.common import DecodeResult
-from ..model import Transformer
-from ..tokenizer import Tokenizer
-from .engine import Engine, Event, Job, QueueFull
-from .metrics import Metrics
-from ..decoding import default_decoder
-from .params import SERVE_DECODERS, DecoderChoice, choose
-from .schemas import ChatRequest, CompletionRequest, RequestError, loads, parse_chat, parse_completion
-from .text import TextAssembler
+from refusion.decoding.common import DecodeResult
+from refusion.model.transformer import Transformer
+from refusion.model.tokenizer import Tokenizer
+from refusion.serve.engine import Engine, Event, Job, QueueFull
+from refusion.serve.metrics import Metrics
+from refusion.decoding import default_decoder
+from refusion.serve.params import SERVE_DECODERS, DecoderChoice, choose
+from refusion.serve.schemas import ChatRequest, CompletionRequest, RequestError, loads, parse_chat, parse_completion
+from refusion.serve.text import TextAssembler
 
 log = logging.getLogger("refusion.serve")
 STATIC = Path(__file__).parent / "static"
@@ -499,7 +499,7 @@ async def _drain(receive, limit: int) -> None:
 def build(model_dir: str | Path, cfg: ServeConfig | None = None, dtype: str | None = None,
           device: str = "cpu", compile: bool = False) -> Server:
     """Load a model directory and make its server (the app is `server.app()`); compile: see load_model."""
-    from ..checkpoint import load_model
+    from refusion.model.checkpoint import load_model
 
     model_dir = Path(model_dir)
     model = load_model(model_dir, dtype=dtype, device=device, compile=compile)

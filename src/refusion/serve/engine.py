@@ -32,10 +32,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..decoding import SpeculativeBatch, decode
-from ..decoding.common import DecodeResult
-from ..model import Transformer
-from .params import DecoderChoice
+from refusion.decoding import SpeculativeBatch, decode
+from refusion.decoding.common import DecodeResult
+from refusion.model.transformer import Transformer
+from refusion.serve.params import DecoderChoice
 
 log = logging.getLogger("refusion.serve")
 

@@ -14,9 +14,9 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import ModelConfig
-from ..decoding import DECODERS, SpeculativeParams, default_decoder, make_params
-from .schemas import GenerationRequest, RequestError
+from refusion.model.config import ModelConfig
+from refusion.decoding import DECODERS, SpeculativeParams, default_decoder, make_params
+from refusion.serve.schemas import GenerationRequest, RequestError
 
 SERVE_DECODERS = DECODERS
 _PARAMS = {"speculative": ("speculative", "SpeculativeParams"), "refusion": ("refusion", "ReFusionParams"),

@@ -10,7 +10,7 @@ string. Everything from a stop string on is dropped, and the request can end the
 
 from __future__ import annotations
 
-from ..tokenizer import Tokenizer
+from refusion.model.tokenizer import Tokenizer
 
 
 class TextAssembler:

@@ -6,9 +6,9 @@ import ast
 import re
 from collections.abc import Callable
 
-from . import Example, Score, Task
-from .common import extract_code, subset
-from .sources import request_docs
+from refusion.tasks import Example, Score, Task
+from refusion.tasks.common import extract_code, subset
+from refusion.tasks.sources import request_docs
 
 
 def load_mbpp(split: str = "test", n: int | None = None, seed: int = 0) -> list[Example]:
@@ -52,12 +52,12 @@ def sandbox_scorers(program: Callable[[Example, str], str], timeout_s: float
     """(score, score_many) for a code task: a sample is correct when program(example, output), the
     model's code followed by the task's tests, exits 0 in the sandbox. score_many runs in parallel."""
     def score(ex: Example, output: str) -> Score:
-        from ..sandbox import run_python
+        from refusion.tasks.sandbox import run_python
 
         return Score(extract_code(output), run_python(program(ex, output), timeout_s=timeout_s).passed)
 
     def score_many(examples: list[Example], outputs: list[str]) -> list[Score]:
-        from ..sandbox import run_many
+        from refusion.tasks.sandbox import run_many
 
         results = run_many([program(ex, out) for ex, out in zip(examples, outputs)], timeout_s=timeout_s)
         return [Score(extract_code(out), r.passed) for out, r in zip(outputs, results)]

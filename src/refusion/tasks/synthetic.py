@@ -18,9 +18,9 @@ import random
 import re
 from collections.abc import Callable
 
-from . import Example, Score, Task
-from .code import sandbox_scorers
-from .common import extract_code, extract_final_number, extract_letter, numbers_equal
+from refusion.tasks import Example, Score, Task
+from refusion.tasks.code import sandbox_scorers
+from refusion.tasks.common import extract_code, extract_final_number, extract_letter, numbers_equal
 
 NAMES = ["Ann", "Ben", "Cara", "Dan", "Eve", "Finn", "Gia", "Hal", "Ivy", "Jon", "Kai", "Lea", "Max", "Nia",
          "Omar", "Pia", "Raj", "Sam", "Tess", "Uma"]

@@ -18,9 +18,9 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from . import Example, Score, Task
-from .common import extract_final_number, numbers_equal
-from .synthetic import in_test_split
+from refusion.tasks import Example, Score, Task
+from refusion.tasks.common import extract_final_number, numbers_equal
+from refusion.tasks.synthetic import in_test_split
 
 WORDS = ["red", "blue", "green", "cat", "dog", "fox", "owl", "sun", "moon", "star", "tree", "leaf", "rock", "sea",
          "rain", "snow", "wind", "fire", "bird", "fish", "bear", "wolf", "lamp", "door", "book", "cup", "hat", "box",

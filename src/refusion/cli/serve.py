@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..cli import positive_int
+from refusion.cli.args import positive_int
 
 DESCRIPTION = """\
 Serve a model over HTTP with OpenAI's API (continuous batching; streaming with SSE).
@@ -81,12 +81,12 @@ def cmd_serve(args: argparse.Namespace) -> None:
     try:
         import uvicorn
 
-        from .app import ServeConfig, build
+        from refusion.serve.app import ServeConfig, build
     except ImportError as e:
         raise ValueError(f"refusion serve needs the serve extra ({e.name} is missing): "
                          "pip install 'refusion[serve]'") from None
-    from ..cli import default_model_dir
-    from ..runtime import count_parameters, resolve_device, set_threads
+    from refusion.bundled import default_model_dir
+    from refusion.runtime import count_parameters, resolve_device, set_threads
 
     model_dir = Path(args.model) if args.model else default_model_dir()
     device = resolve_device(args.device)

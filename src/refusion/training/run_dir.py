@@ -13,7 +13,7 @@ import json
 import shutil
 from pathlib import Path
 
-from .checkpoint import SHARDED_DIR, STATE_FILE
+from refusion.model.checkpoint import SHARDED_DIR, STATE_FILE
 
 
 def checkpoints(out: Path) -> list[Path]:

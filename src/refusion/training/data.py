@@ -13,7 +13,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from .tokenizer import MASK_TOKEN, Tokenizer
+from refusion.model.tokenizer import MASK_TOKEN, Tokenizer
 
 CHATML_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -174,7 +174,7 @@ def train_bpe_tokenizer(texts: list[str], vocab_size: int = 1024, min_frequency:
 
 def synthetic_records(n: int, seed: int = 0, split: str = "train") -> list[dict]:
     """A mixture of the synthetic task families (refusion.tasks.synthetic) as training records."""
-    from .tasks.synthetic import mixture
+    from refusion.tasks.synthetic import mixture
 
     return [{"query": r["query"], "response": r["response"]} for r in mixture(split, n, seed)]
 
@@ -184,7 +184,7 @@ def task_names(data: str) -> list[str] | None:
     unknown or unusable tasks in one line."""
     if not data.startswith("tasks:"):
         return None
-    from .tasks import all_tasks
+    from refusion.tasks import all_tasks
 
     names = [t.strip() for t in data[len("tasks:"):].split(",") if t.strip()]
     if not names:
@@ -203,7 +203,7 @@ def trained_tasks(data: str) -> tuple[str, ...] | None:
     """The task families a training source draws from ("synthetic" or "tasks:a,b"); None for a file.
     Their test splits are what a model trained on it should be evaluated, tested and demonstrated on."""
     if data == "synthetic":
-        from .tasks.synthetic import MIXTURE
+        from refusion.tasks.synthetic import MIXTURE
 
         return MIXTURE
     return tuple(task_names(data)) if data.startswith("tasks:") else None
@@ -211,7 +211,7 @@ def trained_tasks(data: str) -> tuple[str, ...] | None:
 
 def task_records(names: list[str], n: int, seed: int = 0, split: str = "train") -> list[dict]:
     """n training records of the named tasks (refusion.tasks): equal shares, interleaved."""
-    from .tasks import get_task
+    from refusion.tasks import get_task
 
     per = -(-n // len(names))
     loaded = [get_task(t).load(split, n=per, seed=seed) for t in names]
@@ -228,7 +228,7 @@ def training_records(data: str, n: int, seed: int = 0, corpus: str | None = None
     recs = (synthetic_records(n, seed) if data == "synthetic" else task_records(names, n, seed) if names
             else load_records(data))
     if corpus is not None:
-        from .corpus import corpus_records
+        from refusion.training.corpus import corpus_records
 
         recs = recs + corpus_records(corpus, corpus_examples, seed)
     return recs

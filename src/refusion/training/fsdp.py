@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from .model import Transformer
+from refusion.model.transformer import Transformer
 
 
 def shard_model(model: Transformer, device: torch.device, bf16: bool) -> Transformer:

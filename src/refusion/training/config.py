@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import OBJECTIVES, ConfigError, ModelConfig
+from refusion.model.config import OBJECTIVES, ConfigError, ModelConfig
 
 SAVE_DTYPES = ("float32", "bfloat16", "float16")
 STRATEGIES = ("ddp", "fsdp")
@@ -72,7 +72,7 @@ class TrainConfig:
         _choice("strategy", self.strategy, STRATEGIES)
         _choice("save_dtype", self.save_dtype, SAVE_DTYPES)
         if self.corpus is not None:
-            from .corpus import CORPORA
+            from refusion.training.corpus import CORPORA
 
             _choice("corpus", self.corpus, CORPORA)
         for name in ("batch_size", "max_steps", "max_length", "save_every", "keep_checkpoints", "synthetic_examples",
@@ -105,7 +105,7 @@ class TrainConfig:
             # they describe a fresh model; one started from a checkpoint would ignore them without a word
             which = "model" if self.model else "tokenizer"
             raise ConfigError(f"{which} describes a fresh model; init {self.init} brings its own (drop one of them)")
-        from .data import task_names
+        from refusion.training.data import task_names
 
         task_names(self.data)  # a "tasks:..." source names known tasks (one-line error otherwise)
         known = [f.name for f in dataclasses.fields(ModelConfig) if f.name != "extra"]
@@ -124,7 +124,7 @@ class TrainConfig:
             _check_lora(self.lora)
         _check_paths(self)
         if self.device != "auto":
-            from .runtime import resolve_device  # imports torch: only when a device is named
+            from refusion.runtime import resolve_device  # imports torch: only when a device is named
 
             resolve_device(self.device)
         return self

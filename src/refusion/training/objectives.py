@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .config import OBJECTIVES
+from refusion.model.config import OBJECTIVES
 
 IGNORE = -100
 

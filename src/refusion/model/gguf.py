@@ -23,9 +23,9 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 from tqdm import tqdm
 
-from ..checkpoint import _atomic_dir, _commit_dir
-from ..fetch import smollm2_gguf_file
-from ..tokenizer import Tokenizer
+from refusion.model.checkpoint import _atomic_dir, _commit_dir
+from refusion.model.fetch import smollm2_gguf_file
+from refusion.model.tokenizer import Tokenizer
 
 # llama.cpp tensor names -> HF LlamaForCausalLM names ("blk.{i}." becomes "model.layers.{i}.")
 LAYER_NAMES = {

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .model import Transformer
+from refusion.model.transformer import Transformer
 
 ROWS, HEAD_ROWS, IDS = "lora_token_rows", "lora_token_head_rows", "lora_token_ids"  # "lora_": saved with the adapters
 

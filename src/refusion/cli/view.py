@@ -19,7 +19,7 @@ import sys
 import unicodedata
 from typing import TextIO
 
-from .tokenizer import Tokenizer
+from refusion.model.tokenizer import Tokenizer
 
 DIM, HIGHLIGHT, RESET = "\x1b[2m", "\x1b[1;32m", "\x1b[0m"
 DOT = "·"

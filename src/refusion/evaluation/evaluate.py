@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-from .decoding import decode, make_params
-from .decoding.common import check_prompts
-from .model import Transformer
-from .tasks import Example, Score, Task
-from .tokenizer import Tokenizer
+from refusion.decoding import decode, make_params
+from refusion.decoding.common import check_prompts
+from refusion.model.transformer import Transformer
+from refusion.tasks import Example, Score, Task
+from refusion.model.tokenizer import Tokenizer
 
 
 @dataclass

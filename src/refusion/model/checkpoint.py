@@ -17,9 +17,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from .config import ConfigError, ModelConfig
-from .model import Transformer
-from .tokenizer import MASK_TOKEN, Tokenizer
+from refusion.model.config import ConfigError, ModelConfig
+from refusion.model.transformer import Transformer
+from refusion.model.tokenizer import MASK_TOKEN, Tokenizer
 
 INDEX = "model.safetensors.index.json"
 STATE_FILE = "training_state.pt"  # a training checkpoint's optimizer, data position and RNG states
@@ -101,7 +101,7 @@ def load_model(path: str | Path, dtype: torch.dtype | str | None = None, device:
     compile: inference forwards through torch.compile'd graphs (Transformer.enable_compile; its
     CompileStats are model.compiled.stats). Faster per forward once compiled, but not bit-identical
     to the eager default, so off unless asked for."""
-    from .runtime import resolve_device
+    from refusion.runtime import resolve_device
 
     device = resolve_device(device)  # before reading the weights: a bad device fails at once
     cfg = load_config(path)

@@ -1,7 +1,7 @@
 """Registers `--model refusion` in lm-eval's model registry when lm-eval imports it.
 
 Imported at interpreter start by the one-line `refusion_lm_eval.pth` that
-`python -m refusion.lm_eval_adapter --install-hook` writes into site-packages, because lm-eval
+`python -m refusion.evaluation.lm_eval --install-hook` writes into site-packages, because lm-eval
 discovers no plugins by itself (see refusion/lm_eval_adapter.py). Standard library only, and it
 imports nothing of lm-eval or torch: it waits, as a meta-path finder, for lm_eval.api.registry to be
 imported, and then registers "refusion" as a lazy "module:class" placeholder, the same kind lm-eval
@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 from importlib.abc import MetaPathFinder
 
-TARGET = "refusion.lm_eval_adapter:ReFusionLM"
+TARGET = "refusion.evaluation.lm_eval:ReFusionLM"
 
 
 class _RegistryWatcher(MetaPathFinder):

@@ -36,16 +36,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .checkpoint import DTYPES, STATE_FILE, add_mask_token, load_model, save_model
-from .config import ModelConfig
-from .data import DataError, encode_records, filter_by_length, length_batches, train_bpe_tokenizer, training_records
-from .lora import apply_lora, merged_state_dict
-from .model import Transformer
-from .objectives import TrainInputs, ar_token_count, build_inputs, compute_loss, make_batch, pad_responses
-from .run_dir import checkpoints, latest_checkpoint, prune_checkpoints, tensorboard, truncate_metrics, written_by
-from .runtime import resolve_device
-from .tokenizer import Tokenizer
-from .train_config import TrainConfig, load_train_config, to_toml  # noqa: F401 (the training API in one place)
+from refusion.model.checkpoint import DTYPES, STATE_FILE, add_mask_token, load_model, save_model
+from refusion.model.config import ModelConfig
+from refusion.training.data import DataError, encode_records, filter_by_length, length_batches, train_bpe_tokenizer, training_records
+from refusion.model.lora import apply_lora, merged_state_dict
+from refusion.model.transformer import Transformer
+from refusion.training.objectives import TrainInputs, ar_token_count, build_inputs, compute_loss, make_batch, pad_responses
+from refusion.training.run_dir import checkpoints, latest_checkpoint, prune_checkpoints, tensorboard, truncate_metrics, written_by
+from refusion.runtime import resolve_device
+from refusion.model.tokenizer import Tokenizer
+from refusion.training.config import TrainConfig, load_train_config, to_toml  # noqa: F401 (the training API in one place)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -227,7 +227,7 @@ class Trainer:
             self._apply_lora(model)
         model.gradient_checkpointing = cfg.gradient_checkpointing
         if self.fsdp:
-            from .fsdp import shard_model
+            from refusion.training.fsdp import shard_model
 
             # from the CPU: fully_shard moves each unit's slice to the device as it shards it
             return shard_model(model.train(), self.device, bf16=cfg.dtype == "bfloat16")
@@ -303,7 +303,7 @@ class Trainer:
         if cfg.grad_clip <= 0:
             grad_norm = torch.tensor(0.0)
         elif self.fsdp:
-            from .fsdp import clip_grad_norm
+            from refusion.training.fsdp import clip_grad_norm
 
             grad_norm = clip_grad_norm(params, cfg.grad_clip)
         else:
@@ -340,7 +340,7 @@ class Trainer:
         s = torch.load(path / STATE_FILE, weights_only=False)
         rng = s["rng"]
         if self.fsdp:
-            from .sharded_checkpoint import load_sharded
+            from refusion.training.sharded_checkpoint import load_sharded
 
             # a process the checkpoint did not have (more processes now) starts from rank 0's states
             rng = load_sharded(path, self.model, self.optimizer) or rng
@@ -366,7 +366,7 @@ class Trainer:
     def save_checkpoint(self) -> Path | None:
         path = self.out / f"checkpoint-{self.step}"
         if self.fsdp:  # every process writes its own shards
-            from .sharded_checkpoint import save_sharded
+            from refusion.training.sharded_checkpoint import save_sharded
 
             save_sharded(path, self.model, self.optimizer, _rng_state(), self.tokenizer,
                          {STATE_FILE: self._state()} if self.rank == 0 else {})
@@ -423,7 +423,7 @@ class Trainer:
         final = self.out / "model"
         if self.rank == 0 and self.step >= cfg.max_steps:
             if self.fsdp:  # consolidated from the last checkpoint's shards, by this process alone
-                from .sharded_checkpoint import export_checkpoint
+                from refusion.training.sharded_checkpoint import export_checkpoint
 
                 export_checkpoint(self.out / f"checkpoint-{self.step}", final, DTYPES[cfg.save_dtype], overwrite=True)
             else:

@@ -40,8 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .cache import KVCache, StaticIO
-from .model import BlockWeights, additive_mask, block_inference, rms_norm
+from refusion.model.cache import KVCache, StaticIO
+from refusion.model.transformer import BlockWeights, additive_mask, block_inference, rms_norm
 
 
 @dataclass

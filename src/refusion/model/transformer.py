@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from .cache import KVCache
-from .config import ConfigError, ModelConfig
+from refusion.model.cache import KVCache
+from refusion.model.config import ConfigError, ModelConfig
 
 
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
@@ -351,7 +351,7 @@ class Transformer(nn.Module):
         elsewhere (refusion.compiled: what is compiled, when it falls back, and why it is off by
         default: not bit-identical to eager). Returns the CompiledForward (its .stats count graphs,
         compile seconds and recompiles), or None when turned off."""
-        from .compiled import CompiledForward
+        from refusion.model.compiled import CompiledForward
 
         self.compiled = CompiledForward(self, **options) if on else None
         return self.compiled

@@ -31,10 +31,10 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from .checkpoint import SHARDED_DIR, STATE_FILE, CheckpointError, _commit_dir, load_config, save_model
-from .lora import apply_lora, merged_state_dict
-from .model import Transformer, rope_inv_freq
-from .tokenizer import Tokenizer
+from refusion.model.checkpoint import SHARDED_DIR, STATE_FILE, CheckpointError, _commit_dir, load_config, save_model
+from refusion.model.lora import apply_lora, merged_state_dict
+from refusion.model.transformer import Transformer, rope_inv_freq
+from refusion.model.tokenizer import Tokenizer
 
 
 def is_sharded(path: str | Path) -> bool:

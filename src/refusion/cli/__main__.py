@@ -1,0 +1,5 @@
+import sys
+
+from refusion.cli.main import main
+
+sys.exit(main())

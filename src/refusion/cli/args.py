@@ -1,0 +1,70 @@
+"""What every subcommand's parser shares: one-line errors, defaults in help, common argument types."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's default in its help, except where there is nothing to show (None, off switches)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        d = action.default  # (compared by identity: 0 == False, yet a default of 0 is worth showing)
+        if d is None or d is False or d == [] or "default" in (action.help or ""):
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)  # subparsers too
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        # one line, like every other error of the command (argparse would print the usage first)
+        print(f"refusion: error: {message} (see: {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+SMALL_MODEL_THREADS = "1 for a model under 50M parameters, where more only add waiting; else torch's default"
+
+
+def warn(msg: str) -> None:
+    print(f"refusion: warning: {msg}", file=sys.stderr)
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def check_out_dir(path: str, overwrite: bool) -> None:
+    """Before any slow work: an output directory that holds something is only replaced on request."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"{p} is a file, not a directory")
+    if p.is_dir() and any(p.iterdir()) and not overwrite:
+        raise ValueError(f"{p} exists and is not empty; choose another directory or pass --overwrite")
+
+
+def resolve_model_dir(args: argparse.Namespace) -> Path:
+    """--model, or the bundled model when none is named."""
+    from refusion.bundled import default_model_dir
+
+    return Path(args.model) if args.model else default_model_dir()
+
+
+def add_runtime_flags(p: argparse.ArgumentParser, threads_default: str = SMALL_MODEL_THREADS) -> None:
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights' dtype")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto")
+    p.add_argument("--threads", type=positive_int, help=f"CPU threads (default: {threads_default})")
+    p.add_argument("--compile", action="store_true", help="run the model through torch.compile'd graphs: faster "
+                   "forwards after seconds of compiling, outputs not bit-identical to the default")

@@ -1,0 +1,96 @@
+"""`refusion generate`: one prompt through a decoder, showing the slots being filled on a terminal."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from refusion.cli.args import add_runtime_flags, resolve_model_dir
+from refusion.cli.decoder_flags import add_decoder_flags, choose_decoder, decoder_params
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    g = sub.add_parser("generate", help="generate a response to a prompt", description="Generate a response to a "
+                       "prompt, showing the slots being filled on a terminal.")
+    g.add_argument("prompt", nargs="?", help="prompt text (the chat template is applied unless --raw)")
+    g.add_argument("--model", help="Hugging Face model directory (default: the bundled refusion-tiny)")
+    g.add_argument("--prompt-ids", type=_parse_ids, help="exact prompt token ids, e.g. 1,2,3 (instead of text)")
+    g.add_argument("--system", help="system message for the chat template")
+    g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    add_decoder_flags(g)
+    add_runtime_flags(g)
+    g.add_argument("--json", action="store_true", help="machine-readable output")
+    g.add_argument("--no-view", action="store_true", help="print only the final text")
+    g.set_defaults(func=cmd_generate)
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--prompt-ids takes comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("--prompt-ids is empty")
+    return ids
+
+
+def _prompt(args: argparse.Namespace, tok, model_dir: Path) -> list[int]:
+    if args.prompt is not None and args.prompt_ids is not None:
+        raise ValueError("give a prompt (text) or --prompt-ids, not both")
+    if args.prompt_ids is not None:
+        if args.raw or args.system is not None:
+            raise ValueError("--raw and --system apply to a text prompt, not to --prompt-ids")
+        return args.prompt_ids
+    if args.prompt is None:
+        raise ValueError("give a prompt (text) or --prompt-ids 1,2,3")
+    if tok is None:
+        raise ValueError(f"{model_dir} has no tokenizer.json; use --prompt-ids")
+    if args.raw:
+        if args.system is not None:
+            raise ValueError("--system goes into the chat template, which --raw turns off")
+        ids = tok.encode(args.prompt)
+        if not ids:
+            raise ValueError("the prompt is empty (with --raw there is no chat template to add tokens)")
+        return ids
+    return tok.chat_prompt_ids(args.prompt, system=args.system)
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from refusion.model.checkpoint import load_config, load_model
+    from refusion.decoding import decode, make_params
+    from refusion.decoding.common import check_prompts
+    from refusion.runtime import count_parameters, resolve_device, set_threads
+    from refusion.model.tokenizer import Tokenizer
+    from refusion.cli.view import SlotView
+
+    model_dir = resolve_model_dir(args)
+    device = resolve_device(args.device)
+    # everything that can be refused is checked before the weights are read
+    config = load_config(model_dir)
+    tok = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").exists() else None
+    prompt = _prompt(args, tok, model_dir)
+    decoder = choose_decoder(args, config)
+    params = decoder_params(args, decoder)
+    check_prompts(config, [prompt], make_params(decoder, **params).gen_length)
+    model = load_model(model_dir, dtype=args.dtype, device=device, compile=args.compile)
+    set_threads(args.threads, count_parameters(model))
+    view = None
+    if not args.json and not args.no_view and sys.stderr.isatty():
+        view = SlotView(tok, len(prompt), args.gen_length, eos_ids=model.config.eos_ids)
+    try:
+        res = decode(model, [prompt], decoder, seed=args.seed, on_commit=view.on_commit if view else None,
+                     **params)[0]
+    finally:
+        if view is not None:
+            view.close()  # erases the frames: the answer is printed once, below
+    text = tok.decode(res.tokens) if tok is not None else None
+    if args.json:
+        print(json.dumps({**res.to_dict(), "text": text, "decoder": decoder, "model": str(model_dir)}))
+        return
+    print(text if text is not None else " ".join(map(str, res.tokens)))
+    print(f"[{decoder}] {len(res.tokens)} tokens, {res.forwards} forwards, TPF {res.tpf:.2f}, "
+          f"{res.tps:.1f} tokens/s, {res.seconds:.2f} s", file=sys.stderr)
+    if model.compiled is not None:
+        print(f"[compile] {model.compiled.stats.summary()}", file=sys.stderr)
