@@ -10,9 +10,30 @@ The packages, from the bottom up (ARCHITECTURE.md draws them):
     serve/       the HTTP server
     cli/         the `refusion` command
 
-Importing this package loads no torch.
+The names most programs need are here too, loaded on first use (importing refusion loads no torch):
+
+    model = refusion.load_model(path)
+    results = refusion.decode(model, [prompt_ids], "speculative", gen_length=128)
 """
+
+from __future__ import annotations
+
+import importlib
 
 from refusion import _moved
 
 _moved.install()
+
+_API = {"load_model": "refusion.model.checkpoint", "save_model": "refusion.model.checkpoint",
+        "Tokenizer": "refusion.model.tokenizer", "ModelConfig": "refusion.model.config",
+        "Transformer": "refusion.model.transformer", "decode": "refusion.decoding",
+        "DecodeResult": "refusion.decoding"}
+
+
+def __getattr__(name: str):
+    if name in _API:
+        return getattr(importlib.import_module(_API[name]), name)
+    raise AttributeError(f"module 'refusion' has no attribute {name!r}")
+
+
+__all__ = sorted(_API)

