@@ -146,6 +146,22 @@ def length_batches(lengths: list[int], batch_size: int, seed: int, epoch: int, p
     return batches
 
 
+class BatchOrder:
+    """The example indices of every step's global batch: `length_batches` of the step's epoch, built
+    once per epoch (a pure function of seed and epoch, so a resumed run needs no saved order)."""
+
+    def __init__(self, lengths: list[int], batch_size: int, seed: int) -> None:
+        self.lengths, self.batch_size, self.seed = lengths, batch_size, seed
+        self.per_epoch = len(lengths) // batch_size
+        self._epoch: tuple[int, list[list[int]]] = (-1, [])
+
+    def __call__(self, step: int) -> list[int]:
+        epoch, i = divmod(step, self.per_epoch)
+        if self._epoch[0] != epoch:
+            self._epoch = (epoch, length_batches(self.lengths, self.batch_size, self.seed, epoch))
+        return self._epoch[1][i]
+
+
 # ----------------------------------------------------------------------------------------------
 # a tokenizer for models trained from scratch
 
