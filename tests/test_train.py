@@ -17,8 +17,8 @@ import torch
 
 from refusion.model.checkpoint import load_model, save_model
 from refusion.model.config import ModelConfig
-from refusion.training.data import (DataError, Example, encode_records, filter_by_length, length_batches, load_records,
-                           train_bpe_tokenizer)
+from refusion.training.data import (BatchOrder, DataError, Example, encode_records, filter_by_length, length_batches,
+                                    load_records, train_bpe_tokenizer)
 from refusion.model.transformer import Transformer
 from refusion.model.tokenizer import Tokenizer
 from refusion.cli import main
@@ -129,6 +129,9 @@ def test_length_batches_cover_epoch_once_and_are_deterministic():
     pad_rnd = sum(max(lengths[i] for i in rnd[k:k + 8]) * 8 - sum(lengths[i] for i in rnd[k:k + 8])
                   for k in range(0, 96, 8))
     assert pad < 0.5 * pad_rnd
+    # the trainer's order: step s is batch s % 12 of epoch s // 12 (the default pool of 50 batches)
+    order = BatchOrder(lengths, 8, seed=3)
+    assert [order(s) for s in range(30)] == [length_batches(lengths, 8, 3, s // 12)[s % 12] for s in range(30)]
 
 
 # ---- training ------------------------------------------------------------------------------

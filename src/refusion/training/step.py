@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from refusion.training.objectives import Batch, TrainInputs, ar_token_count, build_inputs, compute_loss, make_batch, pad_responses
+from refusion.training.objectives import (Batch, TrainInputs, ar_token_count, build_inputs, compute_loss, make_batch,
+                                         pad_responses)
 from refusion.training.optimizer import lr_at
 from refusion.training.setup import Run
 

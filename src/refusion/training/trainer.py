@@ -30,7 +30,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from refusion.training.checkpointing import export_model, save_checkpoint
-from refusion.training.config import TrainConfig, load_train_config, to_toml  # noqa: F401 (the training API in one place)
+from refusion.training.config import TrainConfig, load_train_config, to_toml  # noqa: F401 (the API in one place)
 from refusion.training.optimizer import lr_at  # noqa: F401 (refusion.train.lr_at, the old path)
 from refusion.training.run_dir import checkpoints, tensorboard, truncate_metrics
 from refusion.training.setup import Run, log, setup
