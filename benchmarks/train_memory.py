@@ -48,7 +48,9 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from refusion.runtime import count_parameters
-    from refusion.training.trainer import TrainConfig, Trainer
+    from refusion.training.setup import setup
+    from refusion.training.step import train_step
+    from refusion.training.trainer import TrainConfig
 
     base = _rss_kib()
     model = {"hidden_size": args.hidden, "intermediate_size": args.intermediate, "num_layers": args.layers,
@@ -57,12 +59,12 @@ def worker(args: argparse.Namespace) -> None:
     cfg = TrainConfig(objective="ar", data="synthetic", synthetic_examples=64, tokenizer=str(TOKENIZER),
                       model=model, max_length=128, batch_size=world, max_steps=args.steps, warmup_steps=0,
                       out_dir=args.out_dir, strategy=args.strategy)
-    trainer = Trainer(cfg, resume=False, progress=False)
+    run = setup(cfg, resume=False)
     built = _rss_kib()
-    losses = [trainer.train_step()["loss"] for _ in range(args.steps)]
+    losses = [train_step(run)["loss"] for _ in range(args.steps)]
     rec = {"rank": int(os.environ.get("RANK", "0")), "base_mib": _mib(base), "after_build_mib": _mib(built),
            "peak_mib": _mib(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss), "losses": losses,
-           "parameters": count_parameters(trainer.model)}
+           "parameters": count_parameters(run.model)}
     recs = [rec]
     if dist.is_initialized():
         recs = [None] * dist.get_world_size()

@@ -19,7 +19,9 @@ from pathlib import Path
 
 import torch
 
-from refusion.training.trainer import TrainConfig, Trainer
+from refusion.training.setup import setup
+from refusion.training.step import train_step
+from refusion.training.trainer import TrainConfig
 
 STUDY_MODEL = {"hidden_size": 256, "intermediate_size": 768, "num_layers": 4, "num_heads": 8, "num_kv_heads": 4}
 
@@ -29,11 +31,11 @@ def measure(objective: str, args: argparse.Namespace, out: Path) -> dict:
                       model=dict(STUDY_MODEL), batch_size=args.batch_size, max_steps=args.warmup + args.steps,
                       warmup_steps=1, out_dir=str(out / objective), save_every=10**9, dtype=args.dtype,
                       seed=args.seed)
-    trainer = Trainer(cfg, resume=False, progress=False)
+    run = setup(cfg, resume=False)
     recs = []
     for i in range(args.warmup + args.steps):
         t0 = time.perf_counter()
-        rec = trainer.train_step()
+        rec = train_step(run)
         rec["seconds"] = time.perf_counter() - t0
         if i >= args.warmup:
             recs.append(rec)

@@ -11,6 +11,7 @@ from refusion.model.checkpoint import save_model
 from refusion.model.config import ModelConfig
 from refusion.training.data import train_bpe_tokenizer
 from refusion.evaluation.evaluate import EvalConfig, evaluate, model_label, wilson_interval
+from refusion.evaluation.run import eval_tasks, run_eval
 from refusion.model.transformer import Transformer
 from refusion.evaluation.report import averages, load_summaries, report
 from refusion.tasks import Example, Score, Task
@@ -102,6 +103,31 @@ def test_two_runs_named_model_keep_their_results_apart(tiny, tmp_path, monkeypat
     capsys.readouterr()
     assert main(argv) == 2 and "b__echo__ar.json exists (an earlier eval); pass --overwrite" in capsys.readouterr().err
     assert main(argv + ["--overwrite"]) == 0
+
+
+def test_run_eval_writes_what_evaluate_returns_and_claims_its_files_first(tiny, tmp_path, monkeypatch):
+    model, tok = tiny
+    save_model(model, tmp_path / "m", tok)
+    import refusion.tasks as tasks
+
+    two = {"echo": echo_task(3), "echo2": replace(echo_task(2), name="echo2")}
+    monkeypatch.setattr(tasks, "all_tasks", lambda: two)
+    cfg = EvalConfig("ar", {"gen_length": 6})
+    seen = []
+    got = run_eval(tmp_path / "m", eval_tasks("echo,echo2", "test"), cfg, tmp_path / "res", progress=False,
+                   on_summary=lambda s, path: seen.append(path.name))
+    assert seen == ["m__echo__ar.json", "m__echo2__ar.json"] and [s["n"] for s in got] == [3, 2]
+    for s in got:  # each file holds the summary returned, which is evaluate()'s on the same model
+        assert json.loads((tmp_path / "res" / f"m__{s['task']}__ar.json").read_text()) == s
+        direct = evaluate(model, tok, tasks.get_task(s["task"]), cfg, model_name="m", progress=False)
+        keys = ("accuracy", "tokens", "forwards")
+        assert {k: s[k] for k in keys} == {k: direct[k] for k in keys}
+    with pytest.raises(ValueError, match="m__echo__ar.json exists"):  # refused before the model is read
+        run_eval(tmp_path / "nowhere", eval_tasks("echo", "test"), cfg, tmp_path / "res", label="m")
+    with pytest.raises(ValueError, match="--task takes distinct comma-separated task names, got 'echo,echo'"):
+        eval_tasks("echo,echo", "test")
+    with pytest.raises(ValueError, match="task 'echo' has no split 'train'"):
+        eval_tasks("echo", "train")
 
 
 def test_every_task_name_is_checked_before_any_runs(tiny, tmp_path, monkeypatch, capsys):

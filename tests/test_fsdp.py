@@ -26,7 +26,7 @@ from refusion.decoding import decode, default_decoder
 from refusion.model.transformer import Transformer
 from refusion.training.sharded_checkpoint import export_checkpoint
 from refusion.model.tokenizer import Tokenizer
-from refusion.training.trainer import Trainer
+from refusion.training.setup import setup
 from test_train import TINY, _tokenizer_without_mask, data_file, losses, tiny_config  # noqa: F401 (data_file: a fixture)
 
 STEPS = 12
@@ -126,12 +126,12 @@ def test_fsdp_resume_after_kill_equals_the_uninterrupted_run(fsdp_run, data_file
 def test_fsdp_needs_torchrun_and_strategies_do_not_mix(fsdp_run, data_file, tmp_path, monkeypatch):
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     with pytest.raises(ValueError, match=r"strategy fsdp .* torchrun --nproc-per-node N .*\(N = 1 works too\)"):
-        Trainer(tiny_config(data_file, tmp_path / "x", strategy="fsdp"), progress=False)
+        setup(tiny_config(data_file, tmp_path / "x", strategy="fsdp"))
     assert not (tmp_path / "x").exists()
     cfg = tiny_config(data_file, fsdp_run, model={}, vocab_size=300)
     with pytest.raises(ValueError, match=f"checkpoint-{STEPS} was written with strategy fsdp: resume it with "
                                          "--strategy fsdp"):
-        Trainer(cfg, progress=False)
+        setup(cfg)
 
 
 def test_fsdp_bfloat16_keeps_float32_master_weights(fsdp_run, data_file, tmp_path):

@@ -10,7 +10,9 @@ import pytest
 from refusion.training.data import DataError, task_names, task_records
 from refusion.tasks import _MODULES, all_tasks
 from refusion.tasks.words import TASKS, load
-from refusion.training.trainer import TrainConfig, Trainer, load_train_config
+from refusion.training.setup import setup
+from refusion.training.step import train_step
+from refusion.training.trainer import TrainConfig, load_train_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -110,10 +112,10 @@ def test_trainer_trains_on_a_task_mixture(tmp_path):
     cfg = TrainConfig(data="tasks:sort,repeat", synthetic_examples=48, out_dir=str(tmp_path), vocab_size=300,
                       model={"hidden_size": 32, "intermediate_size": 64, "num_layers": 1, "num_heads": 2,
                              "num_kv_heads": 1}, batch_size=8, max_steps=2, warmup_steps=1, save_every=1000)
-    trainer = Trainer(cfg, progress=False)
-    assert len(trainer.examples) == 48
-    assert trainer.tokenizer.decode(trainer.examples[0].prompt).count("Sort: ") == 1
-    rec = trainer.train_step()
+    run = setup(cfg)
+    assert len(run.examples) == 48
+    assert run.tokenizer.decode(run.examples[0].prompt).count("Sort: ") == 1
+    rec = train_step(run)
     assert rec["loss"] > 0 and rec["step"] == 1
 
 

@@ -17,14 +17,16 @@ import torch
 
 from refusion.model.checkpoint import load_model, save_model
 from refusion.model.config import ModelConfig
-from refusion.training.data import (DataError, Example, encode_records, filter_by_length, length_batches, load_records,
-                           train_bpe_tokenizer)
+from refusion.training.data import (BatchOrder, DataError, Example, encode_records, filter_by_length, length_batches,
+                                    load_records, train_bpe_tokenizer)
 from refusion.model.transformer import Transformer
 from refusion.model.tokenizer import Tokenizer
 from refusion.cli import main
 from refusion.decoding import default_decoder
 from refusion.model.lora import apply_lora, merged_state_dict
-from refusion.training.trainer import TrainConfig, Trainer, load_train_config, lr_at, train
+from refusion.training.optimizer import lr_at
+from refusion.training.setup import setup
+from refusion.training.trainer import TrainConfig, fit, load_train_config, train
 
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2}
 
@@ -127,6 +129,9 @@ def test_length_batches_cover_epoch_once_and_are_deterministic():
     pad_rnd = sum(max(lengths[i] for i in rnd[k:k + 8]) * 8 - sum(lengths[i] for i in rnd[k:k + 8])
                   for k in range(0, 96, 8))
     assert pad < 0.5 * pad_rnd
+    # the trainer's order: step s is batch s % 12 of epoch s // 12 (the default pool of 50 batches)
+    order = BatchOrder(lengths, 8, seed=3)
+    assert [order(s) for s in range(30)] == [length_batches(lengths, 8, 3, s // 12)[s % 12] for s in range(30)]
 
 
 # ---- training ------------------------------------------------------------------------------
@@ -170,7 +175,7 @@ def test_no_resume_never_continues_a_run_and_deletes_nothing(data_file, tmp_path
     cfg = tiny_config(data_file, tmp_path, max_steps=2, warmup_steps=1)
     train(cfg, resume=False, progress=False)  # a fresh directory: an ordinary run
     with pytest.raises(ValueError, match=r"already holds a run \(checkpoint-2\) and resuming is off"):
-        Trainer(cfg, resume=False)
+        setup(cfg, resume=False)
     assert (tmp_path / "checkpoint-2").is_dir() and (tmp_path / "model").is_dir()
     # the help says what it does
     with pytest.raises(SystemExit):
@@ -297,11 +302,11 @@ def test_init_from_a_causal_checkpoint_adds_the_mask_token_and_lora(data_file, t
     save_model(base, tmp_path / "base", tok)
     cfg = tiny_config(data_file, tmp_path / "lora", init=str(tmp_path / "base"), model={}, max_steps=6, save_every=3,
                       lora={"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]})
-    trainer = Trainer(cfg, progress=False)
-    trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    run = setup(cfg)
+    trainable = {n for n, p in run.model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable) and "lora_token_rows" in trainable
-    mean_row = trainer.model.lora_token_rows.detach().clone()  # the new <|mask|> row starts at the mean
-    final = trainer.fit()
+    mean_row = run.model.lora_token_rows.detach().clone()  # the new <|mask|> row starts at the mean
+    final = fit(run, progress=False)
     model = load_model(final)
     assert model.config.mask_token_id == n and model.config.vocab_size == n + 1
     assert Tokenizer.from_dir(final).token_id("<|mask|>") == n
@@ -315,5 +320,5 @@ def test_init_from_a_causal_checkpoint_adds_the_mask_token_and_lora(data_file, t
     ref = losses(tmp_path / "lora")
     shutil.rmtree(tmp_path / "lora" / "checkpoint-6")
     shutil.rmtree(tmp_path / "lora" / "model")
-    Trainer(cfg, progress=False).fit()
+    fit(setup(cfg), progress=False)
     assert losses(tmp_path / "lora") == ref

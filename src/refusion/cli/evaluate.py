@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from refusion.cli.args import add_runtime_flags, positive_int, resolve_model_dir
@@ -37,21 +36,14 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
-    from refusion.model.checkpoint import load_config, load_model
+    from refusion.model.checkpoint import load_config
     from refusion.decoding import make_params
-    from refusion.evaluation.evaluate import EvalConfig, evaluate, model_label, result_stem
-    from refusion.runtime import count_parameters, resolve_device, set_threads
-    from refusion.tasks import get_task
-    from refusion.model.tokenizer import Tokenizer
+    from refusion.evaluation.evaluate import EvalConfig
+    from refusion.evaluation.run import eval_tasks, run_eval
+    from refusion.runtime import resolve_device
 
     # every name, the split, the parameters and the output files are checked before anything runs
-    names = [t.strip() for t in args.task.split(",")]
-    if "" in names or len(set(names)) != len(names):
-        raise ValueError(f"--task takes distinct comma-separated task names, got {args.task!r}")
-    tasks = [get_task(n) for n in names]
-    for t in tasks:
-        if args.split not in t.splits:
-            raise ValueError(f"task {t.name!r} has no split {args.split!r} (splits: {', '.join(t.splits)})")
+    tasks = eval_tasks(args.task, args.split)
     model_dir = resolve_model_dir(args)
     device = resolve_device(args.device)
     config = load_config(model_dir)
@@ -60,33 +52,20 @@ def cmd_eval(args: argparse.Namespace) -> None:
     make_params(decoder, **params)
     cfg = EvalConfig(decoder=decoder, params=params, n=args.n, split=args.split, batch_size=args.batch_size,
                      seed=args.seed, system=args.system, tag=args.tag).validate()
-    name = args.label or model_label(model_dir)
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} is a file, not a directory")
-    stems = [result_stem(name, t.name, cfg.label) for t in tasks]
-    if not args.overwrite:
-        taken = [out / f"{s}.json" for s in stems if (out / f"{s}.json").exists()]
-        if taken:
-            raise ValueError(f"{taken[0]} exists (an earlier eval); pass --overwrite to replace it, or --label / "
-                             "--tag to keep both")
-    examples = [t.load(cfg.split, n=cfg.n, seed=cfg.seed) for t in tasks]  # a missing download fails here
-    model = load_model(model_dir, dtype=args.dtype, device=device, compile=args.compile)
-    set_threads(args.threads, count_parameters(model))
-    tok = Tokenizer.from_dir(model_dir)
-    for task, stem, exs in zip(tasks, stems, examples):
-        summary = evaluate(model, tok, task, cfg, model_name=name, records_path=out / f"{stem}.jsonl",
-                           progress=not args.no_progress, examples=exs)
-        summary["model_path"] = str(model_dir)
-        if model.compiled is not None:  # compiling is inside the decode seconds: its share, separately
-            summary["compile"] = model.compiled.stats.as_dict()
-        (out / f"{stem}.json").write_text(json.dumps(summary, indent=2))
-        lo, hi = summary["ci95"]
-        print(f"{name} {task.name} {summary['decoder']}: accuracy {100 * summary['accuracy']:.1f}% "
-              f"[{100 * lo:.1f}, {100 * hi:.1f}] over {summary['n']}, {summary['tps']:.1f} tokens/s, "
-              f"TPF {summary['tpf']:.2f} -> {out / stem}.json")
-        if model.compiled is not None:
-            print(f"[compile] {model.compiled.stats.summary()}")
+    run_eval(model_dir, tasks, cfg, args.out, label=args.label, overwrite=args.overwrite, dtype=args.dtype,
+             device=device, compile=args.compile, threads=args.threads, progress=not args.no_progress,
+             on_summary=_print_summary)
+
+
+def _print_summary(summary: dict, path: Path) -> None:
+    lo, hi = summary["ci95"]
+    print(f"{summary['model']} {summary['task']} {summary['decoder']}: accuracy {100 * summary['accuracy']:.1f}% "
+          f"[{100 * lo:.1f}, {100 * hi:.1f}] over {summary['n']}, {summary['tps']:.1f} tokens/s, "
+          f"TPF {summary['tpf']:.2f} -> {path}")
+    if "compile" in summary:
+        from refusion.model.compiled import CompileStats
+
+        print(f"[compile] {CompileStats(**summary['compile']).summary()}")
 
 
 def cmd_report(args: argparse.Namespace) -> None:

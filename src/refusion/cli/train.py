@@ -6,6 +6,7 @@ import argparse
 import json
 
 from refusion.cli.args import positive_int
+from refusion.training.config import defaults_text
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -15,7 +16,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "over the processes: whole copies (ddp) or sharded (fsdp).",
                        epilog="Every TrainConfig field (refusion/training/config.py) can be set in the config file\n"
                               "or with --set; --print-config prints them all, resolved, as TOML. Defaults:\n\n"
-                              + _train_defaults())
+                              + defaults_text())
     t.add_argument("--config", help="a TOML or YAML file of TrainConfig fields")
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a field (JSON value), e.g. --set lr=3e-4 --set model.num_layers=2")
@@ -56,14 +57,3 @@ def cmd_train(args: argparse.Namespace) -> None:
     final = train(cfg, resume=not args.no_resume, progress=not args.no_progress)
     print(final)
 
-
-def _train_defaults() -> str:
-    import dataclasses
-
-    from refusion.training.config import TrainConfig, _toml_value
-
-    out = []
-    for f in dataclasses.fields(TrainConfig):
-        v = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        out.append(f"  {f.name} = {'(unset)' if v is None else _toml_value(v)}")
-    return "\n".join(out)

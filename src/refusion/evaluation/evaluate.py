@@ -127,10 +127,16 @@ def evaluate(model: Transformer, tokenizer: Tokenizer, task: Task, cfg: EvalConf
         with open(records_path, "w") as f:
             for rec in records:
                 f.write(json.dumps(rec) + "\n")
+    return _summary(records, model_name, task, cfg, wall)
+
+
+def _summary(records: list[dict], model_name: str, task: Task, cfg: EvalConfig, wall: float) -> dict:
+    """Accuracy (with its 95% interval), speed and latency over one task's records."""
+    n_tok = sum(r["tokens"] for r in records)
     correct = sum(r["correct"] for r in records)
     lo, hi = wilson_interval(correct, len(records))
-    forwards = sum(r.forwards for r in results)
-    latencies = sorted(batch_seconds)
+    forwards = sum(r["forwards"] for r in records)
+    latencies = sorted(r["seconds"] for r in records)
     return {
         "model": model_name, "task": task.name, "split": cfg.split, "decoder": cfg.label, "params": cfg.params,
         "n": len(records), "batch_size": cfg.batch_size, "seed": cfg.seed,
@@ -139,7 +145,7 @@ def evaluate(model: Transformer, tokenizer: Tokenizer, task: Task, cfg: EvalConf
         "tps": n_tok / wall if wall > 0 else 0.0, "tpf": n_tok / max(forwards, 1),
         "latency_mean": sum(latencies) / len(latencies), "latency_p50": latencies[len(latencies) // 2],
         "latency_p90": latencies[min(int(0.9 * len(latencies)), len(latencies) - 1)],
-        "finished": sum(r.finished for r in results) / len(results),
+        "finished": sum(r["finished"] for r in records) / len(records),
     }
 
 

@@ -67,6 +67,24 @@ class TrainConfig:
             self.notes: list[str] = []
         for f in dataclasses.fields(self):
             _check_type(f.name, getattr(self, f.name), f.type)
+        self._check_numbers()
+        if self.warmup_steps > self.max_steps:
+            scaled = self.max_steps // 10
+            self.notes.append(f"warmup_steps {self.warmup_steps} is more than max_steps {self.max_steps}: "
+                              f"warm-up scaled to {scaled} steps (a tenth of the run)")
+            self.warmup_steps = scaled
+        self._check_model()
+        if self.lora is not None:
+            _check_lora(self.lora)
+        _check_paths(self)
+        if self.device != "auto":
+            from refusion.runtime import resolve_device  # imports torch: only when a device is named
+
+            resolve_device(self.device)
+        return self
+
+    def _check_numbers(self) -> None:
+        """The choices and every number's range."""
         _choice("objective", self.objective, OBJECTIVES)
         _choice("dtype", self.dtype, ("float32", "bfloat16"))
         _choice("strategy", self.strategy, STRATEGIES)
@@ -96,11 +114,9 @@ class TrainConfig:
             raise ConfigError(f"betas must be two numbers in [0, 1), got {self.betas}")
         if self.warmup_steps < 0:
             raise ConfigError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
-        if self.warmup_steps > self.max_steps:
-            scaled = self.max_steps // 10
-            self.notes.append(f"warmup_steps {self.warmup_steps} is more than max_steps {self.max_steps}: "
-                              f"warm-up scaled to {scaled} steps (a tenth of the run)")
-            self.warmup_steps = scaled
+
+    def _check_model(self) -> None:
+        """The starting point (init, or a fresh model's table) and the data source."""
         if self.init is not None and (self.model or self.tokenizer is not None):
             # they describe a fresh model; one started from a checkpoint would ignore them without a word
             which = "model" if self.model else "tokenizer"
@@ -120,14 +136,6 @@ class TrainConfig:
         if self.init is None and self.max_length > mc.max_position_embeddings:
             raise ConfigError(f"max_length {self.max_length} exceeds the model's max_position_embeddings "
                               f"{mc.max_position_embeddings}: lower max_length or raise model.max_position_embeddings")
-        if self.lora is not None:
-            _check_lora(self.lora)
-        _check_paths(self)
-        if self.device != "auto":
-            from refusion.runtime import resolve_device  # imports torch: only when a device is named
-
-            resolve_device(self.device)
-        return self
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -290,6 +298,15 @@ def to_toml(cfg: TrainConfig) -> str:
     for name, table in tables:
         lines += ["", f"[{name}]"] + [f"{k} = {_toml_value(v)}" for k, v in table.items()]
     return "\n".join(lines) + "\n"
+
+
+def defaults_text() -> str:
+    """Every field's default, one indented `name = value` line each (`refusion train --help`)."""
+    out = []
+    for f in dataclasses.fields(TrainConfig):
+        v = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        out.append(f"  {f.name} = {'(unset)' if v is None else _toml_value(v)}")
+    return "\n".join(out)
 
 
 def _toml_value(v) -> str:

@@ -105,13 +105,12 @@ def _jsonl_records(text: str, path: Path) -> list[dict]:
     return records
 
 
-def encode_records(records: list[dict], tokenizer: Tokenizer, system: str | None = None) -> list[Example]:
+def encode_records(records: list[dict], tokenizer: Tokenizer) -> list[Example]:
     """Chat template on each query, EOS after each response."""
     eos = tokenizer.eos_id
     if eos is None:
         raise DataError("the tokenizer has no eos_token; set one in tokenizer_config.json")
-    prompts = [tokenizer.apply_chat_template(([{"role": "system", "content": system}] if system else [])
-                                             + [{"role": "user", "content": r["query"]}]) for r in records]
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": r["query"]}]) for r in records]
     p_ids = tokenizer.tok.encode_batch(prompts, add_special_tokens=False)
     r_ids = tokenizer.tok.encode_batch([r["response"] for r in records], add_special_tokens=False)
     return [Example(p.ids, r.ids + [eos]) for p, r in zip(p_ids, r_ids)]
@@ -146,6 +145,22 @@ def length_batches(lengths: list[int], batch_size: int, seed: int, epoch: int, p
     return batches
 
 
+class BatchOrder:
+    """The example indices of every step's global batch: `length_batches` of the step's epoch, built
+    once per epoch (a pure function of seed and epoch, so a resumed run needs no saved order)."""
+
+    def __init__(self, lengths: list[int], batch_size: int, seed: int) -> None:
+        self.lengths, self.batch_size, self.seed = lengths, batch_size, seed
+        self.per_epoch = len(lengths) // batch_size
+        self._epoch: tuple[int, list[list[int]]] = (-1, [])
+
+    def __call__(self, step: int) -> list[int]:
+        epoch, i = divmod(step, self.per_epoch)
+        if self._epoch[0] != epoch:
+            self._epoch = (epoch, length_batches(self.lengths, self.batch_size, self.seed, epoch))
+        return self._epoch[1][i]
+
+
 # ----------------------------------------------------------------------------------------------
 # a tokenizer for models trained from scratch
 
@@ -172,11 +187,11 @@ def train_bpe_tokenizer(texts: list[str], vocab_size: int = 1024, min_frequency:
     return Tokenizer(tok, config)
 
 
-def synthetic_records(n: int, seed: int = 0, split: str = "train") -> list[dict]:
+def synthetic_records(n: int, seed: int = 0) -> list[dict]:
     """A mixture of the synthetic task families (refusion.tasks.synthetic) as training records."""
     from refusion.tasks.synthetic import mixture
 
-    return [{"query": r["query"], "response": r["response"]} for r in mixture(split, n, seed)]
+    return [{"query": r["query"], "response": r["response"]} for r in mixture("train", n, seed)]
 
 
 def task_names(data: str) -> list[str] | None:
@@ -209,12 +224,12 @@ def trained_tasks(data: str) -> tuple[str, ...] | None:
     return tuple(task_names(data)) if data.startswith("tasks:") else None
 
 
-def task_records(names: list[str], n: int, seed: int = 0, split: str = "train") -> list[dict]:
+def task_records(names: list[str], n: int, seed: int = 0) -> list[dict]:
     """n training records of the named tasks (refusion.tasks): equal shares, interleaved."""
     from refusion.tasks import get_task
 
     per = -(-n // len(names))
-    loaded = [get_task(t).load(split, n=per, seed=seed) for t in names]
+    loaded = [get_task(t).load("train", n=per, seed=seed) for t in names]
     out = [{"query": ex.prompt, "response": ex.target} for group in zip(*loaded) for ex in group]
     if any(r["response"] is None for r in out):
         raise DataError(f"tasks {', '.join(names)}: every example needs a reference response to train on")

@@ -1,0 +1,253 @@
+"""Everything a training run needs before its first step, in one `Run`: the process group and device,
+the run directory's checks, tokenizer, model (mask token, LoRA, FSDP or DDP), data, optimizer, and
+the state of the checkpoint it resumes from.
+
+    run = setup(cfg)          # one per process; refusion.training.trainer.fit(run) trains it
+
+Every check that can fail (options, out_dir, data, the model's size) fails here, before a step.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import random
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from refusion.model.checkpoint import STATE_FILE, add_mask_token, load_model
+from refusion.model.config import ModelConfig
+from refusion.model.lora import apply_lora
+from refusion.model.tokenizer import Tokenizer
+from refusion.model.transformer import Transformer
+from refusion.runtime import resolve_device
+from refusion.training.config import TrainConfig
+from refusion.training.data import (BatchOrder, DataError, Example, encode_records, filter_by_length,
+                                    train_bpe_tokenizer, training_records)
+from refusion.training.optimizer import make_optimizer
+from refusion.training.run_dir import latest_checkpoint, written_by
+
+
+@dataclass
+class Run:
+    """One process's part of a training run; the loop advances `step`, the model and the optimizer."""
+
+    cfg: TrainConfig
+    out: Path  # the run directory
+    world: int  # processes
+    rank: int
+    device: torch.device
+    micro: int  # micro-batch size: rows per forward and backward
+    tokenizer: Tokenizer
+    model: Transformer  # the module itself (sharded in place under FSDP)
+    new_tokens: list[int]  # rows the base model never trained (LoRA trains them too)
+    examples: list[Example]
+    order: BatchOrder  # step -> the global batch's example indices
+    optimizer: torch.optim.AdamW
+    layout_gen: torch.Generator  # draws every objective layout (masks, slots) of the run
+    step: int = 0  # optimizer steps taken
+    ddp: DistributedDataParallel | None = None  # wraps `model` when several processes each hold all of it
+
+    @property
+    def fsdp(self) -> bool:
+        return self.cfg.strategy == "fsdp"
+
+
+def log(msg: str) -> None:
+    """A note on stderr, from rank 0 only."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"refusion train: {msg}", file=sys.stderr)
+
+
+def setup(cfg: TrainConfig, resume: bool = True) -> Run:
+    """Build (or resume) this process's part of the run `cfg` describes."""
+    cfg.validate()
+    out = Path(cfg.out_dir)
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    for note in getattr(cfg, "notes", []):
+        log(note)
+    device = _process_group(cfg, world)
+    micro = cfg.micro_batch_size or max(cfg.batch_size // world, 1)
+    if cfg.batch_size % (world * micro):
+        raise ValueError(f"batch_size {cfg.batch_size} must be a multiple of processes ({world}) x "
+                         f"micro_batch_size ({micro})")
+    ckpt = _checkpoint_to_resume(cfg, out, resume)
+
+    # read once, when first needed: only a tokenizer trained on the data needs them before the examples
+    @functools.cache
+    def records() -> list[dict]:
+        recs = training_records(cfg.data, cfg.synthetic_examples, cfg.seed, cfg.corpus, cfg.corpus_examples)
+        if cfg.corpus is not None:
+            log(f"data: {cfg.data} + {cfg.corpus_examples} passages of {cfg.corpus}: {len(recs)} records")
+        return recs
+
+    tokenizer = _tokenizer(cfg, out, ckpt, rank, world, records)
+    model, new_tokens = _model(cfg, tokenizer, ckpt, device)
+    examples = _examples(cfg, records(), tokenizer)
+    if len(examples) < cfg.batch_size:
+        raise DataError(f"only {len(examples)} examples after filtering, fewer than batch_size {cfg.batch_size}")
+    run = Run(cfg, out, world, rank, device, micro, tokenizer, model, new_tokens, examples,
+              BatchOrder([len(e) for e in examples], cfg.batch_size, cfg.seed), make_optimizer(model, cfg),
+              torch.Generator().manual_seed(cfg.seed))
+    if ckpt is not None:
+        _resume(run, ckpt)
+    if world > 1 and not run.fsdp:
+        run.ddp = DistributedDataParallel(run.model, device_ids=[device.index] if device.type == "cuda" else None)
+    return run
+
+
+def _process_group(cfg: TrainConfig, world: int) -> torch.device:
+    """Join the processes torchrun started (if any); this process's device."""
+    fsdp = cfg.strategy == "fsdp"
+    dev = resolve_device(cfg.device)
+    if fsdp and not dist.is_initialized() and "MASTER_ADDR" not in os.environ:
+        raise ValueError("strategy fsdp shards the model over the processes torchrun starts: run it as "
+                         "torchrun --nproc-per-node N -m refusion.cli train ... (N = 1 works too); "
+                         "without torchrun, train with the default strategy (ddp), which needs no process group")
+    distributed = world > 1 or fsdp  # FSDP needs a process group even for one process
+    if distributed and not dist.is_initialized():
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    if dev.type == "cuda" and distributed:
+        dev = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
+        torch.cuda.set_device(dev)  # NCCL collectives and FSDP use the current device
+    return dev
+
+
+def _checkpoint_to_resume(cfg: TrainConfig, out: Path, resume: bool) -> Path | None:
+    ckpt = latest_checkpoint(out)
+    if ckpt is not None and not resume:
+        raise ValueError(f"{out} already holds a run ({ckpt.name}) and resuming is off (--no-resume): "
+                         "choose a new out_dir, or remove this one to start over")
+    if ckpt is not None and written_by(ckpt) != cfg.strategy:
+        written = written_by(ckpt)
+        raise ValueError(f"{ckpt} was written with strategy {written}: resume it with --strategy {written} "
+                         "(or choose a new out_dir)")
+    return ckpt
+
+
+def _tokenizer(cfg: TrainConfig, out: Path, ckpt: Path | None, rank: int, world: int,
+               records: Callable[[], list[dict]]) -> Tokenizer:
+    if ckpt is not None:
+        return Tokenizer.from_dir(ckpt)
+    if cfg.init is not None:
+        return Tokenizer.from_dir(cfg.init)
+    if cfg.tokenizer is not None:
+        return Tokenizer.from_dir(cfg.tokenizer)
+    # train a BPE on the data; rank 0 writes it and every process reads the same file
+    tok_dir = out / "tokenizer"
+    if rank == 0 and not (tok_dir / "tokenizer.json").exists():
+        texts = [t for r in records() for t in (r["query"], r["response"])]
+        tok = train_bpe_tokenizer(texts, cfg.vocab_size)
+        tok_dir.mkdir(parents=True, exist_ok=True)
+        tok.save(tok_dir)
+        log(f"trained a {len(tok)}-token BPE tokenizer -> {tok_dir}")
+    if world > 1:
+        dist.barrier()
+    return Tokenizer.from_dir(tok_dir)
+
+
+def _model(cfg: TrainConfig, tok: Tokenizer, ckpt: Path | None, device: torch.device) -> tuple[Transformer, list[int]]:
+    """The model to train, on its device (sharded under FSDP), and the token rows it adds."""
+    fsdp = cfg.strategy == "fsdp"
+    needs_mask = cfg.objective in ("refusion", "mdm")
+    # LoRA resumes from the base weights plus the saved adapters (checkpoints hold merged weights);
+    # FSDP from the starting weights, overwritten by the checkpoint's shards once sharded
+    start = cfg.init if (cfg.lora or fsdp) else (ckpt or cfg.init)
+    new_tokens: list[int] = []
+    if start is not None:
+        model = load_model(start, dtype=torch.float32)
+        if needs_mask and model.config.mask_token_id is None:
+            mask_id = add_mask_token(model, tok)
+            new_tokens = [mask_id]
+            log(f"added the mask token to {cfg.init} (id {mask_id})")
+    else:
+        model = _new_model(cfg, tok, needs_mask)
+    if cfg.max_length > model.config.max_position_embeddings:
+        raise ValueError(f"max_length {cfg.max_length} exceeds {start or 'the model'}'s max_position_embeddings "
+                         f"{model.config.max_position_embeddings}")
+    model.config.bidirectional = cfg.objective == "mdm"
+    model.config.training_objective = cfg.objective  # picks the model's default decoder
+    if cfg.lora and (ckpt is None or fsdp):  # FSDP: the adapters must exist before sharding
+        apply_seeded_lora(model, cfg, new_tokens)
+    model.gradient_checkpointing = cfg.gradient_checkpointing
+    if fsdp:
+        from refusion.training.fsdp import shard_model
+
+        # from the CPU: fully_shard moves each unit's slice to the device as it shards it
+        return shard_model(model.train(), device, bf16=cfg.dtype == "bfloat16"), new_tokens
+    return model.to(device).train(), new_tokens
+
+
+def _new_model(cfg: TrainConfig, tok: Tokenizer, needs_mask: bool) -> Transformer:
+    """A model from scratch: cfg.model's shape, the tokenizer's vocabulary and special tokens."""
+    if tok.eos_id is None:
+        raise DataError("the tokenizer has no eos_token")
+    mcfg = ModelConfig(**{"vocab_size": len(tok), "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id,
+                          "mask_token_id": tok.mask_id if needs_mask else None, **cfg.model})
+    if mcfg.vocab_size < len(tok):
+        raise ValueError(f"model.vocab_size {mcfg.vocab_size} is smaller than the tokenizer ({len(tok)})")
+    return Transformer(mcfg).init_weights(seed=cfg.seed)
+
+
+def apply_seeded_lora(model: Transformer, cfg: TrainConfig, new_tokens: list[int]) -> None:
+    # adapters start from the run's seed, not from whatever the global generator holds: every
+    # FSDP process builds its own copy before sharding, and the copies must be the same
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        apply_lora(model, cfg.lora, new_tokens)
+
+
+def _examples(cfg: TrainConfig, records: list[dict], tok: Tokenizer) -> list[Example]:
+    kept, dropped = filter_by_length(encode_records(records, tok), cfg.max_length)
+    n_tok = sum(len(e) for e in kept)
+    log(f"{len(kept)} examples ({n_tok} tokens); dropped {dropped} longer than {cfg.max_length} tokens")
+    return kept
+
+
+# ----------------------------------------------------------------------------------------------
+# resuming: the state refusion.training.checkpointing writes into every checkpoint
+
+
+def rng_state() -> dict:
+    s = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        s["cuda"] = torch.cuda.get_rng_state_all()
+    return s
+
+
+def _set_rng_state(s: dict) -> None:
+    torch.set_rng_state(s["torch"])
+    random.setstate(s["python"])
+    np.random.set_state(s["numpy"])
+    if "cuda" in s and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s["cuda"])
+
+
+def _resume(run: Run, path: Path) -> None:
+    """Continue from checkpoint `path`: weights (where the model was not loaded from it), optimizer,
+    step, layout generator and random number generators, exactly as they were when it was written."""
+    s = torch.load(path / STATE_FILE, weights_only=False)
+    rng = s["rng"]
+    if run.fsdp:
+        from refusion.training.sharded_checkpoint import load_sharded
+
+        # a process the checkpoint did not have (more processes now) starts from rank 0's states
+        rng = load_sharded(path, run.model, run.optimizer) or rng
+    else:
+        if run.cfg.lora:
+            apply_seeded_lora(run.model, run.cfg, run.new_tokens)
+            run.model.load_state_dict(s["lora"], strict=False)
+            run.model.to(run.device)
+            run.optimizer = make_optimizer(run.model, run.cfg)
+        run.optimizer.load_state_dict(s["optimizer"])
+    run.layout_gen.set_state(s["layout_gen"])
+    _set_rng_state(rng)
+    run.step = s["step"]
+    log(f"resumed from {path} at step {run.step}")

@@ -1,0 +1,127 @@
+"""One optimizer step of a run, on one global batch (the same examples whatever the number of processes).
+
+The objective's layout is built for the whole global batch from the run's one layout generator;
+each process takes its rows and splits them into micro-batches (gradient accumulation). Losses are
+normalised by the global batch's counts, so N processes x M micro-batches compute the same loss
+and gradient as one process with the whole batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from refusion.training.objectives import (Batch, TrainInputs, ar_token_count, build_inputs, compute_loss, make_batch,
+                                         pad_responses)
+from refusion.training.optimizer import lr_at
+from refusion.training.setup import Run
+
+
+def train_step(run: Run) -> dict[str, float]:
+    """Take step `run.step` and return its metrics (losses, lr, grad_norm, tokens: the global batch's)."""
+    cfg = run.cfg
+    idx = run.order(run.step)
+    batch = _global_batch(run, idx)
+    kw = {} if cfg.objective == "ar" else {"eps": cfg.eps}
+    if cfg.objective == "refusion":
+        kw["slot_sizes"] = tuple(cfg.slot_sizes)
+    mask_id = run.model.config.mask_token_id
+    t0 = time.perf_counter()
+    inputs = build_inputs(cfg.objective, batch, mask_id if mask_id is not None else -1, run.layout_gen, **kw)
+    layout_s = time.perf_counter() - t0
+    n_ar, B = ar_token_count(inputs), len(idx)
+    for g in run.optimizer.param_groups:
+        g["lr"] = lr_at(run.step, cfg)
+    totals, tokens = _backward(run, inputs, batch, n_ar, B)
+    grad_norm = _optimizer_step(run)
+    run.step += 1
+    out = {k: v.float() for k, v in totals.items() if "loss" in k}
+    if run.world > 1:  # the global batch's loss is the sum of the processes' parts
+        vec = torch.stack([out[k] for k in sorted(out)] + [torch.tensor(float(tokens))]).to(run.device)
+        dist.all_reduce(vec)
+        out = dict(zip(sorted(out), vec[:-1]))
+        tokens = int(vec[-1])
+    rec = {k: float(v) for k, v in out.items()}
+    rec.update(step=run.step, lr=lr_at(run.step - 1, cfg), grad_norm=float(grad_norm), tokens=tokens,
+               layout_s=layout_s)
+    return rec
+
+
+def _global_batch(run: Run, idx: list[int]) -> Batch:
+    pad_id = run.tokenizer.pad_id if run.tokenizer.pad_id is not None else 0
+    batch = make_batch([run.examples[i].prompt for i in idx], [run.examples[i].response for i in idx], pad_id)
+    if run.cfg.objective == "mdm" and run.cfg.mdm_eos_pad_to:
+        batch = pad_responses(batch, run.model.config.eos_ids[0], run.cfg.mdm_eos_pad_to)
+    return batch
+
+
+def _backward(run: Run, inputs: TrainInputs, batch: Batch, n_ar: Tensor, B: int) -> tuple[dict[str, Tensor], int]:
+    """Forward and backward of this process's rows, in micro-batches; the summed loss statistics and
+    the number of real tokens."""
+    cfg, model = run.cfg, run.ddp or run.model
+    per_rank = B // run.world
+    starts = range(run.rank * per_rank, (run.rank + 1) * per_rank, run.micro)
+    totals: dict[str, Tensor] = {}
+    tokens = 0
+    # FSDP's bf16 is its mixed precision policy (refusion.training.fsdp), not autocast
+    autocast = (torch.autocast(run.device.type, dtype=torch.bfloat16) if cfg.dtype == "bfloat16" and not run.fsdp
+                else nullcontext())
+    for k, lo in enumerate(starts):
+        sub = _rows(inputs, lo, lo + run.micro).to(run.device)
+        sub_batch = _batch_rows(batch, lo, lo + run.micro).to(run.device)
+        tokens += int((~sub.pad).sum())
+        last = k == len(starts) - 1
+        # DDP reduces once, after the last micro-batch. FSDP reduce-scatters after every one:
+        # its gradients then stay sharded between micro-batches instead of whole on every process
+        sync = nullcontext() if (run.ddp is None or last) else run.ddp.no_sync()
+        with sync:
+            with autocast:
+                # causal objectives: padding is at the end, so plain causal attention is exact there
+                mask = sub.attn_mask if sub.attention == "bidirectional" else None
+                logits = model(sub.input_ids, sub.position_ids, mask)
+            loss, stats = compute_loss(cfg.objective, logits, sub, sub_batch, n_ar.to(run.device), B)
+            # DDP and FSDP average gradients over processes; the global loss is their sum
+            (loss * run.world).backward()
+        for key, v in stats.items():
+            totals[key] = totals.get(key, 0) + v
+    return totals, tokens
+
+
+def _optimizer_step(run: Run) -> Tensor:
+    """Clip, step, clear the gradients; the gradient norm before clipping (0 with clipping off)."""
+    params = [p for p in run.model.parameters() if p.requires_grad]
+    if run.cfg.grad_clip <= 0:
+        grad_norm = torch.tensor(0.0)
+    elif run.fsdp:
+        from refusion.training.fsdp import clip_grad_norm
+
+        grad_norm = clip_grad_norm(params, run.cfg.grad_clip)
+    else:
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, run.cfg.grad_clip)
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
+def _rows(inputs: TrainInputs, lo: int, hi: int) -> TrainInputs:
+    """Rows lo:hi, with the columns cut to the longest of them (padding is always at the end)."""
+    T = int((~inputs.pad[lo:hi]).sum(1).max())
+    sub = {}
+    for f in dataclasses.fields(inputs):
+        v = getattr(inputs, f.name)
+        if isinstance(v, Tensor) and v.ndim >= 2:
+            v = v[lo:hi, ..., :T, :T] if f.name == "attn_mask" else v[lo:hi, :T]
+        elif isinstance(v, Tensor):
+            v = v[lo:hi]
+        sub[f.name] = v
+    return TrainInputs(**sub)
+
+
+def _batch_rows(batch: Batch, lo: int, hi: int) -> Batch:
+    return dataclasses.replace(batch, prompt_ids=batch.prompt_ids[lo:hi], prompt_len=batch.prompt_len[lo:hi],
+                               response_ids=batch.response_ids[lo:hi], response_len=batch.response_len[lo:hi])
