@@ -49,8 +49,8 @@ from refusion.model.transformer import Transformer
 
 
 class SpeculativeSeq:
-    """One sequence of a SpeculativeBatch: committed tokens (all but the newest, x, have their KV in cache columns
-    [0, c)), the draft for the positions after x, and the adaptive width."""
+    """One sequence of a SpeculativeBatch: committed tokens (all but the newest, x, have their KV
+    in cache columns [0, c)), the draft for the positions after x, and the adaptive width."""
 
     def __init__(self, sid: int, prompt: list[int], p: SpeculativeParams, mask_id: int, eos: set[int],
                  gen: torch.Generator | None, on_commit: Callable[[list[int], list[int]], None] | None) -> None:
