@@ -68,7 +68,8 @@ def test_commits_after_an_eos_are_reported_but_not_in_the_result():
     ("refusion", dict(gen_length=16, slot_size=32), "slot_size x serial_blocks = 32 x 1 = 32 exceeds gen_length 16"),
     ("refusion", dict(temperature=math.inf), "temperature must be a finite number"),
     ("mdm", dict(gen_length=16, block_length=8, steps=0), "steps must be an integer >= 1, got 0"),
-    ("mdm-threshold", dict(gen_length=16, block_length=8, steps=16), "the threshold mode takes none"),
+    ("mdm-threshold", dict(gen_length=16, block_length=8, steps=16), "does not take steps"),
+    ("mdm", dict(gen_length=16, block_length=8, threshold=0.5), "use 'mdm-threshold' for threshold"),
     ("refusion", dict(top_k=3), "does not take top_k"),
 ])
 def test_bad_parameters_are_refused_without_a_model(decoder, params, message):

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from refusion.model.config import ModelConfig
+from refusion.decoding import decode
 from refusion.decoding.refusion import ReFusionParams, generate_refusion
 from refusion.model.transformer import Transformer
 from reference_refusion import reference_refusion
@@ -492,8 +493,8 @@ def test_parameter_validation(kw, match):
     model = tiny_model(0)
     with pytest.raises(ValueError, match=match):
         generate_refusion(model, [PROMPTS[0]], ReFusionParams(**kw))
-    with pytest.raises(ValueError, match=match):  # the same through keyword overrides
-        generate_refusion(model, [PROMPTS[0]], **kw)
+    with pytest.raises(ValueError, match=match):  # the same through decode()'s keywords
+        decode(model, [PROMPTS[0]], "refusion", **kw)
 
 
 def test_model_without_mask_token_is_refused():

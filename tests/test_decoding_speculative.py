@@ -16,7 +16,7 @@ import torch
 
 from refusion.model.cache import KVCache
 from refusion.model.config import ModelConfig
-from refusion.decoding import decode, generate_ar
+from refusion.decoding import ARParams, decode, generate_ar
 from refusion.decoding import speculative as spec
 from refusion.decoding.speculative import SpeculativeBatch, SpeculativeParams, generate_speculative
 from refusion.model.transformer import Transformer
@@ -37,7 +37,7 @@ def tiny_model(seed: int, **over) -> Transformer:
 
 
 def ar(model, prompts, n, eos):
-    return generate_ar(model, prompts, max_new_tokens=n, eos_ids=eos)
+    return generate_ar(model, prompts, ARParams(gen_length=n), eos_ids=eos)
 
 
 class Oracle:
@@ -51,7 +51,7 @@ def oracle(monkeypatch):
     """After every step, replace a sequence's draft by AR's continuation, cut to a random length and
     (with probability p_corrupt) corrupted at a random place."""
     o = Oracle()
-    plain = spec._Seq.advance
+    plain = spec.SpeculativeSeq.advance
 
     def advance(self, j, extra, mask_preds):
         plain(self, j, extra, mask_preds)
@@ -62,7 +62,7 @@ def oracle(monkeypatch):
             draft[i] = (draft[i] + 1) % MASK
         self.draft = draft
 
-    monkeypatch.setattr(spec._Seq, "advance", advance)
+    monkeypatch.setattr(spec.SpeculativeSeq, "advance", advance)
     return o
 
 
@@ -71,10 +71,10 @@ def oracle(monkeypatch):
 def test_greedy_equals_ar_batched_and_alone(seed, widths):
     model = tiny_model(seed)
     ref = ar(model, PROMPTS, 24, [1])
-    together = generate_speculative(model, PROMPTS, gen_length=24, eos_ids=[1], **widths)
+    together = generate_speculative(model, PROMPTS, SpeculativeParams(gen_length=24, **widths), eos_ids=[1])
     for p, r, a in zip(PROMPTS, together, ref):
         assert r.tokens == a.tokens and r.positions == a.positions and r.finished == a.finished
-        (alone,) = generate_speculative(model, [p], gen_length=24, eos_ids=[1], **widths)
+        (alone,) = generate_speculative(model, [p], SpeculativeParams(gen_length=24, **widths), eos_ids=[1])
         assert (alone.tokens, alone.steps, alone.forwards, alone.tokens_fed) == (r.tokens, r.steps, r.forwards,
                                                                                  r.tokens_fed)
 
@@ -85,14 +85,14 @@ def test_greedy_equals_ar_with_long_accepted_drafts(seed, oracle):
     free = ar(model, PROMPTS, 40, [])
     for p, f in zip(PROMPTS, free):
         oracle.truth[tuple(p)] = f.tokens
-    res = generate_speculative(model, PROMPTS, gen_length=40, eos_ids=[], draft_length=24)
+    res = generate_speculative(model, PROMPTS, SpeculativeParams(gen_length=40, draft_length=24), eos_ids=[])
     assert [r.tokens for r in res] == [f.tokens for f in free]
     assert sum(len(r.tokens) for r in res) / sum(r.forwards for r in res) > 3  # the drafts were accepted
     # EOS anywhere, inside an accepted draft included: declare the i-th free token to be EOS
     for i in (0, 1, 5, 17, 39):
         eos = [free[0].tokens[i]]
         want = ar(model, PROMPTS, 40, eos)
-        got = generate_speculative(model, PROMPTS, gen_length=40, eos_ids=eos, draft_length=24)
+        got = generate_speculative(model, PROMPTS, SpeculativeParams(gen_length=40, draft_length=24), eos_ids=eos)
         for g, w in zip(got, want):
             assert g.tokens == w.tokens and g.finished == w.finished
             assert g.tokens.count(eos[0]) <= 1 and (not g.finished or g.tokens[-1] == eos[0])
@@ -131,8 +131,8 @@ def test_counters_by_hand(oracle):
     p = PROMPTS[1]
     free = ar(model, [p], 21, [])[0]
     oracle.truth[tuple(p)], oracle.p_corrupt, oracle.min_len = free.tokens, 0.0, 19
-    (r,) = generate_speculative(model, [p], gen_length=21, eos_ids=[], draft_length=3, mask_length=2,
-                                adaptive=False)
+    (r,) = generate_speculative(model, [p], SpeculativeParams(gen_length=21, draft_length=3, mask_length=2,
+                                                              adaptive=False), eos_ids=[])
     assert r.tokens == free.tokens
     assert r.forwards == 6 and r.steps == [0] + [s for s in range(1, 6) for _ in range(4)]
     assert r.tokens_fed == (len(p) + 2) + 4 * (1 + 3 + 2) + (1 + 3 + 1)
@@ -140,7 +140,7 @@ def test_counters_by_hand(oracle):
 
 def test_ar_mode_counts_like_ar():
     model = tiny_model(3)
-    for r, a in zip(generate_speculative(model, PROMPTS, gen_length=16, eos_ids=[1], draft_length=0),
+    for r, a in zip(generate_speculative(model, PROMPTS, SpeculativeParams(gen_length=16, draft_length=0), eos_ids=[1]),
                     ar(model, PROMPTS, 16, [1])):
         assert (r.tokens, r.steps, r.forwards, r.tokens_fed) == (a.tokens, a.steps, a.forwards, a.tokens_fed)
 
@@ -187,8 +187,8 @@ def test_accept_prob_is_lossy_when_asked(oracle):
     free = ar(model, PROMPTS, 30, [])
     for p, f in zip(PROMPTS, free):
         oracle.truth[tuple(p)] = f.tokens
-    exact = generate_speculative(model, PROMPTS, gen_length=30, eos_ids=[])
-    lossy = generate_speculative(model, PROMPTS, gen_length=30, eos_ids=[], accept_prob=1e-9)
+    exact = generate_speculative(model, PROMPTS, SpeculativeParams(gen_length=30), eos_ids=[])
+    lossy = generate_speculative(model, PROMPTS, SpeculativeParams(gen_length=30, accept_prob=1e-9), eos_ids=[])
     assert [r.tokens for r in exact] == [f.tokens for f in free]
     assert [r.tokens for r in lossy] != [f.tokens for f in free]
     assert sum(r.forwards for r in lossy) < sum(r.forwards for r in exact)
@@ -197,18 +197,18 @@ def test_accept_prob_is_lossy_when_asked(oracle):
 def test_needs_a_mask_token_and_valid_params():
     model = Transformer(ModelConfig(**{**CFG, "mask_token_id": None})).init_weights(seed=0)
     with pytest.raises(ValueError, match="mask token"):
-        generate_speculative(model, PROMPTS, gen_length=4)
+        generate_speculative(model, PROMPTS, SpeculativeParams(gen_length=4))
     model = tiny_model(0)
     for bad, msg in [(dict(gen_length=0), "gen_length"), (dict(draft_length=-1), "draft_length"),
                      (dict(temperature=float("nan")), "temperature"), (dict(temperature=1, top_p=0), "top_p"),
                      (dict(temperature=1, top_k=0), "top_k"), (dict(accept_prob=1.5), "accept_prob"),
                      (dict(top_k=3), "temperature > 0")]:
         with pytest.raises(ValueError, match=msg):
-            generate_speculative(model, PROMPTS, **bad)
+            decode(model, PROMPTS, "speculative", **bad)
     with pytest.raises(ValueError, match="does not take"):
         decode(model, PROMPTS, "speculative", slot_size=8)
-    with pytest.raises(ValueError, match="token ids"):
-        generate_speculative(model, [[2, 99]], gen_length=4)
+    with pytest.raises(ValueError, match="token id 99"):
+        generate_speculative(model, [[2, 99]], SpeculativeParams(gen_length=4))
 
 
 # ---- sampling: the exact AR law on a 6-token vocabulary -------------------------------------------
@@ -289,17 +289,17 @@ def test_sampled_outputs_follow_the_ar_law(kw):
     assert bad > 3 * threshold, (bad, threshold)
     # and AR sampling itself follows the same law (one generator for a batch of identical prompts)
     counts: dict[tuple, int] = {}
-    for r in generate_ar(model, [prompt] * total, max_new_tokens=n, eos_ids=[], seed=0, temperature=kw["temperature"],
-                         top_k=kw.get("top_k"), top_p=kw.get("top_p")):
+    for r in generate_ar(model, [prompt] * total, ARParams(gen_length=n, temperature=kw["temperature"],
+                         top_k=kw.get("top_k"), top_p=kw.get("top_p")), eos_ids=[], seed=0):
         counts[tuple(r.tokens)] = counts.get(tuple(r.tokens), 0) + 1
     assert chi2(counts, law, total)[0] < threshold
 
 
 def test_sampling_is_reproducible_and_batch_independent():
     model = tiny_model(6)
-    kw = dict(gen_length=16, temperature=0.9, top_p=0.95, eos_ids=[1])
-    a = generate_speculative(model, PROMPTS, seed=3, **kw)
-    b = [generate_speculative(model, [p], seed=3, **kw)[0] for p in PROMPTS]
+    kw = dict(eos_ids=[1], gen_length=16, temperature=0.9, top_p=0.95)
+    a = decode(model, PROMPTS, "speculative", seed=3, **kw)
+    b = [decode(model, [p], "speculative", seed=3, **kw)[0] for p in PROMPTS]
     assert [r.tokens for r in a] == [r.tokens for r in b]
-    c = generate_speculative(model, PROMPTS, seed=4, **kw)
+    c = decode(model, PROMPTS, "speculative", seed=4, **kw)
     assert [r.tokens for r in a] != [r.tokens for r in c]

@@ -85,3 +85,24 @@ def test_the_page_reports_errors(page):
     page.click("#run")
     page.wait_for_selector("body[data-state=error]", timeout=30_000)
     assert "multiple of slot_size" in page.inner_text("#error")
+
+
+def test_the_controls_are_the_decoders_fields_from_the_server(live, page):
+    """The page builds each decoder's controls from GET /v1/decoders: one per field, with its
+    default; a typed value is kept across decoder changes and goes into the request."""
+    fields = {d["id"]: d["fields"] for d in httpx.get(live.url + "/v1/decoders").json()["data"]}
+    for decoder in ("speculative", "refusion", "ar", "mdm", "mdm-threshold"):
+        page.select_option("#decoder", decoder)
+        shown = page.locator("#params input").evaluate_all(
+            "els => els.map(e => [e.id, e.type === 'checkbox' ? e.checked : e.value])")
+        assert shown == [[f["name"], f["default"] if f["type"] == "boolean" else
+                          ("" if f["default"] is None else str(f["default"]))] for f in fields[decoder]]
+    page.select_option("#decoder", "refusion")
+    page.fill("#slot_size", "4")
+    page.check("#recompute_kv")
+    page.select_option("#decoder", "mdm")
+    page.select_option("#decoder", "refusion-l2r")
+    assert page.input_value("#slot_size") == "4" and page.is_checked("#recompute_kv")
+    body = page.evaluate("requestBody()")
+    assert (body["decoder"], body["slot_size"], body["recompute_kv"]) == ("refusion-l2r", 4, True)
+    assert "block_length" not in body

@@ -60,7 +60,7 @@ def _prompt(args: argparse.Namespace, tok, model_dir: Path) -> list[int]:
 def cmd_generate(args: argparse.Namespace) -> None:
     from refusion.model.checkpoint import load_config, load_model
     from refusion.decoding import decode, make_params
-    from refusion.decoding.common import check_prompts
+    from refusion.decoding.params import check_prompts
     from refusion.runtime import count_parameters, resolve_device, set_threads
     from refusion.model.tokenizer import Tokenizer
     from refusion.cli.view import SlotView
@@ -73,12 +73,13 @@ def cmd_generate(args: argparse.Namespace) -> None:
     prompt = _prompt(args, tok, model_dir)
     decoder = choose_decoder(args, config)
     params = decoder_params(args, decoder)
-    check_prompts(config, [prompt], make_params(decoder, **params).gen_length)
+    gen_length = make_params(decoder, **params).gen_length
+    check_prompts(config, [prompt], gen_length)
     model = load_model(model_dir, dtype=args.dtype, device=device, compile=args.compile)
     set_threads(args.threads, count_parameters(model))
     view = None
     if not args.json and not args.no_view and sys.stderr.isatty():
-        view = SlotView(tok, len(prompt), args.gen_length, eos_ids=model.config.eos_ids)
+        view = SlotView(tok, len(prompt), gen_length, eos_ids=model.config.eos_ids)
     try:
         res = decode(model, [prompt], decoder, seed=args.seed, on_commit=view.on_commit if view else None,
                      **params)[0]

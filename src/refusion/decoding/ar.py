@@ -4,46 +4,31 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
+from refusion.decoding.common import DecodeResult, left_pad
+from refusion.decoding.params import ARParams, check_prompts
+from refusion.decoding.sampling import generator, sample
 from refusion.model.transformer import Transformer
-from refusion.decoding.common import DecodeResult, check_positive, check_prompts, check_sampling, left_pad, sample
-
-
-@dataclass
-class ARParams:
-    """decode(..., "ar")'s parameters; gen_length is generate_ar's max_new_tokens."""
-
-    gen_length: int = 256
-    temperature: float = 0.0
-    top_k: int | None = None
-    top_p: float | None = None
-    first_from_mask: bool | None = None  # None: on when the model has a mask token
-
-    def validate(self) -> None:
-        check_positive("gen_length", self.gen_length)
-        check_sampling(self.temperature, self.top_k, self.top_p)
 
 
 @torch.inference_mode()
-def generate_ar(model: Transformer, prompts: list[list[int]], max_new_tokens: int = 256,
-                temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-                eos_ids: list[int] | None = None, first_from_mask: bool | None = None,
-                seed: int | None = None, on_token: Callable[[int, int, int], None] | None = None,
-                ) -> list[DecodeResult]:
+def generate_ar(model: Transformer, prompts: list[list[int]], params: ARParams | None = None, *,
+                eos_ids: list[int] | None = None, seed: int | None = None,
+                on_commit: Callable[[int, list[int], list[int]], None] | None = None) -> list[DecodeResult]:
     """Decode every prompt left to right, one token per forward pass, batched.
 
     first_from_mask: take the first response token from a <|mask|> fed at its position (the
     ReFusion objective never trains the prompt's last token to predict it; see the spec, section 5).
-    Default: on when the model has a mask token.
-    on_token(row, position, token) is called for every committed token (streaming).
+    Default: on when the model has a mask token. Sampled rows share one generator (seeded with
+    `seed`; unseeded when None). on_commit(row, [position], [token]) for every token (streaming).
     """
-    check_positive("max_new_tokens", max_new_tokens)
-    check_sampling(temperature, top_k, top_p)
+    p = params or ARParams()
+    gen_length, temperature, top_k, top_p = p.gen_length, p.temperature, p.top_k, p.top_p
+    first_from_mask = p.first_from_mask
     cfg = model.config
-    check_prompts(cfg, prompts, max_new_tokens)
+    check_prompts(cfg, prompts, gen_length)
     device = model.embed_tokens.weight.device
     eos = set(eos_ids if eos_ids is not None else cfg.eos_ids)
     mask_id = cfg.mask_token_id
@@ -51,7 +36,7 @@ def generate_ar(model: Transformer, prompts: list[list[int]], max_new_tokens: in
         first_from_mask = mask_id is not None
     if first_from_mask and mask_id is None:
         raise ValueError("first_from_mask needs a model with mask_token_id in its config")
-    gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+    gen = generator(seed, device) if seed is not None else None
     start = time.perf_counter()
     B = len(prompts)
     pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
@@ -81,20 +66,20 @@ def generate_ar(model: Transformer, prompts: list[list[int]], max_new_tokens: in
     fed = [len(p) + int(first_from_mask) for p in prompts]
 
     done = torch.zeros(B, dtype=torch.bool, device=device)
-    out = torch.empty(B, max_new_tokens, dtype=torch.long, device=device)
-    keys_valid = torch.cat([valid, torch.ones(B, max_new_tokens, dtype=torch.bool, device=device)], 1)
+    out = torch.empty(B, gen_length, dtype=torch.long, device=device)
+    keys_valid = torch.cat([valid, torch.ones(B, gen_length, dtype=torch.bool, device=device)], 1)
     n_steps = 0
-    for step in range(max_new_tokens):
+    for step in range(gen_length):
         tok = sample(logits, temperature, top_k, top_p, gen)
         tok = torch.where(done, torch.full_like(tok, pad), tok)
         out[:, step] = tok
         n_steps = step + 1
-        if on_token is not None:  # streaming only: one transfer for the whole batch
+        if on_commit is not None:  # streaming only: one transfer for the whole batch
             for r, (t, d) in enumerate(zip(tok.tolist(), done.tolist())):
                 if not d:
-                    on_token(r, len(prompts[r]) + step, t)
+                    on_commit(r, [len(prompts[r]) + step], [t])
         done |= torch.isin(tok, eos_t)
-        if step + 1 == max_new_tokens or bool(done.all()):
+        if step + 1 == gen_length or bool(done.all()):
             break
         real = (~done).nonzero().squeeze(1) if pack and bool(done.any()) else None
         logits = model(tok[:, None], (lens + step)[:, None], attn_mask=keys_valid[:, None, None, :P + step + 1],

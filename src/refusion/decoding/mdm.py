@@ -15,41 +15,14 @@ trained with the MDM objective (config `bidirectional`), causal otherwise.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 
+from refusion.decoding.common import DecodeResult, left_pad
+from refusion.decoding.params import MDMParams, check_prompts
+from refusion.decoding.sampling import generator, gumbel_argmax
 from refusion.model.transformer import Transformer
-from refusion.decoding.common import (DecodeResult, check_positive, check_probability, check_prompts, check_sampling, left_pad,
-                     resolve_params)
-
-
-@dataclass
-class MDMParams:
-    gen_length: int = 256
-    block_length: int = 32
-    steps: int | None = None  # total over all blocks (fixed-count mode); None: gen_length, one token per step
-    threshold: float | None = None  # set: Fast-dLLM-style parallel threshold mode
-    temperature: float = 0.0
-    prefix_cache: bool = False
-
-    def validate(self) -> None:
-        L, b = self.gen_length, self.block_length
-        check_positive("gen_length", L)
-        check_positive("block_length", b)
-        if L % b:
-            raise ValueError(f"gen_length {L} must be a positive multiple of block_length {b}")
-        if self.threshold is not None and self.steps is not None:
-            raise ValueError("steps sets a fixed number of commits per step; the threshold mode takes none")
-        if self.threshold is None and self.steps is not None:
-            check_positive("steps", self.steps)
-            if self.steps % (L // b):
-                raise ValueError(f"steps {self.steps} must be a positive multiple of the number of blocks {L // b}")
-            if self.steps > L:
-                raise ValueError(f"steps {self.steps} exceeds gen_length {L}: every step must commit a token")
-        if self.threshold is not None:
-            check_probability("threshold", self.threshold)
-        check_sampling(self.temperature)
 
 
 def _per_step_counts(n: int, steps: int) -> list[int]:
@@ -59,10 +32,12 @@ def _per_step_counts(n: int, steps: int) -> list[int]:
 
 
 @torch.inference_mode()
-def generate_mdm(model: Transformer, prompts: list[list[int]], params: MDMParams | None = None,
-                 eos_ids: list[int] | None = None, seed: int | None = None, on_commit=None,
-                 **overrides) -> list[DecodeResult]:
-    p = resolve_params(MDMParams, params, overrides)
+def generate_mdm(model: Transformer, prompts: list[list[int]], params: MDMParams | None = None, *,
+                 eos_ids: list[int] | None = None, seed: int | None = None,
+                 on_commit: Callable[[int, list[int], list[int]], None] | None = None) -> list[DecodeResult]:
+    """Masked diffusion for a batch of prompts: fixed-count steps, or the threshold mode when
+    params.threshold is set. Sampled rows share one generator seeded with `seed` (0 when None)."""
+    p = params or MDMParams()
     cfg = model.config
     if cfg.mask_token_id is None:
         raise ValueError("masked-diffusion decoding needs a model with mask_token_id in its config")
@@ -70,7 +45,7 @@ def generate_mdm(model: Transformer, prompts: list[list[int]], params: MDMParams
     device = model.embed_tokens.weight.device
     eos = sorted(set(eos_ids if eos_ids is not None else cfg.eos_ids))
     eos_t = torch.tensor(eos or [-1], device=device)
-    gen = torch.Generator(device=device).manual_seed(seed if seed is not None else 0)
+    gen = generator(seed if seed is not None else 0, device)
     start = time.perf_counter()
     B, L = len(prompts), p.gen_length
     pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
@@ -120,8 +95,7 @@ def generate_mdm(model: Transformer, prompts: list[list[int]], params: MDMParams
             fed += (T - first) * active
             forwards += active
             if p.temperature > 0:
-                u = torch.rand(logits.shape, generator=gen, device=device).clamp(1e-20, 1 - 1e-7)
-                x0 = (logits / p.temperature - torch.log(-torch.log(u))).argmax(-1)
+                x0 = gumbel_argmax(logits, p.temperature, gen)
             else:
                 x0 = logits.argmax(-1)
             conf = logits.softmax(-1).gather(-1, x0[..., None]).squeeze(-1)

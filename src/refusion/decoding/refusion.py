@@ -18,48 +18,35 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from refusion.decoding.common import DecodeResult, packed_index
+from refusion.decoding.params import ReFusionParams, check_prompts
+from refusion.decoding.sampling import generator, gumbel_argmax
 from refusion.model.cache import SlotKVCache
 from refusion.model.transformer import Transformer
-from refusion.decoding.common import (DecodeResult, check_positive, check_probability, check_prompts, check_sampling,
-                     packed_index, resolve_params)
 
 PLAN, VERIFY, DRAFT, IVERIFY, RECOMPUTE, DONE = "plan", "verify", "draft", "iverify", "recompute", "done"
 
 
-@dataclass
-class ReFusionParams:
-    gen_length: int = 256
-    slot_size: int = 8
-    serial_blocks: int = 1
-    slot_threshold: float = 0.9
-    token_threshold: float = 0.4
-    temperature: float = 0.0
-    recompute_kv: bool = False  # ablation: recompute the infilled slots' KV in one causal pass
-    left_to_right: bool = False  # baseline: always choose the leftmost undecoded slot
+class Feed(NamedTuple):
+    """What a sequence feeds to one forward: token ids, their positions, the cache columns they
+    write, their attention groups (0 committed, g > 0 infill row g), and how many trailing tokens
+    need logits."""
 
-    def validate(self) -> None:
-        s, L, B = self.slot_size, self.gen_length, self.serial_blocks
-        for name in ("gen_length", "slot_size", "serial_blocks"):
-            check_positive(name, getattr(self, name))
-        if s * B > L:
-            raise ValueError(f"slot_size x serial_blocks = {s} x {B} = {s * B} exceeds gen_length {L} "
-                             "(each serial block needs at least one slot)")
-        if L % (s * B):
-            lo = L // (s * B) * s * B
-            raise ValueError(f"gen_length {L} must be a multiple of slot_size x serial_blocks = {s * B} "
-                             f"(each serial block a whole number of slots); try gen_length {lo} or {lo + s * B}")
-        for name in ("slot_threshold", "token_threshold"):
-            check_probability(name, getattr(self, name))
-        check_sampling(self.temperature)
+    ids: list[int]
+    positions: list[int]
+    columns: list[int]
+    groups: list[int]
+    need: int
 
 
-class _Seq:
-    """One sequence's decoding state. Positions are absolute (prompt 0..P-1, response P..P+L-1)."""
+class PlanInfillSeq:
+    """One sequence's plan-and-infill state machine. Positions are absolute (prompt 0..P-1,
+    response P..P+L-1)."""
 
     def __init__(self, row: int, prompt: list[int], p: ReFusionParams, mask_id: int, eos: set[int],
                  on_commit: Callable | None, gen: torch.Generator | None) -> None:
@@ -79,13 +66,12 @@ class _Seq:
         self.eos_pos: int | None = None
         self.stop_after_block = False
         self.phase = PLAN
+        self.eos_row: tuple[int, int] | None = None  # (infill row, offset) of an EOS accepted in infill
         self.res = DecodeResult(prompt=list(prompt))
-        self.feed: tuple | None = None
 
     # ---- what to feed -------------------------------------------------------------
 
-    def next_feed(self) -> tuple[list[int], list[int], list[int], list[int], int]:
-        """(ids, positions, cache columns, groups, how many trailing tokens need logits)."""
+    def next_feed(self) -> Feed:
         s, C = self.p.slot_size, self.C
         self.grp[C:] = -1
         if self.phase == PLAN:
@@ -122,17 +108,28 @@ class _Seq:
                     grp.append(r + 1)
             need = len(ids)
         self.grp[cols] = grp
-        self.feed = (ids, pos, cols, grp)
         self.res.forwards += 1
         self.res.tokens_fed += len(ids)
-        return ids, pos, cols, grp, need
+        return Feed(ids, pos, cols, grp, need)
 
     # ---- what to do with the model's answer ------------------------------------------
 
     def consume(self, amax: np.ndarray, pmax: np.ndarray, pnext: np.ndarray, sampled: np.ndarray | None,
                 psampled: np.ndarray | None) -> None:
-        """amax/pmax/pnext: per fed token (aligned with the feed); pnext[i] = P(token i | token i-1)."""
-        getattr(self, "_after_" + self.phase)(amax, pmax, pnext, sampled, psampled)
+        """amax/pmax/pnext: per fed token (aligned with the feed); pnext[i] = P(token i | token i-1).
+        sampled/psampled: the plan's sampled tokens and their probabilities (None when greedy)."""
+        if self.phase == PLAN:
+            self._after_plan(amax, pmax, pnext, sampled, psampled)
+        elif self.phase == VERIFY:
+            self._after_verify(amax, pmax, pnext, sampled, psampled)
+        elif self.phase == DRAFT:
+            self._after_draft(amax, pmax, pnext, sampled, psampled)
+        elif self.phase == IVERIFY:
+            self._after_iverify(amax, pmax, pnext, sampled, psampled)
+        elif self.phase == RECOMPUTE:
+            self._after_recompute(amax, pmax, pnext, sampled, psampled)
+        else:
+            raise RuntimeError(f"a sequence in phase {self.phase!r} was fed")
 
     def _after_plan(self, amax, pmax, pnext, sampled, psampled):
         s = self.p.slot_size
@@ -210,7 +207,7 @@ class _Seq:
             self.phase = DRAFT
             return
         # every row accepted: their KV is already in place after the committed prefix
-        cut = getattr(self, "eos_row", None)
+        cut = self.eos_row
         toks, poss = [], []
         for r, (st, row) in enumerate(zip(self.chosen, self.drafts)):
             n = cut[1] + 1 if cut is not None and r == cut[0] else s
@@ -276,20 +273,20 @@ class _Seq:
 
 
 @torch.inference_mode()
-def generate_refusion(model: Transformer, prompts: list[list[int]], params: ReFusionParams | None = None,
+def generate_refusion(model: Transformer, prompts: list[list[int]], params: ReFusionParams | None = None, *,
                       eos_ids: list[int] | None = None, seed: int | None = None,
-                      on_commit: Callable[[int, list[int], list[int]], None] | None = None,
-                      **overrides) -> list[DecodeResult]:
-    """Plan-and-infill for a batch of prompts; on_commit(row, positions, tokens) streams commits."""
-    p = resolve_params(ReFusionParams, params, overrides)
+                      on_commit: Callable[[int, list[int], list[int]], None] | None = None) -> list[DecodeResult]:
+    """Plan-and-infill for a batch of prompts; on_commit(row, positions, tokens) streams commits.
+    Sampled rows draw from generators of their own, each seeded with `seed` (0 when None)."""
+    p = params or ReFusionParams()
     cfg = model.config
     if cfg.mask_token_id is None:
         raise ValueError("plan-and-infill needs a model with mask_token_id in its config (a ReFusion model)")
     check_prompts(cfg, prompts, p.gen_length)
     eos = set(eos_ids if eos_ids is not None else cfg.eos_ids)
     device = model.embed_tokens.weight.device
-    gens = [torch.Generator(device=device).manual_seed(seed if seed is not None else 0) for _ in prompts]
-    seqs = [_Seq(i, list(q), p, cfg.mask_token_id, eos, on_commit, gens[i] if p.temperature > 0 else None)
+    gens = [generator(seed if seed is not None else 0, device) for _ in prompts]
+    seqs = [PlanInfillSeq(i, list(q), p, cfg.mask_token_id, eos, on_commit, gens[i] if p.temperature > 0 else None)
             for i, q in enumerate(prompts)]
     cap = max(len(q) for q in prompts) + p.gen_length + 1
     cache = SlotKVCache(cfg.num_layers, len(prompts), cap, cfg.num_kv_heads, cfg.head_dim,
@@ -312,22 +309,22 @@ def generate_refusion(model: Transformer, prompts: list[list[int]], params: ReFu
     return [q.finish(seconds) for q in seqs]
 
 
-def _step(model: Transformer, cache: SlotKVCache, active: list[_Seq], n_rows: int, temperature: float,
+def _step(model: Transformer, cache: SlotKVCache, active: list[PlanInfillSeq], n_rows: int, temperature: float,
           device: torch.device) -> None:
     """One shared forward for every active sequence, left-padded so trailing tokens line up."""
     feeds = [q.next_feed() for q in active]
-    T = max(len(f[0]) for f in feeds)
-    need = max(f[4] for f in feeds)
-    hi = max(max(max(f[2]), q.C) for q, f in zip(active, feeds)) + 1  # the pad column, seen by nobody
+    T = max(len(f.ids) for f in feeds)
+    need = max(f.need for f in feeds)
+    hi = max(max(max(f.columns), q.C) for q, f in zip(active, feeds)) + 1  # the pad column, seen by nobody
     B = len(active)
     ids = np.zeros((B, T), dtype=np.int64)
     pos = np.zeros((B, T), dtype=np.int64)
     col = np.full((B, T), hi, dtype=np.int64)
     qgrp = np.zeros((B, T), dtype=np.int64)
     kgrp = np.full((B, hi + 1), -1, dtype=np.int64)
-    for b, (q, (i, ps, c, g, _)) in enumerate(zip(active, feeds)):
-        n = len(i)
-        ids[b, T - n:], pos[b, T - n:], col[b, T - n:], qgrp[b, T - n:] = i, ps, c, g
+    for b, (q, f) in enumerate(zip(active, feeds)):
+        n = len(f.ids)
+        ids[b, T - n:], pos[b, T - n:], col[b, T - n:], qgrp[b, T - n:] = f.ids, f.positions, f.columns, f.groups
         m = min(hi, len(q.grp))
         kgrp[b, :m] = q.grp[:m]
     ids_t, pos_t, col_t = (torch.from_numpy(x).to(device) for x in (ids, pos, col))
@@ -338,7 +335,7 @@ def _step(model: Transformer, cache: SlotKVCache, active: list[_Seq], n_rows: in
     cache.write_index = col_t
     cache.rows = None if B == n_rows else torch.tensor([q.row for q in active], device=device)
     cache.used = hi + 1
-    real = packed_index([len(f[0]) for f in feeds], T, device)  # rows of different widths: only real tokens
+    real = packed_index([len(f.ids) for f in feeds], T, device)  # rows of different widths: only real tokens
     logits = model(ids_t, pos_t, attn_mask=mask[:, None], cache=cache, num_logits=need, real=real).float()
     lse = logits.logsumexp(-1)
     top, amax = logits.max(-1)
@@ -353,17 +350,16 @@ def _step(model: Transformer, cache: SlotKVCache, active: list[_Seq], n_rows: in
         sampled, psampled = amax.clone(), pmax.clone()
         for b, (q, f) in enumerate(zip(active, feeds)):
             if q.phase == PLAN:
-                n = f[4]
+                n = f.need
                 lg = logits[b, need - n:]
-                u = torch.rand(lg.shape, generator=q.gen, device=device).clamp(1e-20, 1 - 1e-7)
-                tok = (lg / temperature - torch.log(-torch.log(u))).argmax(-1)
+                tok = gumbel_argmax(lg, temperature, q.gen)
                 sampled[b, need - n:] = tok
                 psampled[b, need - n:] = (lg.gather(-1, tok[:, None]).squeeze(-1) - lse[b, need - n:]).exp()
     host = [x.cpu().numpy() for x in (amax, pmax, pnext)]  # the one host transfer of the step
     if sampled is not None:
         host += [sampled.cpu().numpy(), psampled.cpu().numpy()]
     for b, (q, f) in enumerate(zip(active, feeds)):
-        sl = slice(need - min(len(f[0]), f[4]), need)
+        sl = slice(need - min(len(f.ids), f.need), need)
         plan_sampled = sampled is not None and q.phase == PLAN
         q.consume(host[0][b, sl], host[1][b, sl], host[2][b, sl],
                   host[3][b, sl] if plan_sampled else None, host[4][b, sl] if plan_sampled else None)

@@ -36,50 +36,21 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from refusion.decoding.common import DecodeResult, packed_index
+from refusion.decoding.params import SpeculativeParams, check_prompts
+from refusion.decoding.sampling import generator, sampling_probs
 from refusion.model.cache import RaggedKVCache
 from refusion.model.transformer import Transformer
-from refusion.decoding.common import DecodeResult, check_positive, check_probability, check_sampling, packed_index, resolve_params
 
 
-@dataclass
-class SpeculativeParams:
-    gen_length: int = 256  # tokens to generate at most
-    draft_length: int = 16  # most draft tokens fed per step (0: plain AR, one token per forward)
-    mask_length: int | None = None  # masks fed per step (default: the draft width + 1)
-    adaptive: bool = True  # draft width follows each sequence's acceptance, within [1, draft_length]
-    temperature: float = 0.0  # 0 = greedy
-    top_k: int | None = None
-    top_p: float | None = None
-    accept_prob: float | None = None  # lossy: also accept a draft token with probability >= this (greedy: < 0.5 matters)
-
-    def validate(self) -> None:
-        check_positive("gen_length", self.gen_length)
-        if not (isinstance(self.draft_length, int) and self.draft_length >= 0):
-            raise ValueError(f"draft_length must be an integer >= 0 (0: plain AR), got {self.draft_length!r}")
-        if self.mask_length is not None and not (isinstance(self.mask_length, int) and self.mask_length >= 0):
-            raise ValueError(f"mask_length must be an integer >= 0, got {self.mask_length!r}")
-        check_sampling(self.temperature, self.top_k, self.top_p)
-        if self.accept_prob is not None:
-            check_probability("accept_prob", self.accept_prob)
-            if self.accept_prob == 0:
-                raise ValueError("accept_prob must be > 0 (0 would accept every draft token)")
-
-    @property
-    def max_width(self) -> int:
-        """The most tokens one step can feed after the prefill: x, the draft and the masks."""
-        masks = self.mask_length if self.mask_length is not None else self.draft_length + 1
-        return 1 + self.draft_length + masks
-
-
-class _Seq:
-    """One sequence: committed tokens (all but the newest, x, have their KV in cache columns
-    [0, c)), the draft for the positions after x, and the adaptive width."""
+class SpeculativeSeq:
+    """One sequence of a SpeculativeBatch: committed tokens (all but the newest, x, have their KV
+    in cache columns [0, c)), the draft for the positions after x, and the adaptive width."""
 
     def __init__(self, sid: int, prompt: list[int], p: SpeculativeParams, mask_id: int, eos: set[int],
                  gen: torch.Generator | None, on_commit: Callable[[list[int], list[int]], None] | None) -> None:
@@ -182,8 +153,8 @@ class SpeculativeBatch:
         self.vocab = cfg.vocab_size
         self.pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
         self.cache: RaggedKVCache | None = None
-        self.running: list[_Seq] = []
-        self.pending: list[_Seq] = []
+        self.running: list[SpeculativeSeq] = []
+        self.pending: list[SpeculativeSeq] = []
         self.next_id = 0
 
     def __len__(self) -> int:
@@ -193,13 +164,12 @@ class SpeculativeBatch:
             on_commit: Callable[[list[int], list[int]], None] | None = None) -> int:
         """Queue a sequence; it joins at the next step. on_commit(positions, tokens) streams commits."""
         p = params or SpeculativeParams()
-        p.validate()
         if not prompt:
             raise ValueError("every prompt needs at least one token")
         if min(prompt) < 0 or max(prompt) >= self.vocab:
             raise ValueError(f"prompt token ids must lie in [0, {self.vocab})")
-        gen = torch.Generator().manual_seed(seed if seed is not None else 0) if p.temperature > 0 else None
-        q = _Seq(self.next_id, list(prompt), p, self.mask_id, self.eos, gen, on_commit)
+        gen = generator(seed if seed is not None else 0) if p.temperature > 0 else None
+        q = SpeculativeSeq(self.next_id, list(prompt), p, self.mask_id, self.eos, gen, on_commit)
         self.next_id += 1
         self.pending.append(q)
         return q.sid
@@ -287,7 +257,7 @@ class SpeculativeBatch:
             masks_from = a + 1 + k  # the masks after the anchor and the draft
             q.advance(int(host[b, 0]), int(host[b, 1]), host[b, 2 + masks_from: 2 + need].tolist())
 
-    def _judge(self, seqs: list[_Seq], logits: Tensor, ids: Tensor, anchor: Tensor, k: Tensor,
+    def _judge(self, seqs: list[SpeculativeSeq], logits: Tensor, ids: Tensor, anchor: Tensor, k: Tensor,
                anchor_host: np.ndarray) -> tuple[Tensor, Tensor, Tensor]:
         """Per row: j (accepted draft tokens), the extra token, and the greedy prediction at every
         column (the masks' ones are the next draft). logits/ids: the last N fed columns."""
@@ -331,7 +301,7 @@ class SpeculativeBatch:
             extra = torch.where(torch.tensor(sampling, device=logits.device), drawn, extra)
         return j, extra, amax
 
-    def _uniforms(self, seqs: list[_Seq], sampling: list[bool], anchor: np.ndarray, N: int,
+    def _uniforms(self, seqs: list[SpeculativeSeq], sampling: list[bool], anchor: np.ndarray, N: int,
                   device: torch.device) -> tuple[Tensor, Tensor]:
         """Each sampling sequence draws k + 1 uniforms from its own generator (k accept tests, one
         draw), so its output does not depend on the rest of the batch."""
@@ -346,34 +316,15 @@ class SpeculativeBatch:
         return u.to(device), last.to(device)
 
 
-def sampling_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, filtered: bool = True
-                   ) -> Tensor:
-    """Probabilities [B, N, V] that `common.sample` draws from, with per-row parameters
-    (temperature [B] > 0; top_k [B], 0 = off; top_p [B], 1 = off). filtered=False: no row uses
-    top-k or top-p (known on the host, so the sort is skipped without a device sync)."""
-    x = logits / temperature[:, None, None]
-    if filtered:
-        srt, order = x.sort(-1, descending=True)
-        V = x.shape[-1]
-        kth = srt.gather(-1, (top_k.clamp(min=1, max=V) - 1)[:, None, None].expand(*srt.shape[:2], 1))
-        cut_k = (top_k > 0)[:, None, None] & (srt < kth)
-        srt = srt.masked_fill(cut_k, float("-inf"))
-        sp = srt.softmax(-1)
-        cut_p = (sp.cumsum(-1) - sp >= top_p[:, None, None]) & (top_p < 1)[:, None, None]
-        x = torch.empty_like(x).scatter_(-1, order, srt.masked_fill(cut_p, float("-inf")))
-    return x.softmax(-1)
-
-
 @torch.inference_mode()
-def generate_speculative(model: Transformer, prompts: list[list[int]], params: SpeculativeParams | None = None,
+def generate_speculative(model: Transformer, prompts: list[list[int]], params: SpeculativeParams | None = None, *,
                          eos_ids: list[int] | None = None, seed: int | None = None,
-                         on_commit: Callable[[int, list[int], list[int]], None] | None = None,
-                         **overrides) -> list[DecodeResult]:
-    """Self-speculative decoding of a batch of prompts; on_commit(row, positions, tokens) streams."""
-    p = resolve_params(SpeculativeParams, params, overrides)
-    if not prompts:
-        raise ValueError("every prompt needs at least one token")
+                         on_commit: Callable[[int, list[int], list[int]], None] | None = None) -> list[DecodeResult]:
+    """Self-speculative decoding of a batch of prompts; on_commit(row, positions, tokens) streams.
+    Sampled sequences draw from generators of their own, each seeded with `seed` (0 when None)."""
+    p = params or SpeculativeParams()
     batch = SpeculativeBatch(model, eos_ids)
+    check_prompts(model.config, prompts, p.gen_length)
     sids = [batch.add(q, p, seed=seed, on_commit=None if on_commit is None else
                       (lambda pos, tok, r=r: on_commit(r, pos, tok))) for r, q in enumerate(prompts)]
     start = time.perf_counter()

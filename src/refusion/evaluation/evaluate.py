@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from refusion.decoding import decode, make_params
-from refusion.decoding.common import check_prompts
+from refusion.decoding.params import check_prompts
 from refusion.model.transformer import Transformer
 from refusion.tasks import Example, Score, Task
 from refusion.model.tokenizer import Tokenizer

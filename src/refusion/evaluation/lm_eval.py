@@ -32,11 +32,10 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+from refusion.decoding import decode, default_decoder, registry
 from refusion.model.checkpoint import load_model
-from refusion.decoding import DECODERS, MDMParams, ReFusionParams, decode, default_decoder
-from refusion.model.transformer import Transformer
-from refusion.serve.params import decoder_fields
 from refusion.model.tokenizer import Tokenizer
+from refusion.model.transformer import Transformer
 
 
 @torch.inference_mode()
@@ -123,13 +122,12 @@ class ReFusionLM(LM):
         self.tok = Tokenizer.from_dir(self.path)
         cfg = self.model.config
         self.decoder = decoder or default_decoder(cfg)
-        if self.decoder not in DECODERS:
-            raise ValueError(f"unknown decoder {self.decoder!r}; choose one of {', '.join(DECODERS)}")
-        allowed = set(decoder_fields(self.decoder)) - {"gen_length", "temperature"}
-        bad = sorted(set(decoder_params) - allowed)
+        # what the decoder takes, less what each request sets (gen_length, temperature)
+        self.fields = {o.name for o in registry.options(self.decoder, hidden=True)}  # unknown: ValueError
+        allowed = sorted(self.fields - {"gen_length", "temperature"})
+        bad = sorted(set(decoder_params) - set(allowed))
         if bad:
-            raise ValueError(f"decoder {self.decoder!r} does not take {', '.join(bad)} "
-                             f"(it takes: {', '.join(sorted(allowed))})")
+            raise ValueError(registry.refusal(self.decoder, bad, allowed))
         self.params = decoder_params
         self.batch_size = 16 if str(batch_size).startswith("auto") else int(batch_size)
         self.seed, self.fixed_gen_length = seed, gen_length
@@ -225,25 +223,14 @@ class ReFusionLM(LM):
 
     def _params(self, max_gen: int, temperature: float, extra: dict) -> dict:
         p = dict(self.params)
-        fields = decoder_fields(self.decoder)
         for k, v in extra.items():  # sampling knobs a task sets (top_p, top_k) where the decoder has them
-            if k in fields and v is not None:
+            if k in self.fields and v is not None:
                 p[k] = v
         if temperature > 0:
             p["temperature"] = temperature
-        p["gen_length"] = self.fixed_gen_length or self._round(max_gen, p)
+        # max_gen_toks rounded up to a length the decoder takes (whole slots, whole blocks)
+        p["gen_length"] = self.fixed_gen_length or registry.round_gen_length(self.decoder, max_gen, **p)
         return p
-
-    def _round(self, n: int, p: dict) -> int:
-        """max_gen_toks rounded up to a length the decoder takes (whole slots, whole blocks)."""
-        if self.decoder in ("refusion", "refusion-l2r"):
-            d = ReFusionParams()
-            unit = p.get("slot_size", d.slot_size) * p.get("serial_blocks", d.serial_blocks)
-        elif self.decoder in ("mdm", "mdm-threshold"):
-            unit = p.get("block_length", MDMParams().block_length)
-        else:
-            unit = 1
-        return -(-n // unit) * unit
 
 
 if __name__ != "__main__":  # run as a script, main() imports this module by name, which registers it

@@ -38,13 +38,15 @@ from refusion.model.transformer import Transformer
 from refusion.model.tokenizer import Tokenizer
 from refusion.serve.engine import Engine, Event, Job, QueueFull
 from refusion.serve.metrics import Metrics
-from refusion.decoding import default_decoder
-from refusion.serve.params import SERVE_DECODERS, DecoderChoice, choose
-from refusion.serve.schemas import ChatRequest, CompletionRequest, RequestError, loads, parse_chat, parse_completion
+from refusion.decoding import default_decoder, registry
+from refusion.serve.params import DecoderChoice, choose
+from refusion.serve.schemas import (OPENAI_SET, ChatRequest, CompletionRequest, RequestError, loads, parse_chat,
+                                    parse_completion)
 from refusion.serve.text import TextAssembler
 
 log = logging.getLogger("refusion.serve")
 STATIC = Path(__file__).parent / "static"
+_JSON_TYPES = {int: "integer", float: "number", bool: "boolean", str: "string"}
 _GENERATE = ("/v1/completions", "/v1/chat/completions")
 
 
@@ -66,7 +68,6 @@ class ServeConfig:
 class Server:
     def __init__(self, model: Transformer, tok: Tokenizer, cfg: ServeConfig, engine: Engine | None = None) -> None:
         self.model, self.tok, self.cfg = model, tok, cfg
-        self.has_mask = model.config.mask_token_id is not None
         self.context = model.config.max_position_embeddings
         self.eos_ids = sorted(set(model.config.eos_ids) | ({tok.eos_id} if tok.eos_id is not None else set()))
         self.engine = engine or Engine(model, self.eos_ids, max_running=cfg.max_running, max_queue=cfg.max_queue,
@@ -84,6 +85,7 @@ class Server:
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics_text, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/decoders", self.decoders, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
         ]
@@ -147,9 +149,21 @@ class Server:
     async def models(self, request: Request) -> Response:
         card = {"id": self.cfg.model_name, "object": "model", "created": self.created, "owned_by": "refusion",
                 "max_model_len": self.context, "max_tokens_cap": self._cap(),
-                "decoders": list(SERVE_DECODERS if self.has_mask else ("ar",)),
+                "decoders": list(registry.available(self.model.config)),
                 "default_decoder": default_decoder(self.model.config)}
         return JSONResponse({"object": "list", "data": [card]})
+
+    async def decoders(self, request: Request) -> Response:
+        """Every registered decoder and the extra request fields it takes (what the page's controls
+        are built from): name, JSON type, whether null is allowed, its default and a line of help."""
+        available = registry.available(self.model.config)
+        data = [{"id": name, "object": "decoder", "description": d.description, "available": name in available,
+                 "needs_mask": d.needs_mask, "fits": list(d.fits),
+                 "fields": [{"name": o.name, "type": _JSON_TYPES.get(o.type, "string"), "nullable": o.optional,
+                             "default": o.default, "help": o.help}
+                            for o in registry.options(name) if o.name not in OPENAI_SET]}
+                for name, d in ((n, registry.get(n)) for n in registry.names())]
+        return JSONResponse({"object": "list", "default": default_decoder(self.model.config), "data": data})
 
     # ---- generation ---------------------------------------------------------------------------
 

@@ -2,17 +2,19 @@
 
 Requests from the HTTP layer are `Job`s. The loop takes new jobs between steps:
 
-- speculative jobs (and greedy ar ones: the batch with no drafts is exactly AR) join one
+- jobs whose decoder record says they can (`Decoder.batch`: speculative ones, and greedy ar ones,
+  since the batch with no drafts is exactly AR) join one
   `SpeculativeBatch` (continuous batching): each `step()` is one forward
   for every running sequence; a job that arrives joins at the next step, a finished one leaves in
   the step that finishes it, a cancelled one (client gone, stop string found) is dropped before the
   next step, its cache freed at once.
-- jobs for the other decoders (refusion, refusion-l2r, sampled ar, mdm, mdm-threshold) have no step-wise
-  interface; they run through `decode()` in static groups of waiting jobs with the same decoder and
-  parameters, each group in its own turn between two speculative steps. A group's rows do not
-  influence each other (every decoder's batch-k output equals its batch-1 output; sampled rows are
-  grouped only where each row has its own generator), so a job's output is what `decode()` gives it
-  alone. A group is abandoned early only when every job in it is cancelled.
+- the other jobs (refusion, refusion-l2r, sampled ar, mdm, mdm-threshold, any other registered
+  decoder) have no step-wise interface; they run through `decode()` in static groups of waiting jobs
+  with the same decoder and parameters, each group in its own turn between two speculative steps. A
+  group's rows do not influence each other (every decoder's batch-k output equals its batch-1
+  output; sampled rows are grouped only where each row has its own generator, `Decoder.seeds_per_row`),
+  so a job's output is what `decode()` gives it alone. A group is abandoned early only when every
+  job in it is cancelled.
 
 Everything a job learns comes back through its `sink`, called on this thread: it must not block
 (the HTTP layer hands events to its event loop with call_soon_threadsafe). Nothing a job does can
@@ -32,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from refusion.decoding import SpeculativeBatch, decode
+from refusion.decoding import SpeculativeBatch, decode, registry
 from refusion.decoding.common import DecodeResult
 from refusion.model.transformer import Transformer
 from refusion.serve.params import DecoderChoice
@@ -336,4 +338,4 @@ def _same_group(a: Job, b: Job) -> bool:
         return False
     if a.choice.temperature == 0:
         return True
-    return a.choice.decoder in ("refusion", "refusion-l2r") and a.seed == b.seed
+    return registry.get(a.choice.decoder).seeds_per_row and a.seed == b.seed

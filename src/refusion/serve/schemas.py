@@ -15,11 +15,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-# Decoder parameters a request may carry next to the OpenAI fields (see params.py for which
-# decoder takes which); listed here so that an unknown name is caught before decoding starts.
-DECODER_FIELDS = ("decoder", "slot_size", "serial_blocks", "slot_threshold", "token_threshold", "recompute_kv",
-                  "block_length", "steps", "threshold", "prefix_cache", "top_k", "draft_length", "mask_length",
-                  "adaptive", "accept_prob")
+from refusion.decoding import registry
+
+# Decoder parameters set from the OpenAI fields (max_tokens, temperature, top_p), not extra fields.
+OPENAI_SET = ("gen_length", "temperature", "top_p")
 # OpenAI fields that change nothing here at their default and are refused otherwise.
 _UNSUPPORTED_UNLESS_DEFAULT = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
                                "best_of": (None, 1), "suffix": (None, ""), "presence_penalty": (None, 0, 0.0),
@@ -117,6 +116,16 @@ def parse_chat(body: Any) -> ChatRequest:
     return req
 
 
+def decoder_fields() -> tuple[str, ...]:
+    """The extra body fields a request may carry next to the OpenAI ones: "decoder" and every
+    registered decoder's parameters (params.py checks which decoder takes which), so that an
+    unknown name is caught before decoding starts."""
+    out = {"decoder": None}
+    for name in registry.names():
+        out.update((o.name, None) for o in registry.options(name) if o.name not in OPENAI_SET)
+    return tuple(out)
+
+
 # ---- pieces ---------------------------------------------------------------------------------
 
 
@@ -127,7 +136,7 @@ def _object(body: Any) -> dict:
 
 
 def _known(d: dict, fields: tuple[str, ...]) -> None:
-    allowed = set(fields) | set(DECODER_FIELDS) | set(_IGNORED) | set(_UNSUPPORTED_UNLESS_DEFAULT)
+    allowed = set(fields) | set(decoder_fields()) | set(_IGNORED) | set(_UNSUPPORTED_UNLESS_DEFAULT)
     for k in d:
         if k not in allowed:
             raise RequestError(400, f"unrecognized request argument: {k!r}", k)
@@ -157,7 +166,7 @@ def _common(d: dict, req: GenerationRequest) -> None:
     req.stop = _stop(d.get("stop"))
     req.seed = _opt_int(d, "seed", lo=-MAX_SEED - 1, hi=MAX_SEED)
     req.decoder = _opt(d, "decoder", str)
-    req.decoder_params = {k: d[k] for k in DECODER_FIELDS if k != "decoder" and k in d and d[k] is not None}
+    req.decoder_params = {k: d[k] for k in decoder_fields() if k != "decoder" and k in d and d[k] is not None}
 
 
 def _prompt(v: Any) -> str | list[int]:

@@ -1,0 +1,249 @@
+"""The built-in decoders: each one's parameters (a frozen dataclass that validates itself) and its
+registry record, and the checks every decoder's validation shares.
+
+Kept apart from the decoders' code, which imports torch, so that the CLI can build its flags (and
+`refusion --help` answer) without loading it; each record names its function as "module:function".
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from refusion.decoding.registry import Decoder, option, register
+
+# ---- checks shared by the Params' validate() (and so by the CLI, the server and lm-eval) ---------
+
+
+def check_positive(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def check_probability(name: str, value: float) -> None:
+    # written so that NaN fails too (every comparison with NaN is false)
+    if not (isinstance(value, (int, float)) and 0.0 <= value <= 1.0):
+        raise ValueError(f"{name} must lie in [0, 1], got {value!r}")
+
+
+def check_sampling(temperature: float, top_k: int | None = None, top_p: float | None = None) -> None:
+    """temperature finite and >= 0 (0 = greedy); top_k >= 1; top_p in (0, 1]; and top_k / top_p only
+    when sampling, since greedy decoding would ignore them without a word."""
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    if top_k is not None:
+        check_positive("top_k", top_k)
+    if top_p is not None and not (isinstance(top_p, (int, float)) and 0.0 < top_p <= 1.0):
+        # top_p = 0 would keep no token at all (every probability -inf, then NaN)
+        raise ValueError(f"top_p must lie in (0, 1], got {top_p!r}")
+    if temperature == 0 and (top_k is not None or top_p is not None):
+        raise ValueError("top_k and top_p apply only when sampling: set temperature > 0 (0 = greedy)")
+
+
+def check_prompts(config, prompts: list[list[int]], gen_length: int) -> None:
+    """Every prompt non-empty with ids in the vocabulary, and prompt + gen_length within the model's
+    positions. Run before anything is allocated: a huge gen_length must fail here, not in malloc."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    V = config.vocab_size
+    for p in prompts:
+        bad = next((t for t in p if not (isinstance(t, int) and 0 <= t < V)), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {V})")
+    limit = config.max_position_embeddings
+    if gen_length >= limit:
+        raise ValueError(f"gen_length {gen_length} exceeds what the model can position "
+                         f"(max_position_embeddings {limit}, prompt included)")
+    longest = max(len(p) for p in prompts)
+    if longest + gen_length > limit:
+        raise ValueError(f"prompt ({longest} tokens) + gen_length ({gen_length}) = {longest + gen_length} exceeds "
+                         f"the model's max_position_embeddings {limit}; shorten the prompt or lower gen_length")
+
+
+# ---- the fields every decoder has ------------------------------------------------------------------
+
+GEN_LENGTH = 128  # one default for every decoder and the CLI
+
+
+def gen_length_option():
+    return option(GEN_LENGTH, "tokens to generate (at most)")
+
+
+def temperature_option():
+    return option(0.0, "0 = greedy")
+
+
+def top_k_option():
+    return option(None, "sample from the k most likely tokens (needs --temperature > 0)")
+
+
+def top_p_option():
+    return option(None, "sample from the smallest set with this much probability (needs --temperature > 0)")
+
+
+# ---- self-speculative ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SpeculativeParams:
+    """self-speculative: greedy output identical to ar, several tokens per forward"""
+
+    gen_length: int = gen_length_option()
+    draft_length: int = option(16, "most draft tokens verified per forward (0: plain AR)")
+    mask_length: int | None = option(None, "masks fed per forward to draft ahead (default: draft width + 1)")
+    adaptive: bool = option(True, "each sequence's draft width follows its acceptance, within [1, draft_length]; "
+                                  "off: always draft_length", flag="--fixed-widths")
+    temperature: float = temperature_option()
+    top_k: int | None = top_k_option()
+    top_p: float | None = top_p_option()
+    accept_prob: float | None = option(None, "lossy: also accept a draft token whose probability is at least this "
+                                             "(default: exact; greedy: only values < 0.5 matter)")
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        check_positive("gen_length", self.gen_length)
+        if not (isinstance(self.draft_length, int) and self.draft_length >= 0):
+            raise ValueError(f"draft_length must be an integer >= 0 (0: plain AR), got {self.draft_length!r}")
+        if self.mask_length is not None and not (isinstance(self.mask_length, int) and self.mask_length >= 0):
+            raise ValueError(f"mask_length must be an integer >= 0, got {self.mask_length!r}")
+        check_sampling(self.temperature, self.top_k, self.top_p)
+        if self.accept_prob is not None:
+            check_probability("accept_prob", self.accept_prob)
+            if self.accept_prob == 0:
+                raise ValueError("accept_prob must be > 0 (0 would accept every draft token)")
+
+    @property
+    def max_width(self) -> int:
+        """The most tokens one step can feed after the prefill: x, the draft and the masks."""
+        masks = self.mask_length if self.mask_length is not None else self.draft_length + 1
+        return 1 + self.draft_length + masks
+
+
+register(Decoder("speculative", SpeculativeParams, "refusion.decoding.speculative:generate_speculative",
+                 "self-speculative: the masks draft, causal predictions verify; greedy AR's exact output",
+                 fits=("refusion",), batch=lambda p, config: p))
+
+# ---- plan-and-infill ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReFusionParams:
+    """plan-and-infill"""
+
+    gen_length: int = gen_length_option()
+    slot_size: int = option(8, "tokens per slot")
+    serial_blocks: int = option(1, "blocks decoded one after another")
+    slot_threshold: float = option(0.9, "plan: draft confidence to take a slot")
+    token_threshold: float = option(0.4, "verify: probability to accept a token")
+    temperature: float = temperature_option()
+    recompute_kv: bool = option(False, "recompute infilled slots' KV in one causal pass (ablation)")
+    left_to_right: bool = option(False, "always choose the leftmost undecoded slot (the refusion-l2r baseline)")
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        s, L, B = self.slot_size, self.gen_length, self.serial_blocks
+        for name in ("gen_length", "slot_size", "serial_blocks"):
+            check_positive(name, getattr(self, name))
+        if s * B > L:
+            raise ValueError(f"slot_size x serial_blocks = {s} x {B} = {s * B} exceeds gen_length {L} "
+                             "(each serial block needs at least one slot)")
+        if L % (s * B):
+            lo = L // (s * B) * s * B
+            raise ValueError(f"gen_length {L} must be a multiple of slot_size x serial_blocks = {s * B} "
+                             f"(each serial block a whole number of slots); try gen_length {lo} or {lo + s * B}")
+        for name in ("slot_threshold", "token_threshold"):
+            check_probability(name, getattr(self, name))
+        check_sampling(self.temperature)
+
+
+def _whole_slots(s) -> int:
+    return s["slot_size"] * s["serial_blocks"]
+
+
+for _name, _l2r, _text in (("refusion", False, "plan-and-infill (spec section 4)"),
+                           ("refusion-l2r", True, "plan-and-infill that always takes the leftmost undecoded slot")):
+    register(Decoder(_name, ReFusionParams, "refusion.decoding.refusion:generate_refusion", _text,
+                     fits=("refusion",), fixed={"left_to_right": _l2r}, gen_unit=_whole_slots, seeds_per_row=True))
+
+# ---- autoregressive -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ARParams:
+    """autoregressive with the KV cache"""
+
+    gen_length: int = gen_length_option()
+    temperature: float = temperature_option()
+    top_k: int | None = top_k_option()
+    top_p: float | None = top_p_option()
+    first_from_mask: bool | None = option(None, "read the first token from a <|mask|> at its position "
+                                                "(default: on when the model has a mask token)", hidden=True)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        check_positive("gen_length", self.gen_length)
+        check_sampling(self.temperature, self.top_k, self.top_p)
+
+
+def _ar_batch(p: ARParams, config) -> SpeculativeParams | None:
+    # Greedy AR is the speculative batch with no drafts: the same tokens and counters as
+    # decode(..., "ar") (tests/test_serve_engine.py). Sampled AR is not: generate_ar draws from one
+    # generator for the whole batch.
+    if config.mask_token_id is None or p.temperature or p.first_from_mask is False:
+        return None
+    return SpeculativeParams(gen_length=p.gen_length, draft_length=0, mask_length=0, adaptive=False)
+
+
+register(Decoder("ar", ARParams, "refusion.decoding.ar:generate_ar", "autoregressive with the KV cache",
+                 fits=("refusion", "ar"), needs_mask=False, aliases={"max_new_tokens": "gen_length"},
+                 batch=_ar_batch))
+
+# ---- masked diffusion -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MDMParams:
+    """masked diffusion"""
+
+    gen_length: int = gen_length_option()
+    block_length: int = option(32, "tokens per semi-autoregressive block")
+    steps: int | None = option(None, "total denoising steps (default: gen-length, one token per step)")
+    threshold: float | None = option(None, "commit every mask above this confidence, at least one per step")
+    temperature: float = temperature_option()
+    prefix_cache: bool = option(False, "reuse the prompt's and finished blocks' KV")
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        L, b = self.gen_length, self.block_length
+        check_positive("gen_length", L)
+        check_positive("block_length", b)
+        if L % b:
+            raise ValueError(f"gen_length {L} must be a positive multiple of block_length {b}")
+        if self.threshold is not None and self.steps is not None:
+            raise ValueError("steps sets a fixed number of commits per step; the threshold mode takes none")
+        if self.threshold is None and self.steps is not None:
+            check_positive("steps", self.steps)
+            if self.steps % (L // b):
+                raise ValueError(f"steps {self.steps} must be a positive multiple of the number of blocks {L // b}")
+            if self.steps > L:
+                raise ValueError(f"steps {self.steps} exceeds gen_length {L}: every step must commit a token")
+        if self.threshold is not None:
+            check_probability("threshold", self.threshold)
+        check_sampling(self.temperature)
+
+
+register(Decoder("mdm", MDMParams, "refusion.decoding.mdm:generate_mdm",
+                 "LLaDA-style masked diffusion: a fixed number of tokens per step, semi-autoregressive blocks",
+                 fits=("mdm",), fixed={"threshold": None}, gen_unit=lambda s: s["block_length"]))
+register(Decoder("mdm-threshold", MDMParams, "refusion.decoding.mdm:generate_mdm",
+                 "Fast-dLLM-style masked diffusion: every mask above a confidence, at least one per step",
+                 fits=("mdm",), fixed={"steps": None}, defaults={"threshold": 0.9},
+                 gen_unit=lambda s: s["block_length"]))
