@@ -1,7 +1,7 @@
 """A slow, literal, batch-1 plan-and-infill (REFUSION.md section 4, with the named defects fixed).
 
 Written to be read next to the spec's step list, not to be fast: one sequence, the row-based
-`KVCache` (crop / expand / select / merge_rows), plain full-vocabulary softmax, greedy drafts only.
+`KVCache` (crop, and expand / select / merge_rows from reference_cache.py), plain full-vocabulary softmax, greedy drafts only.
 The fast batched decoder in `refusion.decoding.refusion` is tested against it token for token and
 forward for forward.
 
@@ -13,6 +13,8 @@ branch each step took), so that tests can check which code paths a case reached.
 from __future__ import annotations
 
 import torch
+
+from reference_cache import ReferenceKVCache
 
 
 def _softmax_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -32,7 +34,7 @@ def reference_refusion(model, prompt: list[int], gen_length: int, slot_size: int
     P = len(prompt)
 
     # ---- state --------------------------------------------------------------------------------
-    cache = model.new_cache()
+    cache = ReferenceKVCache(model.config.num_layers)
     committed_len = 0  # cache entries that belong to committed tokens (prompt + response)
     prompt_fed = False
     response: dict[int, int] = {}  # position -> committed token
