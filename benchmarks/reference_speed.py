@@ -37,6 +37,7 @@ import torch
 import transformers
 
 from refusion.model.checkpoint import load_model
+from refusion.model.compiled import enable_compile
 from refusion.bundled import BUNDLED
 from refusion.decoding import decode
 from refusion.tasks import get_task
@@ -138,7 +139,7 @@ def main() -> None:
     def lib(q):
         return decode(ours, [q], "refusion", eos_ids=sorted(eos), **p)[0]
 
-    stats = ours.enable_compile().stats if args.compile else None
+    stats = enable_compile(ours).stats if args.compile else None
     for fn in (ref_hf, ref_ours, lib):  # warm-up: first calls allocate and pick kernels
         fn(prompts[0])
     if stats is not None:  # every shape bucket the timed runs will meet

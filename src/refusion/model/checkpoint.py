@@ -71,7 +71,9 @@ def from_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Te
             out[name] = t
             continue
         whole, i = owner[proj]
-        pieces.setdefault(f"{parent}.{whole}.{leaf}", {})[i] = t
+        fused_name = f"{parent}.{whole}.{leaf}"
+        out.setdefault(fused_name, None)  # its place in the order: where its first part was
+        pieces.setdefault(fused_name, {})[i] = t
     for name, got in pieces.items():
         parts = fused[name.rsplit(".", 2)[-2]]
         if len(got) != len(parts):
