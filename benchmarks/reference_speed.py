@@ -127,7 +127,7 @@ def main() -> None:
     ref_args = (args.gen_length, args.slot_size, args.serial_blocks, args.slot_threshold, args.token_threshold, eos)
 
     def ref_hf(q):
-        return reference_refusion(hf, q, *ref_args)
+        return reference_refusion(hf, q, *ref_args, cache=hf.new_cache())
 
     def ref_ours(q):
         compiled, ours.compiled = getattr(ours, "compiled", None), None  # the port on the eager model (none before the compiled path existed)

@@ -24,7 +24,8 @@ def _softmax_rows(logits: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def reference_refusion(model, prompt: list[int], gen_length: int, slot_size: int, serial_blocks: int,
                        slot_threshold: float, token_threshold: float, eos_ids: set[int],
-                       recompute_kv: bool = False, left_to_right: bool = False) -> dict:
+                       recompute_kv: bool = False, left_to_right: bool = False, cache=None) -> dict:
+    """cache: an empty cache with the row operations (default: a ReferenceKVCache for `model`)."""
     s = slot_size
     L = gen_length
     assert L % (s * serial_blocks) == 0, "gen_length must be a multiple of slot_size * serial_blocks"
@@ -34,7 +35,7 @@ def reference_refusion(model, prompt: list[int], gen_length: int, slot_size: int
     P = len(prompt)
 
     # ---- state --------------------------------------------------------------------------------
-    cache = ReferenceKVCache(model.config.num_layers)
+    cache = cache if cache is not None else ReferenceKVCache(model.config.num_layers)
     committed_len = 0  # cache entries that belong to committed tokens (prompt + response)
     prompt_fed = False
     response: dict[int, int] = {}  # position -> committed token

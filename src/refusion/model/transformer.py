@@ -183,9 +183,11 @@ class Block(nn.Module):
         qkv = linear(a.qkv_proj, x).view(-1, h + 2 * kvh, d)
         qk, v = qkv[:, : h + kvh], qkv[:, h + kvh:]  # q and k side by side: normed and rotated together
         if a.qk_norm:
-            qk = rms_norm(qk, None, a.q_norm.eps)  # a new tensor: scaled in place, part by part
-            qk[:, :h] *= a.q_norm.weight
-            qk[:, h:] *= a.k_norm.weight
+            # normed together, then each part scaled in place by its weight (rms_norm made a new
+            # tensor): the products of q_norm(q) and k_norm(k), without concatenating the weights
+            qk = rms_norm(qk, None, a.q_norm.eps)
+            qk.narrow(1, 0, h).mul_(a.q_norm.weight)
+            qk.narrow(1, h, kvh).mul_(a.k_norm.weight)
         qk = apply_rope(qk, cos, sin)
         B, T = shape
         if real is not None:  # back to the padded [B, T] grid for the cache and attention
