@@ -161,6 +161,19 @@ def load_model(path: str | Path, dtype: torch.dtype | str | None = None, device:
     if cfg.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
         expected.pop("lm_head.weight", None)
+    _check_weights(path, sd, expected)
+    model.load_state_dict(from_hf({k: sd[k].to(dtype) for k in expected}, cfg), strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.reset_rope()  # buffers are not in the file and were built on "meta"
+    model = model.to(device).eval()
+    if compile:
+        enable_compile(model)
+    return model
+
+
+def _check_weights(path: str | Path, sd: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    """The file's tensors are the ones config.json implies, by name and shape."""
     missing = sorted(set(expected) - set(sd))
     unexpected = sorted(k for k in set(sd) - set(expected) if not k.endswith("rotary_emb.inv_freq"))
     if missing or unexpected:
@@ -170,14 +183,6 @@ def load_model(path: str | Path, dtype: torch.dtype | str | None = None, device:
     for k, v in expected.items():
         if sd[k].shape != v.shape:
             raise CheckpointError(f"{path}: {k} has shape {tuple(sd[k].shape)}, config.json implies {tuple(v.shape)}")
-    model.load_state_dict(from_hf({k: sd[k].to(dtype) for k in expected}, cfg), strict=False, assign=True)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
-    model.reset_rope()  # buffers are not in the file and were built on "meta"
-    model = model.to(device).eval()
-    if compile:
-        enable_compile(model)
-    return model
 
 
 def _atomic_dir(path: Path, overwrite: bool):
@@ -206,6 +211,29 @@ def _commit_dir(tmp: Path, path: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def _write_weights(sd: dict[str, torch.Tensor], tmp: Path, max_shard_bytes: int) -> None:
+    """model.safetensors, or shards of at most max_shard_bytes and their index."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for k, v in sd.items():
+        n = v.numel() * v.element_size()
+        if shards[-1] and size + n > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][k] = v
+        size += n
+    if len(shards) == 1:
+        save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(tmp / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in shard})
+    total = sum(v.numel() * v.element_size() for v in sd.values())
+    (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
 def save_model(model: Transformer, path: str | Path, tokenizer: Tokenizer | None = None,
                dtype: torch.dtype | None = None, max_shard_bytes: int = 2 * 1024**3, overwrite: bool = False,
                extra_files: dict[str, bytes | str] | None = None) -> Path:
@@ -223,25 +251,7 @@ def save_model(model: Transformer, path: str | Path, tokenizer: Tokenizer | None
         hf = cfg.to_hf()
         hf["torch_dtype"] = str(out_dtype).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(hf, indent=2))
-        shards: list[dict[str, torch.Tensor]] = [{}]
-        size = 0
-        for k, v in sd.items():
-            n = v.numel() * v.element_size()
-            if shards[-1] and size + n > max_shard_bytes:
-                shards.append({})
-                size = 0
-            shards[-1][k] = v
-            size += n
-        if len(shards) == 1:
-            save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        else:
-            weight_map = {}
-            for i, shard in enumerate(shards):
-                name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                save_file(shard, str(tmp / name), metadata={"format": "pt"})
-                weight_map.update({k: name for k in shard})
-            total = sum(v.numel() * v.element_size() for v in sd.values())
-            (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        _write_weights(sd, tmp, max_shard_bytes)
         gen = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id}
         (tmp / "generation_config.json").write_text(json.dumps({k: v for k, v in gen.items() if v is not None}, indent=2))
         if tokenizer is not None:
