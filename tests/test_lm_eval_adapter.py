@@ -75,7 +75,7 @@ def subprocess_env() -> dict:
     # the child imports the same refusion as this test (PYTHONPATH may be relative to the repo)
     import refusion.model.checkpoint
 
-    src = str(Path(refusion.checkpoint.__file__).resolve().parents[1])
+    src = str(Path(refusion.model.checkpoint.__file__).resolve().parents[2])
     path = os.pathsep.join([src] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
     return {**os.environ, "PYTHONPATH": path, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
             "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
@@ -170,4 +170,4 @@ def test_the_pth_hook_registers_the_model_in_a_fresh_interpreter(tmp_path):
             "from lm_eval.api.registry import get_model; import lm_eval.models; print(get_model('refusion'))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=subprocess_env(),
                        cwd=tmp_path)
-    assert r.returncode == 0 and "refusion.lm_eval_adapter.ReFusionLM" in r.stdout, r.stderr[-2000:]
+    assert r.returncode == 0 and "refusion.evaluation.lm_eval.ReFusionLM" in r.stdout, r.stderr[-2000:]
