@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from refusion.model.checkpoint import load_model
+from refusion.model.compiled import enable_compile
 from refusion.bundled import BUNDLED
 from refusion.decoding import decode
 from refusion.tasks import get_task
@@ -77,7 +78,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     model, tok = load_model(args.model), Tokenizer.from_dir(args.model)
-    stats = model.enable_compile().stats if args.compile else None
+    stats = enable_compile(model).stats if args.compile else None
     prompts = [tok.chat_prompt_ids(ex.prompt) for name in args.tasks.split(",")
                for ex in get_task(name).load("test", n=args.n, seed=1)]
     got = record(model, prompts, args.gen_length)

@@ -41,6 +41,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from refusion.model.checkpoint import load_model
+from refusion.model.compiled import enable_compile
 from refusion.bundled import BUNDLED
 from refusion.decoding import decode
 from refusion.tasks import get_task
@@ -134,7 +135,7 @@ def main() -> None:
     chosen = [s for s in settings(args.gen_length) if not args.only or s[0] in args.only.split(",")]
     plain: dict[int, float] = {}
     steps, ops = [], {}
-    stats = model.enable_compile().stats if args.compile else None
+    stats = enable_compile(model).stats if args.compile else None
     for name, decoder, params in chosen:
         decode(model, prompts[:2], decoder, **params)  # warm-up
         for bs in [int(b) for b in args.batch_sizes.split(",")]:

@@ -1,7 +1,7 @@
 """A slow, literal, batch-1 plan-and-infill (REFUSION.md section 4, with the named defects fixed).
 
 Written to be read next to the spec's step list, not to be fast: one sequence, the row-based
-`KVCache` (crop / expand / select / merge_rows), plain full-vocabulary softmax, greedy drafts only.
+`KVCache` (crop, and expand / select / merge_rows from reference_cache.py), plain full-vocabulary softmax, greedy drafts only.
 The fast batched decoder in `refusion.decoding.refusion` is tested against it token for token and
 forward for forward.
 
@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from reference_cache import ReferenceKVCache
+
 
 def _softmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return torch.softmax(logits.float(), dim=-1)
@@ -22,7 +24,8 @@ def _softmax_rows(logits: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def reference_refusion(model, prompt: list[int], gen_length: int, slot_size: int, serial_blocks: int,
                        slot_threshold: float, token_threshold: float, eos_ids: set[int],
-                       recompute_kv: bool = False, left_to_right: bool = False) -> dict:
+                       recompute_kv: bool = False, left_to_right: bool = False, cache=None) -> dict:
+    """cache: an empty cache with the row operations (default: a ReferenceKVCache for `model`)."""
     s = slot_size
     L = gen_length
     assert L % (s * serial_blocks) == 0, "gen_length must be a multiple of slot_size * serial_blocks"
@@ -32,7 +35,7 @@ def reference_refusion(model, prompt: list[int], gen_length: int, slot_size: int
     P = len(prompt)
 
     # ---- state --------------------------------------------------------------------------------
-    cache = model.new_cache()
+    cache = cache if cache is not None else ReferenceKVCache(model.config.num_layers)
     committed_len = 0  # cache entries that belong to committed tokens (prompt + response)
     prompt_fed = False
     response: dict[int, int] = {}  # position -> committed token

@@ -1,11 +1,12 @@
-"""Each KVCache operation on its own, on hand-made tensors, and one through the model."""
+"""Each cache operation on its own, on hand-made tensors, and some through the model."""
 
 import pytest
 import torch
 
-from refusion.model.cache import KVCache
+from refusion.model.cache import KVCache, RaggedKVCache, SlotKVCache
 from refusion.model.config import ModelConfig
 from refusion.model.transformer import Transformer
+from reference_cache import ReferenceKVCache
 
 
 def kv(rows, t, start=0.0, h=2, d=3):
@@ -45,7 +46,7 @@ def test_crop_then_append_overwrites_the_tail():
 
 
 def test_expand_shares_storage_until_written():
-    c = KVCache(1)
+    c = ReferenceKVCache(1)
     fill(c, 1, 3)
     ptr = c.k[0].data_ptr()
     c.expand(4)
@@ -59,7 +60,7 @@ def test_expand_shares_storage_until_written():
 
 
 def test_select_rows_keeps_order():
-    c = KVCache(1)
+    c = ReferenceKVCache(1)
     fill(c, 3, 2)
     c.select([2, 0])
     k, _ = c.layer(0)
@@ -68,7 +69,7 @@ def test_select_rows_keeps_order():
 
 
 def test_merge_rows_appends_each_rows_own_entries_in_row_order():
-    c = KVCache(1)
+    c = ReferenceKVCache(1)
     fill(c, 1, 2)  # shared prefix of 2
     c.expand(3)
     own = torch.stack([torch.full((2, 3, 3), 10.0 * (r + 1)) for r in range(3)])
@@ -92,7 +93,7 @@ def test_merged_infill_cache_equals_packed_forward():
     spos = torch.tensor([[8, 9], [4, 5]])
     q, qpos = torch.tensor([[11]]), torch.tensor([[6]])
     with torch.no_grad():
-        c = m.new_cache()
+        c = ReferenceKVCache(m.config.num_layers)
         m(prefix, pos0, cache=c)
         c.expand(2)
         m(slots, spos, cache=c)
@@ -107,14 +108,12 @@ def test_merged_infill_cache_equals_packed_forward():
 
 
 def test_ragged_cache_grows_and_moves_rows_keeping_entries():
-    from refusion.model.cache import RaggedKVCache
-
     c = RaggedKVCache(num_layers=2, kv_heads=2, head_dim=4, dtype=torch.float32, device="cpu", rows=2, capacity=3)
     k = torch.randn(2, 2, 3, 4)
     v = torch.randn(2, 2, 3, 4)
-    c.row0, c.write_index, c.used = 0, torch.tensor([[0, 1, 2], [0, 1, 2]]), 3
+    write = c.at(torch.tensor([[0, 1, 2], [0, 1, 2]]), keys=3)
     for i in range(2):
-        kk, vv = c.update(i, k, v)
+        kk, vv = write.update(i, k, v)
         assert torch.equal(kk, k) and torch.equal(vv, v)
     c.reserve(5, 10)
     assert c.rows >= 5 and c.capacity >= 10
@@ -124,8 +123,46 @@ def test_ragged_cache_grows_and_moves_rows_keeping_entries():
     ks, _ = c.row(3, 2)
     assert torch.equal(ks[1], k[1, :, :2])
     # a forward over rows 3..4 writing at different columns per row reads back its own rows only
-    c.row0, c.write_index, c.used = 3, torch.tensor([[2], [0]]), 3
     new = torch.randn(2, 2, 1, 4)
-    kk, _ = c.update(0, new, new)
+    kk, _ = c.at(torch.tensor([[2], [0]]), keys=3, row0=3).update(0, new, new)
     assert torch.equal(kk[0, :, 2], new[0, :, 0]) and torch.equal(kk[0, :, :2], k[1, :, :2])
     assert torch.equal(kk[1, :, 0], new[1, :, 0])
+
+
+def test_slot_cache_writes_and_reads_the_rows_it_is_told():
+    c = SlotKVCache(num_layers=1, rows=3, capacity=4, kv_heads=2, head_dim=3, dtype=torch.float32, device="cpu")
+    k, v = kv(3, 2)
+    c.at(torch.tensor([[0, 1]] * 3), keys=2).update(0, k, v)  # every row, in order
+    new = torch.full((2, 2, 1, 3), 7.0)
+    kk, vv = c.at(torch.tensor([[3], [2]]), keys=4, rows=torch.tensor([2, 0])).update(0, new, -new)
+    assert kk.shape == (2, 2, 4, 3)  # batch row 0 is cache row 2, batch row 1 cache row 0
+    assert torch.equal(kk[0, :, :2], k[2]) and torch.equal(kk[0, :, 3], new[0, :, 0]) and kk[0, :, 2].eq(0).all()
+    assert torch.equal(kk[1, :, :2], k[0]) and torch.equal(kk[1, :, 2], new[1, :, 0]) and torch.equal(vv[1, :, 2], -new[1, :, 0])
+    assert c.k[0][1, :, 2:].eq(0).all()  # row 1 untouched
+
+
+def test_default_masks_are_causal_in_feed_and_in_column_order():
+    c = KVCache(1)
+    assert c.default_mask(3, "cpu") is None  # nothing cached: SDPA's is_causal
+    fill(c, 1, 2)
+    assert c.default_mask(1, "cpu") is None  # one token sees everything
+    assert torch.equal(c.default_mask(2, "cpu"), torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.bool))
+    slots = SlotKVCache(num_layers=1, rows=1, capacity=4, kv_heads=2, head_dim=3, dtype=torch.float32, device="cpu")
+    mask = slots.at(torch.tensor([[3, 1]]), keys=4).default_mask(2, "cpu")
+    assert torch.equal(mask[0, 0], torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]], dtype=torch.bool))
+
+
+def test_a_placed_forward_equals_an_appending_one():
+    """The model through SlotKVCache.at, columns in feed order, gives the KVCache run's logits and keys."""
+    m = Transformer(ModelConfig(vocab_size=40, hidden_size=32, intermediate_size=48, num_layers=2,
+                                num_heads=4, num_kv_heads=2)).init_weights(seed=3).eval()
+    ids, pos = torch.tensor([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]), torch.tensor([[0, 2, 1, 3, 4]] * 2)
+    kvc = m.new_cache()
+    slots = SlotKVCache(2, 2, 8, 2, m.config.head_dim, torch.float32, "cpu")
+    with torch.no_grad():
+        want = [m(ids[:, :3], pos[:, :3], cache=kvc), m(ids[:, 3:], pos[:, 3:], cache=kvc)]
+        got = [m(ids[:, :3], pos[:, :3], cache=slots.at(torch.arange(3).expand(2, 3), keys=3)),
+               m(ids[:, 3:], pos[:, 3:], cache=slots.at(torch.arange(3, 5).expand(2, 2), keys=5))]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    torch.testing.assert_close(slots.k[1][:, :, :5], kvc.k[1][:, :, :5], atol=1e-6, rtol=0)

@@ -250,14 +250,6 @@ def test_bad_value_is_one_line_naming_it(argv, message, files, capsys, tmp_path,
     assert not (tmp_path / "runs").exists() and not Path(files["dir"], "never").exists()
 
 
-def test_lora_without_peft_names_the_extra(files, capsys, monkeypatch, tmp_path):
-    monkeypatch.setitem(sys.modules, "peft", None)  # as if it were not installed
-    rc, _, err = run_main(["train", "--set", 'lora={"r": 4}', "--out", str(tmp_path / "run")], capsys)
-    assert rc == 2 and err.splitlines() == [
-        "refusion: error: LoRA needs the peft package: pip install 'refusion[train]' (or pip install peft)"]
-    assert not (tmp_path / "run").exists()
-
-
 def test_data_that_fails_when_read_leaves_no_run_directory(files, capsys, tmp_path):
     out = tmp_path / "run"
     rc, _, err = run_main(["train", "--data", files["binary.jsonl"], "--out", str(out), "--set", "vocab_size=270",

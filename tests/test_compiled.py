@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from refusion.model.checkpoint import load_model
+from refusion.model.compiled import enable_compile
 from refusion.model.config import ModelConfig
 from refusion.decoding import decode
 from refusion.model.transformer import Transformer
@@ -36,7 +37,7 @@ def test_appending_cache_steps_match_eager():
     eager, comp = m.new_cache(), m.new_cache()
     m(prompt, torch.arange(9).expand(2, 9), cache=eager)
     m(prompt, torch.arange(9).expand(2, 9), cache=comp)
-    cf = m.enable_compile()
+    cf = enable_compile(m)
     for t, width in enumerate([1, 1, 3, 1, 2]):  # width 1 and width >= 2: two graphs
         ids = torch.randint(0, 39, (2, width), generator=g)
         pos = torch.arange(width).expand(2, width) + 9 + t * 3
@@ -67,7 +68,7 @@ def test_nothing_compiles_after_warm_up_as_widths_and_caches_grow():
 
     runs = [("speculative", dict(gen_length=24)), ("refusion", dict(gen_length=24, slot_size=4)),
             ("ar", dict(max_new_tokens=24))]
-    stats = m.enable_compile().stats
+    stats = enable_compile(m).stats
     try:
         for decoder, params in runs:
             for batch in (prompts(5), prompts(5, 9, 12)):
@@ -98,7 +99,7 @@ def test_decoders_through_the_compiled_forward(decoder, params):
     prompts = [tok.chat_prompt_ids(ex.prompt) for name in ("sort", "add") for ex in get_task(name).load("test", n=2, seed=3)]
     m.compiled = None
     want = decode(m, prompts, decoder, **params)
-    stats = m.enable_compile().stats
+    stats = enable_compile(m).stats
     try:
         got = decode(m, prompts, decoder, **params)
         graphs = stats.graphs
@@ -114,15 +115,18 @@ def test_decoders_through_the_compiled_forward(decoder, params):
 @torch.inference_mode(False)
 def test_eager_where_compiling_does_not_apply():
     m = tiny()
-    stats = m.enable_compile(max_tokens=8).stats
+    stats = enable_compile(m, max_tokens=8).stats
     ids, pos = torch.tensor([[3, 4, 5]]), torch.arange(3)[None]
     m(ids, pos)  # gradients on (and no cache): eager
     with torch.inference_mode():
         m(ids, pos)  # no cache
         c = m.new_cache()
         m(ids, pos, cache=c)  # nothing cached yet: the prefill runs eager
-        c.expand(2)  # rows shared by expand(): eager
-        m(torch.tensor([[6], [7]]), torch.tensor([[3], [3]]), cache=c)
         wide = m.new_cache()
         m(torch.arange(12)[None], torch.arange(12)[None], cache=wide)  # 12 tokens > max_tokens
+        seen = []
+        hook = m.layers[1].mlp.down_proj.register_forward_hook(lambda mod, i, o: seen.append(o.shape))
+        m(torch.tensor([[6]]), torch.tensor([[3]]), cache=c)  # a hook inside a block: eager, and it runs
+        hook.remove()
+        assert seen == [(1, m.config.hidden_size)]
     assert stats.compiled_calls == 0 and stats.eager_calls == 4 and stats.graphs == 0

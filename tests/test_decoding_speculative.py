@@ -14,12 +14,12 @@ import random
 import pytest
 import torch
 
-from refusion.model.cache import KVCache
 from refusion.model.config import ModelConfig
 from refusion.decoding import ARParams, decode, generate_ar
 from refusion.decoding import speculative as spec
 from refusion.decoding.speculative import SpeculativeBatch, SpeculativeParams, generate_speculative
 from refusion.model.transformer import Transformer
+from reference_cache import ReferenceKVCache
 
 MASK = 23
 CFG = dict(vocab_size=24, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -112,7 +112,7 @@ def test_cache_after_every_step_equals_a_fresh_causal_pass(oracle):
             for r, q in enumerate(batch.running):
                 seq = q.prompt + q.res.tokens[:-1]  # every committed token but the newest has its KV kept
                 assert q.c == len(seq)
-                fresh = KVCache(model.config.num_layers)
+                fresh = ReferenceKVCache(model.config.num_layers)
                 model(torch.tensor([seq]), torch.arange(len(seq))[None], cache=fresh)
                 ks, vs = batch.cache.row(r, q.c)
                 for i in range(model.config.num_layers):

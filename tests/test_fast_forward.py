@@ -1,16 +1,18 @@
-"""The forward's speed devices change nothing but speed: fused projections, RoPE tables, packed tokens.
+"""The one forward and what makes it fast change nothing but speed: fused projections, RoPE tables,
+packed tokens, a block run as one module call.
 
-Fused q/k/v and gate/up weights are views that the layers' own parameters point into, so checkpoints
-keep Hugging Face names, training and adapters still see the layers, and a replaced parameter is
-noticed. Packing (`real`) computes only the real tokens of a padded batch and must give their logits.
+q/k/v and gate/up are one Linear each inside the model and separate Hugging Face tensors on disk
+(checkpoint.to_hf / from_hf); LoRA still adapts the projections users name; adapters and hooks on a
+projection are run, not bypassed; training and inference are the same arithmetic.
 """
 
 import pytest
 import torch
 import transformers
 
-from refusion.model.checkpoint import load_model, save_model
+from refusion.model.checkpoint import from_hf, load_model, save_model, to_hf
 from refusion.model.config import ModelConfig
+from refusion.model.lora import apply_lora, merged_state_dict
 from refusion.model.transformer import Transformer, apply_rope, rope_inv_freq
 
 CFG = dict(vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -27,30 +29,38 @@ def logits(m, ids=((3, 4, 5, 6),)):
         return m(ids, torch.arange(ids.shape[1]).expand_as(ids))
 
 
-def test_fused_weights_are_the_layers_own_storage():
+@pytest.mark.parametrize("kw", [dict(), dict(qkv_bias=True, qk_norm=False, tie_word_embeddings=False)])
+def test_hugging_face_names_map_both_ways(kw):
+    m = model(**kw)
+    sd = m.state_dict()
+    assert "layers.0.self_attn.qkv_proj.weight" in sd and "layers.0.mlp.gate_up_proj.weight" in sd
+    hf = to_hf(sd, m.config)
+    q, kv, up = 4 * 8, 2 * 8, 48
+    shapes = {"q_proj": (q, 32), "k_proj": (kv, 32), "v_proj": (kv, 32), "gate_proj": (up, 32), "up_proj": (up, 32)}
+    for name, shape in shapes.items():
+        part = "self_attn" if name[0] in "qkv" else "mlp"
+        assert hf[f"model.layers.1.{part}.{name}.weight"].shape == shape
+    if kw.get("qkv_bias"):
+        assert hf["model.layers.0.self_attn.k_proj.bias"].shape == (kv,)
+    assert not any("qkv" in n or "gate_up" in n for n in hf)
+    # rows q, k, v: the k part is the middle block of the fused weight
+    assert torch.equal(hf["model.layers.0.self_attn.k_proj.weight"], sd["layers.0.self_attn.qkv_proj.weight"][q: q + kv])
+    back = from_hf(hf, m.config)
+    assert list(back) == list(sd) and all(torch.equal(back[k], sd[k]) for k in sd)
+
+
+def test_a_seed_gives_the_weights_separate_layers_would_get():
+    """init_weights draws a fused projection's parts one by one, in Hugging Face order: a seed means
+    the same model as before the projections were fused."""
     m = model()
-    before = {k: v.clone() for k, v in m.state_dict().items()}
-    logits(m)  # the first inference forward stacks the weights
-    w = m._inference_weights()[0]
-    attn, mlp = m.layers[0].self_attn, m.layers[0].mlp
-    assert attn.q_proj.weight.data_ptr() == w.qkv.data_ptr()
-    assert attn.v_proj.weight.data_ptr() == w.qkv[-attn.v_proj.out_features:].data_ptr()
-    assert mlp.up_proj.weight.data_ptr() == w.gate_up[-mlp.up_proj.out_features:].data_ptr()
-    # same names, same values; nothing else in the state dict
-    after = m.state_dict()
-    assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
-
-
-def test_inference_path_equals_the_modules():
-    """Without gradients the blocks run as one function over stacked weights; with them, as modules."""
-    m = model(qkv_bias=True)
-    ids = torch.tensor([[3, 4, 5, 6], [7, 8, 9, 10]])
-    pos = torch.tensor([[0, 2, 1, 3], [5, 4, 7, 6]])
-    with torch.inference_mode():
-        fast = m(ids, pos)
-    slow = m(ids, pos).detach()  # grad mode: the modules
-    assert m._inference_weights() is not None
-    torch.testing.assert_close(fast, slow, atol=0, rtol=0)
+    gen = torch.Generator().manual_seed(0)
+    for name, t in to_hf(m.state_dict(), m.config).items():
+        if name == "lm_head.weight":  # tied to the embedding
+            continue
+        if name.endswith("norm.weight"):
+            assert t.eq(1).all()
+        else:
+            assert torch.equal(t, torch.randn(t.shape, generator=gen) * 0.3), name
 
 
 def test_save_writes_plain_names_that_transformers_reads(tmp_path):
@@ -58,9 +68,6 @@ def test_save_writes_plain_names_that_transformers_reads(tmp_path):
     want = logits(m)
     save_model(m, tmp_path / "ck")
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ck").eval()
-    names = set(hf.state_dict())
-    assert {"model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.up_proj.weight"} <= names
-    assert not any("qkv" in n or "gate_up" in n for n in names)
     ids = torch.tensor([[3, 4, 5, 6]])
     with torch.no_grad():
         torch.testing.assert_close(hf(input_ids=ids, position_ids=torch.arange(4)[None]).logits, want,
@@ -68,51 +75,27 @@ def test_save_writes_plain_names_that_transformers_reads(tmp_path):
     torch.testing.assert_close(logits(load_model(tmp_path / "ck")), want, atol=0, rtol=0)
 
 
-def test_updates_of_a_part_reach_the_fused_product():
-    m = model()
-    logits(m)
-    with torch.no_grad():  # in place, as an optimizer step or load_state_dict does
-        m.layers[1].self_attn.k_proj.weight.mul_(-1.5)
-        m.layers[1].mlp.up_proj.weight.add_(0.1)
-    fresh = Transformer(m.config).eval()
-    fresh.load_state_dict(m.state_dict())  # separate, unfused copies of the same values
-    torch.testing.assert_close(logits(m), logits(fresh), atol=1e-6, rtol=0)
-
-
-def test_a_replaced_parameter_is_noticed():
-    m = model()
-    logits(m)
-    sd = {k: v.clone() for k, v in m.state_dict().items()}
-    sd["layers.0.self_attn.q_proj.weight"] = torch.randn_like(sd["layers.0.self_attn.q_proj.weight"])
-    m.load_state_dict(sd, assign=True)  # new storage for every parameter
-    fresh = Transformer(m.config).eval()
-    fresh.load_state_dict(sd)
-    torch.testing.assert_close(logits(m), logits(fresh), atol=1e-6, rtol=0)
-
-
-def test_training_after_inference_trains_the_layers():
-    m = model()
-    logits(m)  # stacked and re-pointed
+def test_training_and_inference_are_the_same_arithmetic():
+    m = model(qkv_bias=True)
+    ids = torch.tensor([[3, 4, 5, 6], [7, 8, 9, 10]])
+    pos = torch.tensor([[0, 2, 1, 3], [5, 4, 7, 6]])
+    with torch.inference_mode():
+        fast = m(ids, pos)
     m.train()
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    ids = torch.tensor([[3, 4, 5, 6, 7]])
-    pos = torch.arange(5)[None]
-    q0 = m.layers[0].self_attn.q_proj.weight.detach().clone()
-    for _ in range(3):
-        loss = torch.nn.functional.cross_entropy(m(ids[:, :-1], pos[:, :-1])[0], ids[0, 1:])
-        opt.zero_grad()
-        loss.backward()
-        assert m.layers[0].self_attn.q_proj.weight.grad is not None
-        opt.step()
-    assert not torch.equal(m.layers[0].self_attn.q_proj.weight, q0)
-    m.eval()
-    fresh = Transformer(m.config).eval()
-    fresh.load_state_dict(m.state_dict())
-    torch.testing.assert_close(logits(m), logits(fresh), atol=1e-6, rtol=0)
+    slow = m(ids, pos)
+    torch.testing.assert_close(fast, slow.detach(), atol=0, rtol=0)
+    slow.square().mean().backward()
+    assert m.layers[0].self_attn.qkv_proj.weight.grad.abs().sum() > 0
+    assert m.layers[0].self_attn.q_norm.weight.grad.abs().sum() > 0
+    m.gradient_checkpointing = True
+    grads = {n: p.grad.clone() for n, p in m.named_parameters()}
+    m.zero_grad()
+    m(ids, pos).square().mean().backward()  # recomputed blocks: the same gradients
+    for n, p in m.named_parameters():
+        torch.testing.assert_close(p.grad, grads[n], atol=0, rtol=0, msg=n)
 
 
-def test_an_adapter_on_one_projection_is_not_bypassed():
-    """A layer replaced by another module (as LoRA does) breaks the fusion: the layers run one by one."""
+def test_an_adapter_or_a_hook_on_a_projection_is_not_bypassed():
     m = model()
     base = logits(m)
 
@@ -124,8 +107,50 @@ def test_an_adapter_on_one_projection_is_not_bypassed():
         def forward(self, x):
             return 2 * self.inner(x)
 
-    m.layers[0].self_attn.v_proj = Doubled(m.layers[0].self_attn.v_proj)
+    seen = []
+    hook = m.layers[1].mlp.gate_up_proj.register_forward_hook(lambda mod, i, o: seen.append(o.shape))
+    torch.testing.assert_close(logits(m), base, atol=0, rtol=0)
+    assert seen == [(4, 2 * 48)]
+    hook.remove()
+    m.layers[0].self_attn.o_proj = Doubled(m.layers[0].self_attn.o_proj)
     assert not torch.allclose(logits(m), base)
+
+
+def test_lora_on_q_adapts_q_alone_inside_the_fused_projection():
+    m = model()
+    base = logits(m)
+    apply_lora(m, {"r": 2, "target_modules": ["q_proj"]})
+    qkv = m.layers[0].self_attn.qkv_proj
+    x = torch.randn(5, 32, generator=torch.Generator().manual_seed(1))
+    q = 4 * 8
+    with torch.no_grad():
+        torch.testing.assert_close(qkv(x), qkv.base(x), atol=0, rtol=0)  # B starts at zero
+        torch.testing.assert_close(logits(m), base, atol=0, rtol=0)
+        for layer in m.layers:
+            layer.self_attn.qkv_proj.lora_B["q_proj"].weight.normal_()
+        y, y0 = qkv(x), qkv.base(x)
+    assert torch.equal(y[:, q:], y0[:, q:])  # k and v exactly as they were
+    assert not torch.allclose(y[:, :q], y0[:, :q])
+    assert not torch.allclose(logits(m), base)
+    hf, before = to_hf(merged_state_dict(m), m.config), to_hf(model().state_dict(), m.config)
+    for name in ("k_proj", "v_proj"):
+        assert torch.equal(hf[f"model.layers.0.self_attn.{name}.weight"], before[f"model.layers.0.self_attn.{name}.weight"])
+    assert not torch.equal(hf["model.layers.0.self_attn.q_proj.weight"], before["model.layers.0.self_attn.q_proj.weight"])
+    trainable = {n for n, p in m.named_parameters() if p.requires_grad}
+    assert trainable == {f"layers.{i}.self_attn.qkv_proj.lora_{ab}.q_proj.weight" for i in range(2) for ab in "AB"}
+
+
+@pytest.mark.parametrize("targets", [["q_proj", "v_proj"], ["up_proj", "o_proj", "down_proj"]])
+def test_merged_lora_weights_are_the_adapted_model(targets):
+    m = model(qkv_bias=True)
+    apply_lora(m, {"r": 4, "alpha": 8, "target_modules": targets})
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    plain = Transformer(m.config).eval()
+    plain.load_state_dict(merged_state_dict(m))
+    torch.testing.assert_close(logits(plain), logits(m), atol=1e-5, rtol=0)
 
 
 def test_rope_from_the_table_is_the_textbook_rotation():

@@ -168,4 +168,4 @@ def test_fsdp_lora_matches_one_process(data_file, tmp_path):
     # the mask's new row learned, the base vocabulary's did not move (merged weights, plain names)
     assert not torch.equal(got.embed_tokens.weight[n], ref.embed_tokens.weight[:n].mean(0))
     assert torch.equal(got.embed_tokens.weight[:n], base.embed_tokens.weight)
-    assert torch.equal(got.layers[0].mlp.up_proj.weight, base.layers[0].mlp.up_proj.weight)
+    assert torch.equal(got.layers[0].mlp.gate_up_proj.weight, base.layers[0].mlp.gate_up_proj.weight)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from refusion.model.checkpoint import load_model, save_model
+from refusion.model.checkpoint import load_model, save_model, to_hf
 from refusion.model.config import ModelConfig
 from refusion.training.data import (BatchOrder, DataError, Example, encode_records, filter_by_length, length_batches,
                                     load_records, train_bpe_tokenizer)
@@ -314,8 +314,10 @@ def test_init_from_a_causal_checkpoint_adds_the_mask_token_and_lora(data_file, t
     assert not torch.allclose(model.embed_tokens.weight[n], mean_row[0])
     assert torch.equal(model.embed_tokens.weight[:n], base.embed_tokens.weight)
     # only the adapted projections moved; the merged weights are what the adapters give
-    assert torch.equal(model.layers[0].mlp.up_proj.weight, base.layers[0].mlp.up_proj.weight)
-    assert not torch.equal(model.layers[0].self_attn.q_proj.weight, base.layers[0].self_attn.q_proj.weight)
+    got, was = to_hf(model.state_dict(), model.config), to_hf(base.state_dict(), base.config)
+    for name in ("mlp.up_proj", "self_attn.k_proj", "self_attn.q_proj", "self_attn.v_proj"):
+        moved = not torch.equal(got[f"model.layers.0.{name}.weight"], was[f"model.layers.0.{name}.weight"])
+        assert moved == (name in ("self_attn.q_proj", "self_attn.v_proj")), name
     # a LoRA run resumed from its checkpoint continues exactly
     ref = losses(tmp_path / "lora")
     shutil.rmtree(tmp_path / "lora" / "checkpoint-6")

@@ -332,11 +332,10 @@ def _step(model: Transformer, cache: SlotKVCache, active: list[PlanInfillSeq], n
     key = torch.arange(hi + 1, device=device)
     # a query sees a column at or before its own that is committed or in its own group
     mask = (key[None, None, :] <= col_t[:, :, None]) & ((kg[:, None, :] == 0) | (kg[:, None, :] == qg[:, :, None]))
-    cache.write_index = col_t
-    cache.rows = None if B == n_rows else torch.tensor([q.row for q in active], device=device)
-    cache.used = hi + 1
+    rows = None if B == n_rows else torch.tensor([q.row for q in active], device=device)
     real = packed_index([len(f.ids) for f in feeds], T, device)  # rows of different widths: only real tokens
-    logits = model(ids_t, pos_t, attn_mask=mask[:, None], cache=cache, num_logits=need, real=real).float()
+    logits = model(ids_t, pos_t, attn_mask=mask[:, None], cache=cache.at(col_t, keys=hi + 1, rows=rows),
+                   num_logits=need, real=real).float()
     lse = logits.logsumexp(-1)
     top, amax = logits.max(-1)
     pmax = (top - lse).exp()

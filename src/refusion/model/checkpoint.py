@@ -3,6 +3,10 @@
 A directory holds config.json, model.safetensors (or shards + model.safetensors.index.json),
 tokenizer files and generation_config.json, readable by `transformers` as Qwen3ForCausalLM,
 Qwen2ForCausalLM or LlamaForCausalLM. `mask_token_id` is kept in config.json.
+
+Tensor names on disk are Hugging Face's; the model fuses some projections (transformer.fused_parts):
+to_hf and from_hf translate, and every state that is read or written as a checkpoint goes through
+them.
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from refusion.model.compiled import enable_compile
 from refusion.model.config import ConfigError, ModelConfig
-from refusion.model.transformer import Transformer
+from refusion.model.transformer import Transformer, fused_parts
 from refusion.model.tokenizer import MASK_TOKEN, Tokenizer
 
 INDEX = "model.safetensors.index.json"
@@ -35,8 +40,47 @@ def _hf_key(name: str) -> str:
     return name if name.startswith("lm_head.") else "model." + name
 
 
-def _our_key(name: str) -> str:
-    return name.removeprefix("model.")
+def to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The model's state under Hugging Face names: each fused projection split into its parts
+    (views, by rows), "model." before everything but the LM head."""
+    fused = fused_parts(cfg)
+    out = {}
+    for name, t in sd.items():
+        module, _, leaf = name.rpartition(".")
+        parent, _, proj = module.rpartition(".")
+        if proj not in fused:
+            out[_hf_key(name)] = t
+            continue
+        parts = fused[proj]
+        for (part, _), piece in zip(parts, t.split([rows for _, rows in parts])):
+            out[_hf_key(f"{parent}.{part}.{leaf}")] = piece
+    return out
+
+
+def from_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Hugging Face names to the model's: the inverse of to_hf (the parts of a fused projection
+    concatenated by rows; every part must be there)."""
+    fused = fused_parts(cfg)
+    owner = {part: (proj, i) for proj, parts in fused.items() for i, (part, _) in enumerate(parts)}
+    out, pieces = {}, {}
+    for key, t in sd.items():
+        name = key.removeprefix("model.")
+        module, _, leaf = name.rpartition(".")
+        parent, _, proj = module.rpartition(".")
+        if proj not in owner:
+            out[name] = t
+            continue
+        whole, i = owner[proj]
+        fused_name = f"{parent}.{whole}.{leaf}"
+        out.setdefault(fused_name, None)  # its place in the order: where its first part was
+        pieces.setdefault(fused_name, {})[i] = t
+    for name, got in pieces.items():
+        parts = fused[name.rsplit(".", 2)[-2]]
+        if len(got) != len(parts):
+            missing = [part for i, (part, _) in enumerate(parts) if i not in got]
+            raise CheckpointError(f"{_hf_key(name)}: the parts {missing} are missing")
+        out[name] = torch.cat([got[i] for i in range(len(parts))])
+    return out
 
 
 def load_config(path: str | Path) -> ModelConfig:
@@ -98,9 +142,9 @@ def load_model(path: str | Path, dtype: torch.dtype | str | None = None, device:
                require_mask: bool = False, compile: bool = False) -> Transformer:
     """Load a Hugging Face model directory into a refusion Transformer (eval mode).
 
-    compile: inference forwards through torch.compile'd graphs (Transformer.enable_compile; its
-    CompileStats are model.compiled.stats). Faster per forward once compiled, but not bit-identical
-    to the eager default, so off unless asked for."""
+    compile: inference forwards through torch.compile'd graphs (model/compiled.py: enable_compile;
+    its CompileStats are model.compiled.stats). Faster per forward once compiled, but not
+    bit-identical to the eager default, so off unless asked for."""
     from refusion.runtime import resolve_device
 
     device = resolve_device(device)  # before reading the weights: a bad device fails at once
@@ -110,13 +154,26 @@ def load_model(path: str | Path, dtype: torch.dtype | str | None = None, device:
                               "(convert one with `refusion add-mask-token` or train one)")
     dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
     dtype = dtype or DTYPES.get(cfg.torch_dtype.removeprefix("torch."), torch.float32)
-    sd = {_our_key(k): v for k, v in load_state_dict(path).items()}
+    sd = load_state_dict(path)
     with torch.device("meta"):
         model = Transformer(cfg)
-    expected = {k: v for k, v in model.state_dict().items()}
+    expected = to_hf(model.state_dict(), cfg)  # names and shapes on disk
     if cfg.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
         expected.pop("lm_head.weight", None)
+    _check_weights(path, sd, expected)
+    model.load_state_dict(from_hf({k: sd[k].to(dtype) for k in expected}, cfg), strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.reset_rope()  # buffers are not in the file and were built on "meta"
+    model = model.to(device).eval()
+    if compile:
+        enable_compile(model)
+    return model
+
+
+def _check_weights(path: str | Path, sd: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    """The file's tensors are the ones config.json implies, by name and shape."""
     missing = sorted(set(expected) - set(sd))
     unexpected = sorted(k for k in set(sd) - set(expected) if not k.endswith("rotary_emb.inv_freq"))
     if missing or unexpected:
@@ -125,16 +182,7 @@ def load_model(path: str | Path, dtype: torch.dtype | str | None = None, device:
                               f"unexpected: {unexpected[:3]}{'...' if len(unexpected) > 3 else ''})")
     for k, v in expected.items():
         if sd[k].shape != v.shape:
-            raise CheckpointError(f"{path}: {_hf_key(k)} has shape {tuple(sd[k].shape)}, "
-                                  f"config.json implies {tuple(v.shape)}")
-    model.load_state_dict({k: sd[k].to(dtype) for k in expected}, strict=False, assign=True)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
-    model.reset_rope()  # buffers are not in the file and were built on "meta"
-    model = model.to(device).eval()
-    if compile:
-        model.enable_compile()
-    return model
+            raise CheckpointError(f"{path}: {k} has shape {tuple(sd[k].shape)}, config.json implies {tuple(v.shape)}")
 
 
 def _atomic_dir(path: Path, overwrite: bool):
@@ -163,6 +211,29 @@ def _commit_dir(tmp: Path, path: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def _write_weights(sd: dict[str, torch.Tensor], tmp: Path, max_shard_bytes: int) -> None:
+    """model.safetensors, or shards of at most max_shard_bytes and their index."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for k, v in sd.items():
+        n = v.numel() * v.element_size()
+        if shards[-1] and size + n > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][k] = v
+        size += n
+    if len(shards) == 1:
+        save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(tmp / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in shard})
+    total = sum(v.numel() * v.element_size() for v in sd.values())
+    (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
 def save_model(model: Transformer, path: str | Path, tokenizer: Tokenizer | None = None,
                dtype: torch.dtype | None = None, max_shard_bytes: int = 2 * 1024**3, overwrite: bool = False,
                extra_files: dict[str, bytes | str] | None = None) -> Path:
@@ -172,33 +243,15 @@ def save_model(model: Transformer, path: str | Path, tokenizer: Tokenizer | None
     tmp = _atomic_dir(path, overwrite)
     try:
         sd = {}
-        for k, v in model.state_dict().items():
+        for k, v in to_hf(model.state_dict(), cfg).items():
             if cfg.tie_word_embeddings and k == "lm_head.weight":
                 continue
-            sd[_hf_key(k)] = (v.to(dtype) if dtype else v).detach().cpu().contiguous()
+            sd[k] = (v.to(dtype) if dtype else v).detach().cpu().contiguous()
         out_dtype = next(iter(sd.values())).dtype
         hf = cfg.to_hf()
         hf["torch_dtype"] = str(out_dtype).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(hf, indent=2))
-        shards: list[dict[str, torch.Tensor]] = [{}]
-        size = 0
-        for k, v in sd.items():
-            n = v.numel() * v.element_size()
-            if shards[-1] and size + n > max_shard_bytes:
-                shards.append({})
-                size = 0
-            shards[-1][k] = v
-            size += n
-        if len(shards) == 1:
-            save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        else:
-            weight_map = {}
-            for i, shard in enumerate(shards):
-                name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                save_file(shard, str(tmp / name), metadata={"format": "pt"})
-                weight_map.update({k: name for k in shard})
-            total = sum(v.numel() * v.element_size() for v in sd.values())
-            (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        _write_weights(sd, tmp, max_shard_bytes)
         gen = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id}
         (tmp / "generation_config.json").write_text(json.dumps({k: v for k, v in gen.items() if v is not None}, indent=2))
         if tokenizer is not None:

@@ -18,14 +18,17 @@ ragged batch's real tokens. Every decoder on one model needs about 10 graphs (ch
 CompileStats counts graphs, compile seconds and recompilations (a graph compiled again for a shape
 it already had: there should be none).
 
+The graph runs the model's own blocks (Block.forward, traced), on the cache buffers whole (the
+cache's `graph_write`); this module only adds the shape handling and the fallback.
+
 What falls back to eager: gradients, more tokens than `max_tokens` in one forward (there the
-products dominate and compiling saves little), no cache, a KVCache not allocated yet (its
-prefill) or with rows shared by expand() (the reference port's), a full Slot/RaggedKVCache, models
-whose blocks run as modules (adapters, hooks).
+products dominate and compiling saves little), no cache, a KVCache not allocated yet (its prefill)
+or fed another number of rows than it holds, a full Slot/RaggedKVCache, models with an adapter
+(LoRA) or a hook on a module the graph would run.
 
 Not bit-identical to eager: inductor's fused reductions and transcendental kernels round
 differently (logits differ by ~1e-5), so a near-tie between two tokens can resolve the other way.
-It is therefore off unless asked for (Transformer.enable_compile, load_model(compile=True),
+It is therefore off unless asked for (enable_compile(model), load_model(compile=True),
 `--compile`); benchmarks/check_outputs.py --compile reports how many outputs it changed (none of
 the recorded ones on the bundled model and the words fixture, every decoder, batch 1 and 8).
 """
@@ -38,10 +41,12 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
-from refusion.model.cache import KVCache, StaticIO
-from refusion.model.transformer import BlockWeights, additive_mask, block_inference, rms_norm
+from refusion.model.cache import Cache, CacheWrite
+from refusion.model.transformer import MLP, Attention, Block, RMSNorm, Transformer, additive_mask, rms_norm
+
+PLAIN = (Block, Attention, MLP, RMSNorm, nn.Linear, nn.Embedding, nn.ModuleList)  # module types a graph runs
 
 
 @dataclass
@@ -63,37 +68,45 @@ class CompileStats:
                 f"{self.compiled_calls} forwards compiled, {self.eager_calls} eager")
 
 
-def _graph(ids: Tensor, pos: Tensor, mask: Tensor, write_rows: Tensor, read_rows: Tensor | None, cols: Tensor,
-           kbufs: list[Tensor], vbufs: list[Tensor], embed: Tensor, rope: Tensor, blocks: list[BlockWeights],
-           norm: Tensor, eps: float, lm_head: Tensor, last: Tensor, real: Tensor | None, heads: int,
-           kv_heads: int) -> Tensor:
-    """The whole forward of a [B, T] feed over the cache buffers: logits of the columns in
-    `last` (a tensor, not an int, so that its length is a dynamic size rather than a constant).
-    With `real`, as Transformer.forward: per-token work on the real tokens only, zero logits for
-    padding."""
+def _graph(model: Transformer, ids: Tensor, pos: Tensor, mask: Tensor, write_rows: Tensor, read_rows: Tensor | None,
+           cols: Tensor, kbufs: list[Tensor], vbufs: list[Tensor], last: Tensor, real: Tensor | None) -> Tensor:
+    """Transformer.forward of a [B, T] feed over the cache buffers, through the model's own blocks:
+    logits of the columns in `last` (a tensor, not an int, so that its length is a dynamic size
+    rather than a constant). With `real`, as eager: per-token work on the real tokens only, zero
+    logits for padding."""
     B, T = ids.shape
     ids, pos = ids.reshape(-1), pos.reshape(-1)
     if real is not None:
         ids, pos = ids[real], pos[real]
-    x = F.embedding(ids, embed)
-    r = rope[pos].to(x.dtype)
-    cos, sin = r[:, :1], r[:, 1:]
-    io = StaticIO(kbufs, vbufs, write_rows, read_rows, cols, mask.shape[-1])
-    for i, w in enumerate(blocks):
-        x = block_inference(x, w, heads, kv_heads, cos, sin, mask, False, io, i, B, T, real)
+    x = F.embedding(ids, model.embed_tokens.weight)
+    cos, sin = model.rope_at(pos, x.dtype)
+    io = CacheWrite(kbufs, vbufs, write_rows, read_rows, cols, mask.shape[-1])
+    for i, block in enumerate(model.layers):
+        x = block(x, cos, sin, mask, False, io, i, (B, T), real)
     if real is not None:  # padding's hidden state is zero, and so its logits (rms_norm(0) = 0)
         x = x.new_zeros(B * T, x.shape[-1]).index_copy(0, real, x)
     x = x.view(B, T, -1).index_select(1, last)
-    return F.linear(rms_norm(x, norm, eps), lm_head)
+    return F.linear(rms_norm(x, model.norm.weight, model.norm.eps), model.lm_head.weight)
 
 
-def _mark(args: tuple, io: StaticIO) -> None:
+def _plain(model: Transformer) -> bool:
+    """Every module the graph runs is one of the model's own, without hooks (an adapter or a hook
+    would need a graph of its own, and dynamo does not guard on hooks)."""
+    if type(model.lm_head) is not nn.Linear:
+        return False
+    for m in (model.embed_tokens, model.lm_head, *model.layers.modules()):
+        if m._forward_hooks or m._forward_pre_hooks or type(m) not in PLAIN:
+            return False
+    return True
+
+
+def _mark(args: tuple, io: CacheWrite) -> None:
     """Mark the batch, width and key dimensions dynamic where they are >= 2 (torch specialises 0 and 1
     anyway). On every call, not only the first: should a guard ever fail, the graph compiled again
     must be the dynamic one too."""
     input_ids, position_ids, attn_mask, last, real = args[0], args[1], args[2], args[-2], args[-1]
     marks = [(last, (0,)), (real, (0,)), (input_ids, (0, 1)), (position_ids, (0, 1)), (io.cols, (0, 1)),
-             (attn_mask, tuple(range(attn_mask.dim()))), (io.write_rows, (0,)), (io.read_rows, (0,))]
+             (attn_mask, tuple(range(attn_mask.dim()))), (io.rows, (0,)), (io.read, (0,))]
     marks += [(t, (0, 2)) for t in io.k + io.v]  # rows and capacity
     for t, dims in marks:
         if t is not None:
@@ -116,56 +129,59 @@ def _own(t: Tensor) -> Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
+def enable_compile(model: Transformer, on: bool = True, **options) -> CompiledForward | None:
+    """Send `model`'s inference forwards through torch.compile'd graphs where a shape bucket fits,
+    eager elsewhere (off: eager always). Sets and returns model.compiled, a CompiledForward (its
+    .stats count graphs, compile seconds and recompiles), or None when turned off. options:
+    CompiledForward's (max_tokens)."""
+    model.compiled = CompiledForward(model, **options) if on else None
+    return model.compiled
+
+
 class CompiledForward:
     """Transformer.forward for inference through compiled graphs where one fits (see the module doc)."""
 
-    def __init__(self, model, max_tokens: int = 512) -> None:
+    def __init__(self, model: Transformer, max_tokens: int = 512) -> None:
         self.model = model
         self.max_tokens = max_tokens
         self.stats = CompileStats()
         self._seen: set[tuple] = set()
+
+        def graph(*args):
+            return _graph(model, *args)
+
         # Static by default (weights, head counts), with the batch, width, key and capacity sizes marked
         # dynamic on every call (see _mark), so that one graph per shape class serves every size.
         # size_asserts off: the wrapper would check ~50 input sizes and strides on every call, which
-        # dynamo's guards have just checked.
-        heads, kv_heads = model.config.num_heads, model.config.num_kv_heads
-
-        def graph(*args):
-            return _graph(*args, heads=heads, kv_heads=kv_heads)
-
-        # a graph per shape class: more than dynamo's default limit of 8 where several decoders share a model
+        # dynamo's guards have just checked. A graph per shape class: more than dynamo's default
+        # limit of 8 where several decoders share a model.
         self._fn = torch.compile(graph, fullgraph=True, dynamic=False, options={"size_asserts": False},
                                  recompile_limit=64)
 
-    def __call__(self, input_ids: Tensor, position_ids: Tensor, attn_mask: Tensor | None, cache,
-                  num_logits: int | None, real: Tensor | None = None) -> Tensor | None:
+    def __call__(self, input_ids: Tensor, position_ids: Tensor, attn_mask: Tensor | None, cache: Cache | None,
+                 num_logits: int | None, real: Tensor | None = None) -> Tensor | None:
         """Logits as Transformer.forward returns them, or None: run eager instead."""
         m = self.model
         B, T = input_ids.shape
-        blocks = m._inference_weights() if B * T <= self.max_tokens else None
-        if blocks is None or cache is None or not hasattr(cache, "static_io") \
-                or type(m.lm_head) is not torch.nn.Linear or m.lm_head._forward_hooks or m.lm_head._forward_pre_hooks \
-                or m.embed_tokens._forward_hooks or m.embed_tokens._forward_pre_hooks:
-            self.stats.eager_calls += 1
-            return None
-        appends = isinstance(cache, KVCache)  # else the decoder placed every token (write_index, used)
-        io = cache.static_io(B, T)
+        io = None
+        if cache is not None and B * T <= self.max_tokens and _plain(m):
+            io = cache.graph_write(B, T)
         if io is None:
             self.stats.eager_calls += 1
             return None
-        keys = io.keys
+        if attn_mask is None:
+            attn_mask = cache.default_mask(T, input_ids.device)
         if attn_mask is None:  # causal in feed order, every cached entry visible
-            attn_mask = torch.ones(T, keys, dtype=torch.bool, device=input_ids.device).tril(keys - T)
+            attn_mask = torch.ones(T, io.keys, dtype=torch.bool, device=input_ids.device).tril(io.keys - T)
         if attn_mask.dtype == torch.bool:
             attn_mask = additive_mask(attn_mask, m.embed_tokens.weight.dtype)
         need = min(num_logits, T) if num_logits else T
         last = torch.arange(T - need, T, device=input_ids.device)
         input_ids, position_ids, attn_mask, io.cols = (_own(t) for t in (input_ids, position_ids, attn_mask, io.cols))
         real = None if real is None else _own(real)
-        args = (input_ids, position_ids, attn_mask, io.write_rows, io.read_rows, io.cols, io.k, io.v,
-                m.embed_tokens.weight, m.rope, blocks, m.norm.weight, m.norm.eps, m.lm_head.weight, last, real)
+        args = (input_ids, position_ids, attn_mask, io.rows, io.read, io.cols, io.k, io.v, last, real)
         # the shape class a graph serves: which sizes are 1, the mask's rank, what is left out
-        key = (B >= 2, T >= 2, need >= 2, io.k[0].shape[0] >= 2, io.read_rows is None,
+        key = (B >= 2, T >= 2, need >= 2, io.k[0].shape[0] >= 2, io.read is None,
                None if real is None else real.shape[0] >= 2, attn_mask.dim(),
                tuple(s >= 2 for s in attn_mask.shape), input_ids.dtype, io.k[0].dtype)
         _mark(args, io)
@@ -175,13 +191,12 @@ class CompiledForward:
             if torch._dynamo.utils.counters["stats"]["unique_graphs"] != graphs:
                 self.stats.recompiles += 1
         else:
-            logits = self._compile(key, args, B, T, io)
-        if appends:
-            cache.advance(T)
+            logits = self._compile(key, args, B, T)
+        cache.advance(T)
         self.stats.compiled_calls += 1
         return logits
 
-    def _compile(self, key: tuple, args: tuple, B: int, T: int, io: StaticIO) -> Tensor:
+    def _compile(self, key: tuple, args: tuple, B: int, T: int) -> Tensor:
         """The first call of a shape class, timed."""
         start = time.perf_counter()
         logits = self._fn(*args)

@@ -1,4 +1,9 @@
-"""LoRA fine-tuning: peft adapters on the chosen projections, plus trainable rows for new tokens.
+"""LoRA fine-tuning: low-rank adapters on the chosen projections, plus trainable rows for new tokens.
+
+Targets are named as in Hugging Face models (q_proj, v_proj, gate_proj, ...), and each means that
+projection alone, although q, k and v run as one fused Linear here (and gate / up as another): a
+LoRA wraps the Linear and adds one low-rank update per adapted part, to that part's rows of the
+output (transformer.fused_parts says which rows). peft cannot do that: it adapts whole modules.
 
 A causal LM turned into a ReFusion starting point gets a <|mask|> token whose embedding (and LM-head)
 row starts at the mean of the others. LoRA freezes every base weight, so that row would never
@@ -6,27 +11,87 @@ learn what a mask means. Its row is therefore a small trainable parameter of its
 forward hooks: the embedding output at the new tokens' positions, and the LM head's logit columns
 for them. Nothing else of the embedding is trained, and the optimizer holds state for these rows
 only (a whole trainable embedding would cost vocab x hidden of Adam state).
+
+Every trainable name contains "lora_": that is how training saves, restores and selects them.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor, nn
 
-from refusion.model.transformer import Transformer
+from refusion.model.transformer import Transformer, fused_parts
 
 ROWS, HEAD_ROWS, IDS = "lora_token_rows", "lora_token_head_rows", "lora_token_ids"  # "lora_": saved with the adapters
+DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+class LoRA(nn.Module):
+    """A frozen Linear (`base`) plus, per adapted part, B(A(dropout(x))) * alpha / r added to that
+    part's output rows. B starts at zero, so a fresh adapter changes nothing."""
+
+    def __init__(self, base: nn.Linear, parts: dict[str, tuple[int, int]], r: int, alpha: float,
+                 dropout: float) -> None:
+        super().__init__()
+        self.base = base
+        self.parts = parts  # part name -> (first row, end row) of the base's output
+        kw = dict(device=base.weight.device, dtype=base.weight.dtype)
+        self.lora_A = nn.ModuleDict({p: nn.Linear(base.in_features, r, bias=False, **kw) for p in parts})
+        self.lora_B = nn.ModuleDict({p: nn.Linear(r, hi - lo, bias=False, **kw) for p, (lo, hi) in parts.items()})
+        for p in parts:
+            nn.init.kaiming_uniform_(self.lora_A[p].weight, a=math.sqrt(5))
+            nn.init.zeros_(self.lora_B[p].weight)
+        self.scale = alpha / r
+        self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.base(x)
+        h = self.dropout(x)
+        for p, (lo, hi) in self.parts.items():
+            # in place is safe: a linear layer's backward needs its input and weight, not its output
+            y[..., lo:hi] += self.lora_B[p](self.lora_A[p](h)) * self.scale
+        return y
+
+    def delta_weight(self) -> Tensor:
+        """What the adapters add to base.weight (zero rows where no part is adapted)."""
+        delta = torch.zeros_like(self.base.weight)
+        for p, (lo, hi) in self.parts.items():
+            delta[lo:hi] = (self.lora_B[p].weight @ self.lora_A[p].weight) * self.scale
+        return delta
+
+
+def _targets(model: Transformer, names: list[str]) -> dict[str, dict[str, tuple[int, int]]]:
+    """Module name (within a block) -> the parts to adapt, each with its output rows."""
+    fused = fused_parts(model.config)
+    out: dict[str, dict[str, tuple[int, int]]] = {}
+    for module, parts in fused.items():
+        row = 0
+        for part, rows in parts:
+            if part in names:
+                out.setdefault(module, {})[part] = (row, row + rows)
+            row += rows
+    block = model.layers[0]
+    for name in names:
+        if not any(name in parts for parts in out.values()):
+            linear = next((m for n, m in block.named_modules() if n.rsplit(".", 1)[-1] == name), None)
+            if not isinstance(linear, nn.Linear):
+                raise ValueError(f"LoRA target {name!r} is not a projection of this model")
+            out[name] = {name: (0, linear.out_features)}
+    return out
 
 
 def apply_lora(model: Transformer, lora: dict, new_tokens: list[int] = ()) -> None:
-    """Inject LoRA adapters (peft) and make only them, and the rows of `new_tokens`, trainable."""
-    try:
-        from peft import LoraConfig, inject_adapter_in_model
-    except ImportError:
-        raise ValueError("LoRA needs the peft package: pip install 'refusion[train]' (or pip install peft)") from None
-    conf = LoraConfig(r=lora.get("r", 8), lora_alpha=lora.get("alpha", 16), lora_dropout=lora.get("dropout", 0.0),
-                      target_modules=lora.get("target_modules", ["q_proj", "k_proj", "v_proj", "o_proj"]))
-    inject_adapter_in_model(conf, model)
+    """Wrap the targeted projections of every block in LoRA adapters and make only them, and the rows
+    of `new_tokens`, trainable. lora: r, alpha, dropout, target_modules (Hugging Face names)."""
+    targets = _targets(model, lora.get("target_modules", DEFAULT_TARGETS))
+    r, alpha, dropout = lora.get("r", 8), lora.get("alpha", 16), lora.get("dropout", 0.0)
+    for block in model.layers:
+        for owner in (block.self_attn, block.mlp):
+            for name, parts in targets.items():
+                if isinstance(getattr(owner, name, None), nn.Linear):
+                    setattr(owner, name, LoRA(getattr(owner, name), parts, r, alpha, dropout))
     for name, p in model.named_parameters():
         p.requires_grad = "lora_" in name
     if new_tokens:
@@ -58,16 +123,13 @@ def _train_rows(model: Transformer, ids: list[int]) -> None:
 
 def merged_state_dict(model: Transformer) -> dict[str, Tensor]:
     """The model's weights with any LoRA adapters and trained token rows folded in, under the plain
-    model's names."""
-    sd = {}
-    lora_layers = {n: m for n, m in model.named_modules() if hasattr(m, "get_delta_weight") and hasattr(m, "base_layer")}
-    for name, t in model.state_dict().items():
-        if "lora_" in name:
-            continue
-        owner = name.rsplit(".base_layer.", 1)[0] if ".base_layer." in name else None
-        if owner in lora_layers and name.endswith("weight"):
-            t = t + lora_layers[owner].get_delta_weight("default").to(t.dtype)
-        sd[name.replace(".base_layer.", ".")] = t
+    model's names (load them into a Transformer of the same config)."""
+    sd = {k: v for k, v in model.state_dict().items() if "lora_" not in k}
+    for name, m in model.named_modules():
+        if isinstance(m, LoRA):
+            sd[f"{name}.weight"] = sd.pop(f"{name}.base.weight") + m.delta_weight().detach().to(m.base.weight.dtype)
+            if f"{name}.base.bias" in sd:
+                sd[f"{name}.bias"] = sd.pop(f"{name}.base.bias")
     if hasattr(model, ROWS):
         ids = getattr(model, IDS)
         for key, rows in (("embed_tokens.weight", ROWS), ("lm_head.weight", HEAD_ROWS)):

@@ -186,10 +186,6 @@ def _check_lora(lora: dict) -> None:
     targets = lora.get("target_modules", ["q_proj"])
     if not isinstance(targets, list) or not targets or any(t not in LORA_TARGETS for t in targets):
         raise ConfigError(f"lora.target_modules must be a list of {', '.join(LORA_TARGETS)}, got {targets!r}")
-    import importlib.util
-
-    if importlib.util.find_spec("peft") is None:
-        raise ConfigError("LoRA needs the peft package: pip install 'refusion[train]' (or pip install peft)")
 
 
 def _check_paths(cfg: TrainConfig) -> None:
