@@ -10,7 +10,7 @@ inside lm-eval's process before the model is looked up. `python -m refusion.eval
 does that and then runs lm-eval's own, unmodified command line. For the plain `lm_eval` command,
 `python -m refusion.evaluation.lm_eval --install-hook` writes a one-line .pth file into
 site-packages that registers "refusion" (lazily, as "module:class") the moment lm-eval's registry
-is imported (refusion/lm_eval_hook.py); `--uninstall-hook` removes it. scripts/setup.sh installs it.
+is imported (evaluation/lm_eval_hook.py); `--uninstall-hook` removes it. scripts/setup.sh installs it.
 
 Requests:
 - generate_until: batched through `decode()` with the chosen decoder and its parameters

@@ -2,7 +2,7 @@
 
 Imported at interpreter start by the one-line `refusion_lm_eval.pth` that
 `python -m refusion.evaluation.lm_eval --install-hook` writes into site-packages, because lm-eval
-discovers no plugins by itself (see refusion/lm_eval_adapter.py). Standard library only, and it
+discovers no plugins by itself (see evaluation/lm_eval.py). Standard library only, and it
 imports nothing of lm-eval or torch: it waits, as a meta-path finder, for lm_eval.api.registry to be
 imported, and then registers "refusion" as a lazy "module:class" placeholder, the same kind lm-eval
 uses for its own models, so nothing is loaded until `--model refusion` is asked for.

@@ -28,7 +28,7 @@ from refusion.model.tokenizer import MASK_TOKEN, Tokenizer
 
 INDEX = "model.safetensors.index.json"
 STATE_FILE = "training_state.pt"  # a training checkpoint's optimizer, data position and RNG states
-SHARDED_DIR = "dcp"  # a sharded (FSDP) training checkpoint's weights: refusion.sharded_checkpoint
+SHARDED_DIR = "dcp"  # a sharded (FSDP) training checkpoint's weights: refusion.training.sharded_checkpoint
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

@@ -17,7 +17,7 @@ _TPF_BUCKETS = (0.5, 1, 1.25, 1.5, 2, 3, 4, 6, 8, 12, 16, 32)
 
 class Metrics:
     def __init__(self, queue_depth: Callable[[], float], running: Callable[[], float], compiled=None) -> None:
-        """compiled: the model's CompileStats (refusion.compiled) when it runs compiled: compiling is
+        """compiled: the model's CompileStats (refusion.model.compiled) when it runs compiled: compiling is
         paid once per graph over the server's lifetime, so it is shown apart from request latency."""
         r = self.registry = CollectorRegistry()
         self.served = 0  # requests other than GETs answered (a plain count, for the idle-time memory trim)

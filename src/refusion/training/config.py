@@ -31,7 +31,7 @@ class TrainConfig:
     # data
     data: str = "synthetic"  # a JSON / JSONL file of {"query", "response"}, "synthetic", or "tasks:sort,add,..."
     synthetic_examples: int = 20000  # examples generated for "synthetic" or "tasks:..." data
-    corpus: str | None = None  # general text mixed into `data`: "stdlib" (refusion.corpus); None: none
+    corpus: str | None = None  # general text mixed into `data`: "stdlib" (refusion.training.corpus); None: none
     corpus_examples: int = 20000  # passages of `corpus` added to the data
     max_length: int = 512  # prompt + response tokens; longer examples are dropped (and counted)
     slot_sizes: list[int] = field(default_factory=lambda: [4, 8, 16, 32])

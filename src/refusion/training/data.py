@@ -238,7 +238,7 @@ def task_records(names: list[str], n: int, seed: int = 0) -> list[dict]:
 
 def training_records(data: str, n: int, seed: int = 0, corpus: str | None = None, corpus_examples: int = 0) -> list[dict]:
     """The records a training run reads: `data` ("synthetic", "tasks:a,b" or a file), then, if named,
-    `corpus_examples` passages of general text (refusion.corpus) after them (batches shuffle anyway)."""
+    `corpus_examples` passages of general text (refusion.training.corpus) after them (batches shuffle anyway)."""
     names = task_names(data)
     recs = (synthetic_records(n, seed) if data == "synthetic" else task_records(names, n, seed) if names
             else load_records(data))
