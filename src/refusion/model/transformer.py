@@ -112,7 +112,8 @@ def linear(m: nn.Module, x: Tensor) -> Tensor:
     """m(x), calling F.linear directly for a plain nn.Linear without hooks (a module call's overhead
     is a noticeable share of a small model's forward); anything else (an adapter) is called."""
     if type(m) is nn.Linear and not (m._forward_hooks or m._forward_pre_hooks):
-        return F.linear(x, m.weight, m.bias)
+        p = m._parameters  # (not m.weight: see Block)
+        return F.linear(x, p["weight"], p["bias"])
     return m(x)
 
 
@@ -166,28 +167,37 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
+    # The forward reads submodules and parameters from nn.Module's own dicts (`_modules`,
+    # `_parameters`) rather than as attributes: attribute access goes through nn.Module.__getattr__,
+    # which costs about as much as one small operator, and a block reads some twenty of them.
+
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, is_causal: bool,
                 cache: Cache | None, layer: int, shape: tuple[int, int], real: Tensor | None) -> Tensor:
         """x: [N, hidden], the fed tokens flattened (every one of the B x T = `shape`, or only the
         `real` ones); cos, sin: [N, 1, head_dim], their RoPE angles."""
-        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
-        x = x + self.attention(rms_norm(x, ln1.weight, ln1.eps), cos, sin, mask, is_causal, cache, layer, shape, real)
-        gate, up = linear(self.mlp.gate_up_proj, rms_norm(x, ln2.weight, ln2.eps)).chunk(2, dim=-1)
-        return x + linear(self.mlp.down_proj, F.silu(gate) * up)
+        m = self._modules
+        ln1, ln2, mlp = m["input_layernorm"], m["post_attention_layernorm"], m["mlp"]._modules
+        h = rms_norm(x, ln1._parameters["weight"], ln1.eps)
+        x = x + self.attention(h, cos, sin, mask, is_causal, cache, layer, shape, real)
+        h = rms_norm(x, ln2._parameters["weight"], ln2.eps)
+        gate, up = linear(mlp["gate_up_proj"], h).chunk(2, dim=-1)
+        return x + linear(mlp["down_proj"], F.silu(gate) * up)
 
     def attention(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, is_causal: bool,
                   cache: Cache | None, layer: int, shape: tuple[int, int], real: Tensor | None) -> Tensor:
         """Self-attention of the normed tokens x [N, hidden]; returns [N, hidden]."""
-        a = self.self_attn
-        h, kvh, d = a.num_heads, a.num_kv_heads, a.head_dim
-        qkv = linear(a.qkv_proj, x).view(-1, h + 2 * kvh, d)
+        attn = self._modules["self_attn"]
+        a = attn._modules
+        h, kvh, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        qkv = linear(a["qkv_proj"], x).view(-1, h + 2 * kvh, d)
         qk, v = qkv[:, : h + kvh], qkv[:, h + kvh:]  # q and k side by side: normed and rotated together
-        if a.qk_norm:
+        if attn.qk_norm:
             # normed together, then each part scaled in place by its weight (rms_norm made a new
             # tensor): the products of q_norm(q) and k_norm(k), without concatenating the weights
-            qk = rms_norm(qk, None, a.q_norm.eps)
-            qk.narrow(1, 0, h).mul_(a.q_norm.weight)
-            qk.narrow(1, h, kvh).mul_(a.k_norm.weight)
+            qn, kn = a["q_norm"], a["k_norm"]
+            qk = rms_norm(qk, None, qn.eps)
+            qk.narrow(1, 0, h).mul_(qn._parameters["weight"])
+            qk.narrow(1, h, kvh).mul_(kn._parameters["weight"])
         qk = apply_rope(qk, cos, sin)
         B, T = shape
         if real is not None:  # back to the padded [B, T] grid for the cache and attention
@@ -198,11 +208,11 @@ class Block(nn.Module):
         v = v.view(B, T, kvh, d).transpose(1, 2)
         if cache is not None:
             k, v = cache.update(layer, k, v)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=a.gqa)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=attn.gqa)
         y = y.transpose(1, 2).reshape(B * T, h * d)
         if real is not None:
             y = y.index_select(0, real)
-        return linear(a.o_proj, y)
+        return linear(a["o_proj"], y)
 
 
 class Transformer(nn.Module):
