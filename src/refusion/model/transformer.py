@@ -108,6 +108,21 @@ def fused_parts(cfg: ModelConfig) -> dict[str, list[tuple[str, int]]]:
             "gate_up_proj": [("gate_proj", mlp), ("up_proj", mlp)]}
 
 
+def call(m: nn.Module, *args):
+    """m(*args), skipping nn.Module.__call__ where it would only add its bookkeeping: no hooks on m
+    and none global. FSDP2 and activation-checkpoint wrappers work through hooks or are called as
+    modules, so they still run (a small model's forward pays for every module call)."""
+    if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks or _global_hooks():
+        return m(*args)
+    return m.forward(*args)
+
+
+def _global_hooks() -> bool:
+    mod = torch.nn.modules.module
+    return bool(mod._global_forward_hooks or mod._global_forward_pre_hooks or mod._global_backward_hooks
+                or mod._global_backward_pre_hooks or mod._global_forward_hooks_always_called)
+
+
 def linear(m: nn.Module, x: Tensor) -> Tensor:
     """m(x), calling F.linear directly for a plain nn.Linear without hooks (a module call's overhead
     is a noticeable share of a small model's forward); anything else (an adapter) is called."""
@@ -295,7 +310,7 @@ class Transformer(nn.Module):
             if checkpointing:
                 x = checkpoint(block, x, cos, sin, mask, is_causal, None, i, (B, T), real, use_reentrant=False)
             else:
-                x = block(x, cos, sin, mask, is_causal, cache, i, (B, T), real)
+                x = call(block, x, cos, sin, mask, is_causal, cache, i, (B, T), real)
         return self.logits(x, (B, T), num_logits, real)
 
     def rope_at(self, pos: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
