@@ -81,8 +81,9 @@ def _graph(model: Transformer, ids: Tensor, pos: Tensor, mask: Tensor, write_row
     x = F.embedding(ids, model.embed_tokens.weight)
     cos, sin = model.rope_at(pos, x.dtype)
     io = CacheWrite(kbufs, vbufs, write_rows, read_rows, cols, mask.shape[-1])
+    qk_norms = model.qk_norm_weights()
     for i, block in enumerate(model.layers):
-        x = block(x, cos, sin, mask, False, io, i, (B, T), real)
+        x = block(x, cos, sin, mask, False, io, i, (B, T), real, qk_norms[i])
     if real is not None:  # padding's hidden state is zero, and so its logits (rms_norm(0) = 0)
         x = x.new_zeros(B * T, x.shape[-1]).index_copy(0, real, x)
     x = x.view(B, T, -1).index_select(1, last)

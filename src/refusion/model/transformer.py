@@ -187,32 +187,30 @@ class Block(nn.Module):
     # which costs about as much as one small operator, and a block reads some twenty of them.
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, is_causal: bool,
-                cache: Cache | None, layer: int, shape: tuple[int, int], real: Tensor | None) -> Tensor:
+                cache: Cache | None, layer: int, shape: tuple[int, int], real: Tensor | None,
+                qk_norm: Tensor | None = None) -> Tensor:
         """x: [N, hidden], the fed tokens flattened (every one of the B x T = `shape`, or only the
-        `real` ones); cos, sin: [N, 1, head_dim], their RoPE angles."""
+        `real` ones); cos, sin: [N, 1, head_dim], their RoPE angles; qk_norm: this layer's q and k
+        norm weights per head (Transformer.qk_norm_weights), where the model has them."""
         m = self._modules
         ln1, ln2, mlp = m["input_layernorm"], m["post_attention_layernorm"], m["mlp"]._modules
         h = rms_norm(x, ln1._parameters["weight"], ln1.eps)
-        x = x + self.attention(h, cos, sin, mask, is_causal, cache, layer, shape, real)
+        x = x + self.attention(h, cos, sin, mask, is_causal, cache, layer, shape, real, qk_norm)
         h = rms_norm(x, ln2._parameters["weight"], ln2.eps)
         gate, up = linear(mlp["gate_up_proj"], h).chunk(2, dim=-1)
         return x + linear(mlp["down_proj"], F.silu(gate) * up)
 
     def attention(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, is_causal: bool,
-                  cache: Cache | None, layer: int, shape: tuple[int, int], real: Tensor | None) -> Tensor:
+                  cache: Cache | None, layer: int, shape: tuple[int, int], real: Tensor | None,
+                  qk_norm: Tensor | None) -> Tensor:
         """Self-attention of the normed tokens x [N, hidden]; returns [N, hidden]."""
         attn = self._modules["self_attn"]
         a = attn._modules
         h, kvh, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
         qkv = linear(a["qkv_proj"], x).view(-1, h + 2 * kvh, d)
         qk, v = qkv[:, : h + kvh], qkv[:, h + kvh:]  # q and k side by side: normed and rotated together
-        if attn.qk_norm:
-            # normed together, then each part scaled in place by its weight (rms_norm made a new
-            # tensor): the products of q_norm(q) and k_norm(k), without concatenating the weights
-            qn, kn = a["q_norm"], a["k_norm"]
-            qk = rms_norm(qk, None, qn.eps)
-            qk.narrow(1, 0, h).mul_(qn._parameters["weight"])
-            qk.narrow(1, h, kvh).mul_(kn._parameters["weight"])
+        if attn.qk_norm:  # q_norm(q) and k_norm(k) as one product
+            qk = rms_norm(qk, None, a["q_norm"].eps) * qk_norm
         qk = apply_rope(qk, cos, sin)
         B, T = shape
         if real is not None:  # back to the padded [B, T] grid for the cache and attention
@@ -247,11 +245,16 @@ class Transformer(nn.Module):
         self.reset_rope()
 
     def reset_rope(self, device: torch.device | str | None = None) -> None:
-        """(Re)build the RoPE frequencies and the cos / sin tables of every position (non-persistent
-        buffers: they are not in checkpoints, and a model built on "meta" must call this once)."""
+        """(Re)build the non-persistent buffers: the RoPE frequencies, the cos / sin tables of every
+        position and the q/k norm rows (not in checkpoints; a model built on "meta" calls this once)."""
         inv = rope_inv_freq(self.config).to(device)
         self.register_buffer("inv_freq", inv, persistent=False)
         self.register_buffer("rope", rope_table(self.config, inv), persistent=False)
+        # row of every head's q / k norm weight in the stack of all layers' [q_norm, k_norm] weights
+        c = self.config
+        per_layer = torch.tensor([0] * c.num_heads + [1] * c.num_kv_heads, device=inv.device)
+        rows = torch.cat([per_layer + 2 * i for i in range(c.num_layers)])
+        self.register_buffer("qk_norm_rows", rows, persistent=False)
 
     def init_weights(self, std: float = 0.02, seed: int | None = None) -> "Transformer":
         """Fresh initialisation for training from scratch (normal(0, std), unit norms, zero biases).
@@ -305,13 +308,28 @@ class Transformer(nn.Module):
         x = self.embed_tokens(ids)  # [N, hidden]
         mask, is_causal = attention_mask(attn_mask, cache, T, x.dtype, x.device)
         cos, sin = self.rope_at(pos, x.dtype)
+        qk_norms = self.qk_norm_weights()
         checkpointing = self.gradient_checkpointing and self.training and cache is None
         for i, block in enumerate(self.layers):
             if checkpointing:
-                x = checkpoint(block, x, cos, sin, mask, is_causal, None, i, (B, T), real, use_reentrant=False)
+                x = checkpoint(block, x, cos, sin, mask, is_causal, None, i, (B, T), real, qk_norms[i],
+                               use_reentrant=False)
             else:
-                x = call(block, x, cos, sin, mask, is_causal, cache, i, (B, T), real)
+                x = call(block, x, cos, sin, mask, is_causal, cache, i, (B, T), real, qk_norms[i])
         return self.logits(x, (B, T), num_logits, real)
+
+    def qk_norm_weights(self) -> list[Tensor | None]:
+        """Per layer, its q_norm weight for each query head and its k_norm weight for each key head
+        ([heads + kv_heads, head_dim]), gathered for every layer in one operation per forward, so
+        that each layer norms q and k with one product; Nones for a model without q/k norms."""
+        if not self.config.qk_norm:
+            return [None] * len(self.layers)
+        weights = []
+        for block in self.layers:
+            a = block._modules["self_attn"]._modules
+            weights += [a["q_norm"]._parameters["weight"], a["k_norm"]._parameters["weight"]]
+        stacked = torch.stack(weights).index_select(0, self.qk_norm_rows)
+        return list(stacked.view(len(self.layers), -1, self.config.head_dim).unbind(0))
 
     def rope_at(self, pos: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos and sin_rot (see apply_rope) of the positions pos [N], as [N, 1, head_dim] (broadcast
