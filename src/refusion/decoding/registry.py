@@ -15,6 +15,7 @@ This module imports no torch (`refusion --help` builds its flags from it).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import typing
 from collections.abc import Callable, Mapping
@@ -125,17 +126,22 @@ def options(name: str, hidden: bool = False) -> list[Option]:
             for o in _all_options(d) if o.name not in d.fixed and (hidden or not o.hidden)]
 
 
-def _all_options(d: Decoder) -> list[Option]:
-    hints = typing.get_type_hints(d.params)
+def _all_options(d: Decoder) -> tuple[Option, ...]:
+    return _fields_of(d.params)
+
+
+@functools.cache  # decode() asks on every call, and reading type hints costs about a millisecond
+def _fields_of(params: type) -> tuple[Option, ...]:
+    hints = typing.get_type_hints(params)
     out = []
-    for f in dataclasses.fields(d.params):
+    for f in dataclasses.fields(params):
         typ = hints[f.name]
         args = [a for a in typing.get_args(typ) if a is not type(None)]
         optional = type(None) in typing.get_args(typ)
         meta = f.metadata
         out.append(Option(f.name, args[0] if optional else typ, optional, f.default, meta.get("help", ""),
                           meta.get("flag") or "--" + f.name.replace("_", "-"), meta.get("hidden", False)))
-    return out
+    return tuple(out)
 
 
 def make_params(decoder: str, **params) -> Any:
