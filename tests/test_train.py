@@ -324,3 +324,18 @@ def test_init_from_a_causal_checkpoint_adds_the_mask_token_and_lora(data_file, t
     shutil.rmtree(tmp_path / "lora" / "model")
     fit(setup(cfg), progress=False)
     assert losses(tmp_path / "lora") == ref
+
+
+def test_a_checkpoint_of_the_old_weight_layout_is_refused_by_name(data_file, tmp_path):
+    """A run checkpointed by refusion 0.1 (separate q/k/v and gate/up, so optimizer groups of other
+    sizes) gets a message that says why and what to do, never a resume with mismatched state."""
+    import torch
+
+    cfg = tiny_config(data_file, tmp_path, max_steps=10, save_every=2, stop_after=2)
+    train(cfg, progress=False)
+    state = tmp_path / "checkpoint-2" / "training_state.pt"
+    s = torch.load(state, weights_only=False)
+    s["optimizer"]["param_groups"][0]["params"].append(10_000)  # one more weight in the decay group
+    torch.save(s, state)
+    with pytest.raises(ValueError, match=r"written by refusion 0\.1.*optimizer state cannot be loaded.*--init"):
+        train(tiny_config(data_file, tmp_path, max_steps=10, save_every=2), progress=False)

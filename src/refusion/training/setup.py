@@ -230,6 +230,12 @@ def _set_rng_state(s: dict) -> None:
         torch.cuda.set_rng_state_all(s["cuda"])
 
 
+def _older_layout(path: Path, what: str) -> str:
+    return (f"cannot resume {path}: it was written by refusion 0.1, which kept q/k/v and gate/up as separate "
+            f"weights (and LoRA through peft), so {what} cannot be loaded; finish that run with refusion 0.1, "
+            f"or start a new run from its weights with --init {path} --out NEW_DIR")
+
+
 def _resume(run: Run, path: Path) -> None:
     """Continue from checkpoint `path`: weights (where the model was not loaded from it), optimizer,
     step, layout generator and random number generators, exactly as they were when it was written."""
@@ -243,10 +249,16 @@ def _resume(run: Run, path: Path) -> None:
     else:
         if run.cfg.lora:
             apply_seeded_lora(run.model, run.cfg, run.new_tokens)
+            unknown = sorted(set(s["lora"]) - set(run.model.state_dict()))
+            if unknown:  # peft's names (refusion 0.1): load_state_dict(strict=False) would drop them
+                raise ValueError(_older_layout(path, f"its adapter weights ({unknown[0]}, ...)"))
             run.model.load_state_dict(s["lora"], strict=False)
             run.model.to(run.device)
             run.optimizer = make_optimizer(run.model, run.cfg)
-        run.optimizer.load_state_dict(s["optimizer"])
+        try:
+            run.optimizer.load_state_dict(s["optimizer"])
+        except ValueError:  # parameter groups of another size: separate q/k/v and gate/up (refusion 0.1)
+            raise ValueError(_older_layout(path, "its optimizer state")) from None
     run.layout_gen.set_state(s["layout_gen"])
     _set_rng_state(rng)
     run.step = s["step"]
