@@ -108,13 +108,11 @@ def fused_parts(cfg: ModelConfig) -> dict[str, list[tuple[str, int]]]:
             "gate_up_proj": [("gate_proj", mlp), ("up_proj", mlp)]}
 
 
-def call(m: nn.Module, *args):
-    """m(*args), skipping nn.Module.__call__ where it would only add its bookkeeping: no hooks on m
-    and none global. FSDP2 and activation-checkpoint wrappers work through hooks or are called as
-    modules, so they still run (a small model's forward pays for every module call)."""
-    if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks or _global_hooks():
-        return m(*args)
-    return m.forward(*args)
+def hooked(m: nn.Module) -> bool:
+    """Whether calling m runs more than its forward: hooks of its own (FSDP2's unsharding among them)
+    or global ones. Blocks nobody hooks are run through `forward` directly: a small model's forward
+    pays for every nn.Module.__call__."""
+    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks) or _global_hooks()
 
 
 def _global_hooks() -> bool:
@@ -210,7 +208,10 @@ class Block(nn.Module):
         qkv = linear(a["qkv_proj"], x).view(-1, h + 2 * kvh, d)
         qk, v = qkv[:, : h + kvh], qkv[:, h + kvh:]  # q and k side by side: normed and rotated together
         if attn.qk_norm:  # q_norm(q) and k_norm(k) as one product
-            qk = rms_norm(qk, None, a["q_norm"].eps) * qk_norm
+            qn, kn = a["q_norm"], a["k_norm"]
+            if qk_norm is None:  # the weights per head, from inside the block (FSDP unshards them here)
+                qk_norm = torch.cat([qn._parameters["weight"].expand(h, d), kn._parameters["weight"].expand(kvh, d)])
+            qk = rms_norm(qk, None, qn.eps) * qk_norm
         qk = apply_rope(qk, cos, sin)
         B, T = shape
         if real is not None:  # back to the padded [B, T] grid for the cache and attention
@@ -308,14 +309,18 @@ class Transformer(nn.Module):
         x = self.embed_tokens(ids)  # [N, hidden]
         mask, is_causal = attention_mask(attn_mask, cache, T, x.dtype, x.device)
         cos, sin = self.rope_at(pos, x.dtype)
-        qk_norms = self.qk_norm_weights()
+        # every layer's q/k norm weights in one gather, where the blocks hold their own parameters
+        # (a hooked block, e.g. FSDP2's, may only have them inside its call: it builds its own)
+        hooks = any(hooked(b) for b in self.layers)
+        qk_norms = [None] * len(self.layers) if hooks else self.qk_norm_weights()
         checkpointing = self.gradient_checkpointing and self.training and cache is None
         for i, block in enumerate(self.layers):
             if checkpointing:
                 x = checkpoint(block, x, cos, sin, mask, is_causal, None, i, (B, T), real, qk_norms[i],
                                use_reentrant=False)
             else:
-                x = call(block, x, cos, sin, mask, is_causal, cache, i, (B, T), real, qk_norms[i])
+                run = block if hooks else block.forward
+                x = run(x, cos, sin, mask, is_causal, cache, i, (B, T), real, qk_norms[i])
         return self.logits(x, (B, T), num_logits, real)
 
     def qk_norm_weights(self) -> list[Tensor | None]:
