@@ -45,6 +45,7 @@ class ModelConfig:
     bidirectional: bool = False  # attention of a model trained with the MDM objective
     training_objective: str | None = None  # refusion | ar | mdm, written by `refusion train`; picks the default decoder
     torch_dtype: str = "float32"
+    mask_adapter: dict | None = None  # {"rank", "alpha"}: mask-only adapters (model/mask_adapter.py)
     extra: dict = field(default_factory=dict)  # unknown HF keys, written back unchanged
 
     def __post_init__(self) -> None:
@@ -69,6 +70,8 @@ class ModelConfig:
             raise ConfigError(f"head_dim {self.head_dim} must be even (RoPE rotates pairs of dimensions)")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"num_heads {self.num_heads} must be a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.mask_adapter is not None and self.mask_token_id is None:
+            raise ConfigError("mask_adapter needs a mask_token_id (it adapts the mask token's rows)")
         if self.model_type not in ARCHITECTURES.values():
             raise ConfigError(f"unknown model_type {self.model_type!r}; supported: {sorted(ARCHITECTURES.values())}")
 
@@ -105,7 +108,7 @@ class ModelConfig:
             "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta", "rope_scaling", "rope_parameters",
             "rms_norm_eps", "tie_word_embeddings", "max_position_embeddings", "bos_token_id", "eos_token_id",
             "pad_token_id", "mask_token_id", "bidirectional_attention", "torch_dtype", "dtype", "attention_bias", "hidden_act",
-            "training_objective",
+            "training_objective", "mask_adapter",
         }
         if d.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"hidden_act {d['hidden_act']!r} is not supported (only silu / SwiGLU)")
@@ -133,6 +136,7 @@ class ModelConfig:
                 mask_token_id=d.get("mask_token_id"),
                 bidirectional=bool(d.get("bidirectional_attention", False)),
                 training_objective=d.get("training_objective"),
+                mask_adapter=d.get("mask_adapter"),
                 torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
                 extra={k: v for k, v in d.items() if k not in known},
             )
@@ -171,6 +175,8 @@ class ModelConfig:
             d["bidirectional_attention"] = True
         if self.training_objective is not None:
             d["training_objective"] = self.training_objective
+        if self.mask_adapter is not None:
+            d["mask_adapter"] = dict(self.mask_adapter)
         return d
 
     def to_dict(self) -> dict[str, Any]:

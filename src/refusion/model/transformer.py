@@ -26,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 from refusion.model.cache import Cache, KVCache
 from refusion.model.config import ConfigError, ModelConfig
+from refusion.model.mask_adapter import MaskAdapter
 
 
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
@@ -179,6 +180,8 @@ class Block(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        if cfg.mask_adapter is not None:
+            self.mask_adapter = MaskAdapter(cfg)
 
     # The forward reads submodules and parameters from nn.Module's own dicts (`_modules`,
     # `_parameters`) rather than as attributes: attribute access goes through nn.Module.__getattr__,
@@ -186,26 +189,38 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, is_causal: bool,
                 cache: Cache | None, layer: int, shape: tuple[int, int], real: Tensor | None,
-                qk_norm: Tensor | None = None) -> Tensor:
+                qk_norm: Tensor | None = None, mask_rows: Tensor | None = None) -> Tensor:
         """x: [N, hidden], the fed tokens flattened (every one of the B x T = `shape`, or only the
         `real` ones); cos, sin: [N, 1, head_dim], their RoPE angles; qk_norm: this layer's q and k
-        norm weights per head (Transformer.qk_norm_weights), where the model has them."""
+        norm weights per head (Transformer.qk_norm_weights), where the model has them; mask_rows:
+        the rows of x that are mask tokens, where the block has a mask adapter."""
         m = self._modules
         ln1, ln2, mlp = m["input_layernorm"], m["post_attention_layernorm"], m["mlp"]._modules
+        ad = m.get("mask_adapter") if mask_rows is not None else None
         h = rms_norm(x, ln1._parameters["weight"], ln1.eps)
-        x = x + self.attention(h, cos, sin, mask, is_causal, cache, layer, shape, real, qk_norm)
+        x = x + self.attention(h, cos, sin, mask, is_causal, cache, layer, shape, real, qk_norm, ad, mask_rows)
         h = rms_norm(x, ln2._parameters["weight"], ln2.eps)
-        gate, up = linear(mlp["gate_up_proj"], h).chunk(2, dim=-1)
-        return x + linear(mlp["down_proj"], F.silu(gate) * up)
+        gate_up = linear(mlp["gate_up_proj"], h)
+        if ad is not None:
+            gate_up = ad.add(gate_up, "gate_up_proj", h, mask_rows)
+        gate, up = gate_up.chunk(2, dim=-1)
+        h = F.silu(gate) * up
+        y = linear(mlp["down_proj"], h)
+        if ad is not None:
+            y = ad.add(y, "down_proj", h, mask_rows)
+        return x + y
 
     def attention(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, is_causal: bool,
                   cache: Cache | None, layer: int, shape: tuple[int, int], real: Tensor | None,
-                  qk_norm: Tensor | None) -> Tensor:
+                  qk_norm: Tensor | None, ad: MaskAdapter | None = None, mask_rows: Tensor | None = None) -> Tensor:
         """Self-attention of the normed tokens x [N, hidden]; returns [N, hidden]."""
         attn = self._modules["self_attn"]
         a = attn._modules
         h, kvh, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        qkv = linear(a["qkv_proj"], x).view(-1, h + 2 * kvh, d)
+        qkv = linear(a["qkv_proj"], x)
+        if ad is not None:
+            qkv = ad.add(qkv, "qkv_proj", x, mask_rows)
+        qkv = qkv.view(-1, h + 2 * kvh, d)
         qk, v = qkv[:, : h + kvh], qkv[:, h + kvh:]  # q and k side by side: normed and rotated together
         if attn.qk_norm:  # q_norm(q) and k_norm(k) as one product
             qn, kn = a["q_norm"], a["k_norm"]
@@ -226,7 +241,8 @@ class Block(nn.Module):
         y = y.transpose(1, 2).reshape(B * T, h * d)
         if real is not None:
             y = y.index_select(0, real)
-        return linear(a["o_proj"], y)
+        out = linear(a["o_proj"], y)
+        return out if ad is None else ad.add(out, "o_proj", y, mask_rows)
 
 
 class Transformer(nn.Module):
@@ -239,6 +255,8 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # the mask path's own input embedding (model/mask_adapter.py); the blocks hold its adapters
+        self.mask_embedding = nn.Parameter(torch.zeros(cfg.hidden_size)) if cfg.mask_adapter is not None else None
         self.gradient_checkpointing = False
         # a refusion.model.compiled.CompiledForward, set by compiled.enable_compile: inference forwards
         # go through it first (it returns None where it does not apply)
@@ -264,6 +282,8 @@ class Transformer(nn.Module):
         fused = fused_parts(self.config)
         for name, p in self.named_parameters():
             with torch.no_grad():
+                if name == "mask_embedding" or ".mask_adapter." in name:
+                    continue  # set below, from the table and as adapters of zero effect
                 if name.endswith("norm.weight"):
                     p.fill_(1.0)
                 elif name.endswith(".bias"):
@@ -273,6 +293,11 @@ class Transformer(nn.Module):
                     sizes = [n for _, n in fused[module]] if module in fused else [p.shape[0]]
                     for part in p.split(sizes):
                         part.copy_(torch.randn(part.shape, generator=gen) * std)
+        if self.mask_embedding is not None:
+            with torch.no_grad():
+                self.mask_embedding.copy_(self.embed_tokens.weight[self.config.mask_token_id])
+            for block in self.layers:
+                block.mask_adapter.reset_parameters(gen)
         self.reset_rope(self.embed_tokens.weight.device)
         return self
 
@@ -307,6 +332,10 @@ class Transformer(nn.Module):
         if real is not None:
             ids, pos = ids[real], pos[real]
         x = self.embed_tokens(ids)  # [N, hidden]
+        mask_rows = None
+        if self.mask_embedding is not None:  # mask-only adaptation: the mask rows take their own path
+            mask_rows = (ids == self.config.mask_token_id).nonzero().squeeze(1)
+            x = x.index_copy(0, mask_rows, self.mask_embedding.to(x.dtype).expand(len(mask_rows), -1))
         mask, is_causal = attention_mask(attn_mask, cache, T, x.dtype, x.device)
         cos, sin = self.rope_at(pos, x.dtype)
         # every layer's q/k norm weights in one gather, where the blocks hold their own parameters
@@ -316,11 +345,11 @@ class Transformer(nn.Module):
         checkpointing = self.gradient_checkpointing and self.training and cache is None
         for i, block in enumerate(self.layers):
             if checkpointing:
-                x = checkpoint(block, x, cos, sin, mask, is_causal, None, i, (B, T), real, qk_norms[i],
+                x = checkpoint(block, x, cos, sin, mask, is_causal, None, i, (B, T), real, qk_norms[i], mask_rows,
                                use_reentrant=False)
             else:
                 run = block if hooks else block.forward
-                x = run(x, cos, sin, mask, is_causal, cache, i, (B, T), real, qk_norms[i])
+                x = run(x, cos, sin, mask, is_causal, cache, i, (B, T), real, qk_norms[i], mask_rows)
         return self.logits(x, (B, T), num_logits, real)
 
     def qk_norm_weights(self) -> list[Tensor | None]:

@@ -24,6 +24,10 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 class TrainConfig:
     # what to train
     objective: str = "refusion"  # refusion | ar | mdm
+    variant: str = "paper"  # of the refusion objective: paper | boundary | ar-share:F | joint | decoupled (variants.py)
+    mask_adapter: dict | None = None  # decoupled: {"rank", "alpha"} of the mask path's adapters (default rank 16)
+    mask_token: bool = False  # give the model a mask token even where the objective needs none (an ARM
+    #                           whose vocabulary, and so whose softmax, matches its ReFusion siblings')
     init: str | None = None  # a checkpoint directory to start from; None: a fresh model from `model`
     model: dict = field(default_factory=dict)  # ModelConfig fields of a fresh model
     tokenizer: str | None = None  # a directory with tokenizer.json for a fresh model; None: train a BPE
@@ -76,6 +80,7 @@ class TrainConfig:
         self._check_model()
         if self.lora is not None:
             _check_lora(self.lora)
+        self._check_variant()
         _check_paths(self)
         if self.device != "auto":
             from refusion.runtime import resolve_device  # imports torch: only when a device is named
@@ -114,6 +119,22 @@ class TrainConfig:
             raise ConfigError(f"betas must be two numbers in [0, 1), got {self.betas}")
         if self.warmup_steps < 0:
             raise ConfigError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+
+    def _check_variant(self) -> None:
+        from refusion.model.mask_adapter import check_adapter_config
+        from refusion.training.variants import parse_variant
+
+        v = parse_variant(self.variant)
+        if v.name != "paper" and self.objective != "refusion":
+            raise ConfigError(f"variant {self.variant!r} is a variant of the refusion objective, not of {self.objective!r}")
+        if self.mask_adapter is not None:
+            if v.name != "decoupled":
+                raise ConfigError("mask_adapter sizes the decoupled variant's mask path; set variant = \"decoupled\" "
+                                  "or drop mask_adapter")
+            check_adapter_config(self.mask_adapter)
+        if v.name == "decoupled" and (self.lora is not None or self.strategy == "fsdp"):
+            raise ConfigError("the decoupled variant trains the whole shared model plus its own mask path: "
+                              "it does not combine with lora or strategy fsdp")
 
     def _check_model(self) -> None:
         """The starting point (init, or a fresh model's table) and the data source."""

@@ -138,6 +138,15 @@ def _pack(batch: Batch, resp_tok: Tensor, resp_pos: Tensor, resp_lab: Tensor, re
     return input_ids, position_ids, labels, is_masked, pad
 
 
+def label_prompt_end(labels: Tensor, batch: Batch) -> Tensor:
+    """labels with the prompt's last column labelled with the first response token (where both exist)."""
+    B = labels.shape[0]
+    col = (batch.prompt_len - 1).clamp(min=0)[:, None]
+    first = batch.response_ids[:, :1] if batch.response_ids.shape[1] else labels.new_full((B, 1), IGNORE)
+    ok = ((batch.prompt_len > 0) & (batch.response_len > 0))[:, None]
+    return labels.scatter(1, col, torch.where(ok, first, labels.gather(1, col)))
+
+
 def causal_attn_mask(pad: Tensor) -> Tensor:
     """[B, 1, T, T]: causal in feed order, padded keys excluded, diagonal always allowed."""
     k = torch.arange(pad.shape[1], device=pad.device)
@@ -168,10 +177,16 @@ def _check_eps(eps: float) -> None:
 
 
 def refusion_inputs(batch: Batch, mask_id: int, gen: torch.Generator, slot_sizes: tuple[int, ...] = (4, 8, 16, 32),
-                    eps: float = 1e-3) -> TrainInputs:
+                    eps: float = 1e-3, boundary: bool = False, ar_share: float = 0.0) -> TrainInputs:
     """ReFusion layout (spec, section 3): prompt, clean slots in random order, masked slots in order, padding.
 
     Draw order: see the module docstring. Every token keeps its original position id.
+    boundary: also label a token with the next position's true token wherever that token is not
+    visible earlier in feed order (spec section 8): the prompt's last token always; a clean slot's
+    last token when the next slot is masked or fed after it.
+    ar_share: each example is, with this probability, laid out with no masked slot and its slots in
+    order (with boundary labels: plain next-token training). Drawn last, as ar = rand(B) < ar_share,
+    so the paper's draws are unchanged.
     """
     slot_sizes = tuple(slot_sizes)
     if not slot_sizes:
@@ -188,6 +203,13 @@ def refusion_inputs(batch: Batch, mask_id: int, gen: torch.Generator, slot_sizes
     p = _mask_rate(B, eps, gen, dev)
     u = torch.rand(B, S, generator=gen, device=gen.device).to(dev)
     keys = torch.rand(B, S, generator=gen, device=gen.device).to(dev)
+    if ar_share > 0:
+        if not boundary:
+            raise ValueError("ar_share needs boundary labels: without them an in-order example misses every "
+                             "slot's first token")
+        as_ar = (torch.rand(B, generator=gen, device=gen.device) < ar_share).to(dev)[:, None]
+        u = torch.where(as_ar, 1.0, u)  # u < p never holds: no slot masked
+        keys = torch.where(as_ar, torch.arange(S, device=dev, dtype=keys.dtype) / S, keys)  # slots in order
 
     s = torch.tensor(slot_sizes, dtype=torch.long, device=dev)[size_idx][:, None]  # [B, 1]
     rl = batch.response_len[:, None]
@@ -209,6 +231,10 @@ def refusion_inputs(batch: Batch, mask_id: int, gen: torch.Generator, slot_sizes
     # labels in original order: a clean token predicts the next token of its own slot; a mask its own token
     nxt = torch.cat([resp[:, 1:], resp.new_full((B, 1), IGNORE)], 1)
     same_slot = (i + 1 < rl) & ((i + 1) // s == slot)
+    if boundary:  # a clean slot's last token -> the next slot's first, unless that slot was fed before it
+        nxt_slot = (slot + 1).clamp(max=S - 1)
+        later = slot_masked.gather(1, nxt_slot) | (rank.gather(1, nxt_slot) > rank.gather(1, slot))
+        same_slot = same_slot | ((i + 1 < rl) & ~tok_masked & later)
     lab = torch.where(tok_masked, resp, torch.where(same_slot, nxt, IGNORE))
     lab = torch.where(valid, lab, IGNORE)
     tok = torch.where(tok_masked, mask_id, resp)
@@ -216,6 +242,8 @@ def refusion_inputs(batch: Batch, mask_id: int, gen: torch.Generator, slot_sizes
 
     input_ids, position_ids, labels, is_masked, pad = _pack(
         batch, tok.gather(1, feed), pos.expand(B, R).gather(1, feed), lab.gather(1, feed), tok_masked.gather(1, feed))
+    if boundary:  # the prompt's last token -> the first response token (never visible before it)
+        labels = label_prompt_end(labels, batch)
     return TrainInputs(input_ids, position_ids, labels, is_masked, p, None, causal_attn_mask(pad), pad,
                        slot_size=s[:, 0])
 
@@ -265,14 +293,14 @@ def token_ce(logits: Tensor, labels: Tensor) -> Tensor:
     return ce.view(B, T)
 
 
-def _ar_term(ce: Tensor, inputs: TrainInputs, n_total: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def ar_term(ce: Tensor, inputs: TrainInputs, n_total: Tensor | None = None) -> tuple[Tensor, Tensor]:
     sel = (inputs.labels != IGNORE) & ~inputs.is_masked
     n = sel.sum()
     # a mean over nothing is 0, not NaN (the reference's all-masked-batch defect)
     return torch.where(sel, ce, 0.0).sum() / (n if n_total is None else n_total).clamp(min=1), n
 
 
-def _mdm_term(ce: Tensor, inputs: TrainInputs, response_len: Tensor, b_total: int | None = None
+def mdm_term(ce: Tensor, inputs: TrainInputs, response_len: Tensor, b_total: int | None = None
               ) -> tuple[Tensor, Tensor]:
     sel = inputs.is_masked & (inputs.labels != IGNORE)
     per_example = torch.where(sel, ce, 0.0).sum(1) / inputs.mask_rate.float()
@@ -289,8 +317,8 @@ def refusion_loss(logits: Tensor, inputs: TrainInputs, response_len: Tensor, n_a
     n_ar_total / b_total: the AR token count and example count of the whole (global) batch, when this
     is one micro-batch of it, so that summing the micro-batch losses gives the global batch's loss."""
     ce = token_ce(logits, inputs.labels)
-    ar, n_ar = _ar_term(ce, inputs, n_ar_total)
-    mdm, n_m = _mdm_term(ce, inputs, response_len, b_total)
+    ar, n_ar = ar_term(ce, inputs, n_ar_total)
+    mdm, n_m = mdm_term(ce, inputs, response_len, b_total)
     loss = ar + mdm
     return loss, dict(loss=loss.detach(), ar_loss=ar.detach(), mdm_loss=mdm.detach(), n_ar_tokens=n_ar,
                       n_masked_tokens=n_m)
@@ -299,7 +327,7 @@ def refusion_loss(logits: Tensor, inputs: TrainInputs, response_len: Tensor, n_a
 def ar_loss(logits: Tensor, inputs: TrainInputs, n_ar_total: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """Mean next-token CE over labelled tokens (0 if none)."""
     ce = token_ce(logits, inputs.labels)
-    loss, n = _ar_term(ce, inputs, n_ar_total)
+    loss, n = ar_term(ce, inputs, n_ar_total)
     return loss, dict(loss=loss.detach(), ar_loss=loss.detach(), n_ar_tokens=n)
 
 
@@ -307,7 +335,7 @@ def mdm_loss(logits: Tensor, inputs: TrainInputs, response_len: Tensor, b_total:
              ) -> tuple[Tensor, dict[str, Tensor]]:
     """LLaDA loss: mean over examples of (sum over masked tokens of CE / p) / Lr (0 if nothing masked)."""
     ce = token_ce(logits, inputs.labels)
-    loss, n = _mdm_term(ce, inputs, response_len, b_total)
+    loss, n = mdm_term(ce, inputs, response_len, b_total)
     return loss, dict(loss=loss.detach(), mdm_loss=loss.detach(), n_masked_tokens=n)
 
 

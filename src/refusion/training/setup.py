@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 from refusion.model.checkpoint import STATE_FILE, add_mask_token, load_model
 from refusion.model.config import ModelConfig
 from refusion.model.lora import apply_lora
+from refusion.model.mask_adapter import add_mask_adapter
 from refusion.model.tokenizer import Tokenizer
 from refusion.model.transformer import Transformer
 from refusion.runtime import resolve_device
@@ -33,6 +34,7 @@ from refusion.training.data import (BatchOrder, DataError, Example, encode_recor
                                     train_bpe_tokenizer, training_records)
 from refusion.training.optimizer import make_optimizer
 from refusion.training.run_dir import latest_checkpoint, written_by
+from refusion.training.variants import parse_variant
 
 
 @dataclass
@@ -73,6 +75,9 @@ def setup(cfg: TrainConfig, resume: bool = True) -> Run:
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     for note in getattr(cfg, "notes", []):
         log(note)
+    if world > 1 and parse_variant(cfg.variant).name == "decoupled":
+        raise ValueError("the decoupled variant trains on one process (its two backward passes are not "
+                         "wired through DDP yet): run it without torchrun")
     device = _process_group(cfg, world)
     micro = cfg.micro_batch_size or max(cfg.batch_size // world, 1)
     if cfg.batch_size % (world * micro):
@@ -156,7 +161,7 @@ def _tokenizer(cfg: TrainConfig, out: Path, ckpt: Path | None, rank: int, world:
 def _model(cfg: TrainConfig, tok: Tokenizer, ckpt: Path | None, device: torch.device) -> tuple[Transformer, list[int]]:
     """The model to train, on its device (sharded under FSDP), and the token rows it adds."""
     fsdp = cfg.strategy == "fsdp"
-    needs_mask = cfg.objective in ("refusion", "mdm")
+    needs_mask = cfg.objective in ("refusion", "mdm") or cfg.mask_token
     # LoRA resumes from the base weights plus the saved adapters (checkpoints hold merged weights);
     # FSDP from the starting weights, overwritten by the checkpoint's shards once sharded
     start = cfg.init if (cfg.lora or fsdp) else (ckpt or cfg.init)
@@ -176,6 +181,9 @@ def _model(cfg: TrainConfig, tok: Tokenizer, ckpt: Path | None, device: torch.de
     model.config.training_objective = cfg.objective  # picks the model's default decoder
     if cfg.lora and (ckpt is None or fsdp):  # FSDP: the adapters must exist before sharding
         apply_seeded_lora(model, cfg, new_tokens)
+    if parse_variant(cfg.variant).name == "decoupled" and model.config.mask_adapter is None:
+        add_mask_adapter(model, cfg.mask_adapter or {}, gen=torch.Generator().manual_seed(cfg.seed))
+        log(f"added a mask path (rank {model.config.mask_adapter['rank']} adapters on mask rows only)")
     model.gradient_checkpointing = cfg.gradient_checkpointing
     if fsdp:
         from refusion.training.fsdp import shard_model

@@ -16,10 +16,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from refusion.training.objectives import (Batch, TrainInputs, ar_token_count, build_inputs, compute_loss, make_batch,
-                                         pad_responses)
+from refusion.model.mask_adapter import is_adapter_name
+from refusion.training.draft_layout import draft_inputs
+from refusion.training.objectives import (Batch, TrainInputs, mdm_term, ar_inputs, ar_token_count, build_inputs,
+                                         compute_loss, make_batch, pad_responses, token_ce)
 from refusion.training.optimizer import lr_at
 from refusion.training.setup import Run
+from refusion.training.variants import parse_variant
 
 
 def train_step(run: Run) -> dict[str, float]:
@@ -27,18 +30,28 @@ def train_step(run: Run) -> dict[str, float]:
     cfg = run.cfg
     idx = run.order(run.step)
     batch = _global_batch(run, idx)
-    kw = {} if cfg.objective == "ar" else {"eps": cfg.eps}
-    if cfg.objective == "refusion":
-        kw["slot_sizes"] = tuple(cfg.slot_sizes)
+    variant = parse_variant(cfg.variant)
     mask_id = run.model.config.mask_token_id
+    mask_id = mask_id if mask_id is not None else -1
     t0 = time.perf_counter()
-    inputs = build_inputs(cfg.objective, batch, mask_id if mask_id is not None else -1, run.layout_gen, **kw)
+    drafts = None  # decoupled: the mask pass's layout, beside the ARM's
+    if cfg.objective == "refusion" and variant.name == "decoupled":
+        inputs, drafts = ar_inputs(batch), draft_inputs(batch, mask_id, run.layout_gen, tuple(cfg.slot_sizes))
+    elif cfg.objective == "refusion" and variant.drafts:
+        inputs = draft_inputs(batch, mask_id, run.layout_gen, tuple(cfg.slot_sizes))
+    else:
+        kw = {} if cfg.objective == "ar" else {"eps": cfg.eps}
+        if cfg.objective == "refusion":
+            kw.update(slot_sizes=tuple(cfg.slot_sizes))
+            if variant.boundary:
+                kw.update(boundary=True, ar_share=variant.ar_share)
+        inputs = build_inputs(cfg.objective, batch, mask_id, run.layout_gen, **kw)
     layout_s = time.perf_counter() - t0
     n_ar, B = ar_token_count(inputs), len(idx)
     for g in run.optimizer.param_groups:
         g["lr"] = lr_at(run.step, cfg)
-    totals, tokens = _backward(run, inputs, batch, n_ar, B)
-    grad_norm = _optimizer_step(run)
+    totals, tokens = _backward(run, inputs, batch, n_ar, B, drafts)
+    grad_norm = _optimizer_step(run, split=drafts is not None)
     run.step += 1
     out = {k: v.float() for k, v in totals.items() if "loss" in k}
     if run.world > 1:  # the global batch's loss is the sum of the processes' parts
@@ -60,9 +73,11 @@ def _global_batch(run: Run, idx: list[int]) -> Batch:
     return batch
 
 
-def _backward(run: Run, inputs: TrainInputs, batch: Batch, n_ar: Tensor, B: int) -> tuple[dict[str, Tensor], int]:
+def _backward(run: Run, inputs: TrainInputs, batch: Batch, n_ar: Tensor, B: int, drafts: TrainInputs | None = None
+              ) -> tuple[dict[str, Tensor], int]:
     """Forward and backward of this process's rows, in micro-batches; the summed loss statistics and
-    the number of real tokens."""
+    the number of real tokens. drafts (the decoupled variant): a second pass over this layout trains
+    the mask path alone (_mask_pass)."""
     cfg, model = run.cfg, run.ddp or run.model
     per_rank = B // run.world
     starts = range(run.rank * per_rank, (run.rank + 1) * per_rank, run.micro)
@@ -82,27 +97,48 @@ def _backward(run: Run, inputs: TrainInputs, batch: Batch, n_ar: Tensor, B: int)
         with sync:
             with autocast:
                 # causal objectives: padding is at the end, so plain causal attention is exact there
-                mask = sub.attn_mask if sub.attention == "bidirectional" else None
+                mask = None if sub.attention is None else sub.attn_mask
                 logits = model(sub.input_ids, sub.position_ids, mask)
-            loss, stats = compute_loss(cfg.objective, logits, sub, sub_batch, n_ar.to(run.device), B)
+            # the decoupled variant's first pass is exactly the ARM's step
+            objective = "ar" if drafts is not None else cfg.objective
+            loss, stats = compute_loss(objective, logits, sub, sub_batch, n_ar.to(run.device), B)
             # DDP and FSDP average gradients over processes; the global loss is their sum
             (loss * run.world).backward()
+            if drafts is not None:
+                stats.update(_mask_pass(run, _rows(drafts, lo, lo + run.micro).to(run.device), sub_batch, B, autocast))
+                stats["loss"] = stats["loss"] + stats["mdm_loss"]
         for key, v in stats.items():
             totals[key] = totals.get(key, 0) + v
     return totals, tokens
 
 
-def _optimizer_step(run: Run) -> Tensor:
-    """Clip, step, clear the gradients; the gradient norm before clipping (0 with clipping off)."""
-    params = [p for p in run.model.parameters() if p.requires_grad]
+def _mask_pass(run: Run, drafts: TrainInputs, batch: Batch, B: int, autocast) -> dict[str, Tensor]:
+    """The decoupled variant's second pass: the draft layout's mask loss, back-propagated into the mask
+    path's parameters only (backward(inputs=...)): the shared weights, and the clean tokens' keys and
+    values, act as constants, so the shared weights keep exactly the ARM's gradient."""
+    with autocast:
+        logits = run.model(drafts.input_ids, drafts.position_ids, drafts.attn_mask)
+    mdm, n = mdm_term(token_ce(logits, drafts.labels), drafts, batch.response_len, B)
+    own = [p for name, p in run.model.named_parameters() if is_adapter_name(name)]
+    mdm.backward(inputs=own)
+    return {"mdm_loss": mdm.detach(), "n_masked_tokens": n}
+
+
+def _optimizer_step(run: Run, split: bool = False) -> Tensor:
+    """Clip, step, clear the gradients; the gradient norm before clipping (0 with clipping off).
+    split (decoupled): the shared weights and the mask path are clipped each by its own norm, so the
+    shared weights' update is the ARM's; the shared weights' norm is returned."""
+    named = [(n, p) for n, p in run.model.named_parameters() if p.requires_grad]
+    groups = ([[p for n, p in named if not is_adapter_name(n)], [p for n, p in named if is_adapter_name(n)]]
+              if split else [[p for _, p in named]])
     if run.cfg.grad_clip <= 0:
         grad_norm = torch.tensor(0.0)
     elif run.fsdp:
         from refusion.training.fsdp import clip_grad_norm
 
-        grad_norm = clip_grad_norm(params, run.cfg.grad_clip)
+        grad_norm = clip_grad_norm(groups[0], run.cfg.grad_clip)
     else:
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, run.cfg.grad_clip)
+        grad_norm = [torch.nn.utils.clip_grad_norm_(g, run.cfg.grad_clip) for g in groups if g][0]
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     return grad_norm

@@ -1,0 +1,165 @@
+"""Mask-only adaptation: a mask embedding and low-rank updates that act on `<|mask|>` rows only.
+
+A causal LM keeps every answer it gives when only its mask path learns: the model's forward adds
+these updates to the rows whose input token is the mask (gathered by index, so no other row's
+arithmetic changes by a single bit), and every other token's hidden states, keys, values and
+logits are the base model's. `speculative` decoding then returns the base model's greedy output
+token for token, at whatever tokens per forward the masks' drafts earn (spec section 8).
+
+    cfg.mask_adapter = {"rank": 16, "alpha": 32}     # ModelConfig: which blocks carry a MaskAdapter
+    model = Transformer(cfg)                         # adapters start at zero: nothing changes yet
+
+Each block's MaskAdapter holds, per projection (the fused q/k/v, o, the fused gate/up, down), A
+[rank, in] and B [out, rank]; a mask row's projection output gains B(A(h)) * alpha / rank. B starts
+at zero. The mask's input embedding is `Transformer.mask_embedding` (it replaces the embedding
+table's row, which a frozen or shared table cannot learn); the LM head is the base's.
+
+The adapters can be stored apart from the base (save_mask_adapter / attach_mask_adapter: a small
+directory naming its base), or inside a full model directory (config.json's "mask_adapter").
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from refusion.model.config import ConfigError, ModelConfig
+
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "mask_adapter.json", "mask_adapter.safetensors"
+KEYS = {"rank", "alpha"}
+
+
+def check_adapter_config(spec: dict) -> dict:
+    """{"rank": r, "alpha": a} with defaults filled in (alpha = 2 * rank); ConfigError names what is wrong."""
+    if not isinstance(spec, dict) or set(spec) - KEYS:
+        raise ConfigError(f"mask_adapter must be a table with keys {sorted(KEYS)}, got {spec!r}")
+    r = spec.get("rank", 16)
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise ConfigError(f"mask_adapter.rank must be an integer >= 1, got {r!r}")
+    a = spec.get("alpha", 2 * r)
+    if isinstance(a, bool) or not isinstance(a, (int, float)) or not a > 0:
+        raise ConfigError(f"mask_adapter.alpha must be a number > 0, got {a!r}")
+    return {"rank": r, "alpha": float(a)}
+
+
+def projections(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """The adapted projections of a block, by module name: (in features, out features)."""
+    q, kv, h = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size
+    return {"qkv_proj": (h, q + 2 * kv), "o_proj": (q, h), "gate_up_proj": (h, 2 * cfg.intermediate_size),
+            "down_proj": (cfg.intermediate_size, h)}
+
+
+class MaskAdapter(nn.Module):
+    """One block's low-rank updates for mask rows (parameters `<proj>_A`, `<proj>_B`)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        spec = check_adapter_config(cfg.mask_adapter)
+        r = spec["rank"]
+        self.scale = spec["alpha"] / r
+        for name, (fan_in, fan_out) in projections(cfg).items():
+            self.register_parameter(f"{name}_A", nn.Parameter(torch.empty(r, fan_in)))
+            self.register_parameter(f"{name}_B", nn.Parameter(torch.zeros(fan_out, r)))
+        self.reset_parameters()
+
+    def reset_parameters(self, gen: torch.Generator | None = None) -> None:
+        """A ~ U(-1/sqrt(in), 1/sqrt(in)) (nn.Linear's initialisation), B = 0: a fresh adapter changes nothing."""
+        with torch.no_grad():
+            for name, p in self._parameters.items():
+                if name.endswith("_A"):
+                    bound = 1 / math.sqrt(p.shape[1])
+                    p.copy_(torch.rand(p.shape, generator=gen) * 2 * bound - bound)
+                else:
+                    p.zero_()
+
+    def add(self, y: Tensor, name: str, x: Tensor, rows: Tensor) -> Tensor:
+        """y (a projection's output, [N, out]) with the update of the mask rows `rows` added; x is
+        that projection's input [N, in]. Other rows are returned untouched."""
+        p = self._parameters
+        h = x.index_select(0, rows)
+        delta = (h @ p[f"{name}_A"].t().to(h.dtype)) @ p[f"{name}_B"].t().to(h.dtype)
+        return y.index_add(0, rows, delta, alpha=self.scale)
+
+
+def adapter_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The mask path's own parameters (embedding and adapters), by name."""
+    return [(n, p) for n, p in model.named_parameters() if n == "mask_embedding" or ".mask_adapter." in n]
+
+
+def is_adapter_name(name: str) -> bool:
+    return name == "mask_embedding" or ".mask_adapter." in name
+
+
+def add_mask_adapter(model: nn.Module, spec: dict, gen: torch.Generator | None = None) -> None:
+    """Give `model` (a Transformer with a mask token) a fresh mask path: the embedding starts at the
+    table's mask row, the adapters at zero effect. Changes nothing any token computes yet."""
+    cfg = model.config
+    if cfg.mask_token_id is None:
+        raise ConfigError("mask-only adaptation needs a mask token: add one first (refusion add-mask-token)")
+    if cfg.mask_adapter is not None:
+        raise ConfigError("this model already has a mask adapter")
+    cfg.mask_adapter = check_adapter_config(spec)
+    w = model.embed_tokens.weight
+    model.mask_embedding = nn.Parameter(w.detach()[cfg.mask_token_id].clone())
+    for block in model.layers:
+        block.mask_adapter = MaskAdapter(cfg).to(device=w.device, dtype=w.dtype)
+        block.mask_adapter.reset_parameters(gen)
+
+
+def adapter_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    return {n: p.detach().cpu().contiguous() for n, p in adapter_parameters(model)}
+
+
+def save_mask_adapter(model: nn.Module, path: str | Path, base: str, dtype: torch.dtype | None = None) -> Path:
+    """Write the mask path alone (ADAPTER_WEIGHTS + ADAPTER_CONFIG, which names `base`: a model
+    directory or a name `refusion` resolves) into the directory `path`."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    sd = {k: (v.to(dtype) if dtype else v) for k, v in adapter_state_dict(model).items()}
+    save_file(sd, str(path / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    cfg = model.config
+    meta = {"base": base, "mask_token_id": cfg.mask_token_id, "vocab_size": cfg.vocab_size, **cfg.mask_adapter}
+    (path / ADAPTER_CONFIG).write_text(json.dumps(meta, indent=2))
+    return path
+
+
+def read_adapter_config(path: str | Path) -> dict:
+    path = Path(path)
+    try:
+        meta = json.loads((path / ADAPTER_CONFIG).read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path / ADAPTER_CONFIG} is not a readable mask adapter config: {e}") from None
+    if not isinstance(meta, dict) or "base" not in meta:
+        raise ConfigError(f"{path / ADAPTER_CONFIG} names no base model (\"base\")")
+    return meta
+
+
+def attach_mask_adapter(model: nn.Module, path: str | Path) -> nn.Module:
+    """Load the mask path saved at `path` onto `model`, its base (checked: same vocabulary and mask token)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    meta = read_adapter_config(path)
+    cfg = model.config
+    if cfg.mask_token_id != meta.get("mask_token_id") or cfg.vocab_size != meta.get("vocab_size"):
+        raise ConfigError(f"{path}: the adapter was made for a base with vocab_size {meta.get('vocab_size')} and "
+                          f"mask_token_id {meta.get('mask_token_id')}; this model has {cfg.vocab_size} and "
+                          f"{cfg.mask_token_id}")
+    add_mask_adapter(model, {k: meta[k] for k in KEYS if k in meta})
+    sd = load_file(str(path / ADAPTER_WEIGHTS))
+    own = dict(adapter_parameters(model))
+    if set(sd) != set(own):
+        raise ConfigError(f"{path / ADAPTER_WEIGHTS} does not hold this model's adapter tensors "
+                          f"(missing {sorted(set(own) - set(sd))[:3]}, unexpected {sorted(set(sd) - set(own))[:3]})")
+    with torch.no_grad():
+        for k, p in own.items():
+            if sd[k].shape != p.shape:
+                raise ConfigError(f"{path}: {k} has shape {tuple(sd[k].shape)}, the model needs {tuple(p.shape)}")
+            p.copy_(sd[k])
+    return model

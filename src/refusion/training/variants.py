@@ -1,0 +1,61 @@
+"""Variants of the ReFusion objective (spec section 8; README "Objective variants"): one TrainConfig
+field, `variant`, parsed here without torch so that a config is checked before anything loads.
+
+    paper         the paper's layout and loss (spec section 3), equal to the reference loss
+    boundary      the paper's layout plus a next-token label wherever the next position's true token is
+                  not visible earlier in feed order (prompt end -> first response token; a clean slot's
+                  last token -> the next slot's first, when that slot is masked or fed later)
+    ar-share:F    boundary, with a share F of the examples laid out with no masked slot and slots in
+                  order: those examples are exactly next-token training
+    joint         TiDAR-like: the response in order with next-token labels on every token, followed by
+                  a copy of it as blocks of masks, each block drafting its tokens from the in-order
+                  prefix before it; all weights shared (training/draft_layout.py)
+    decoupled     the joint layout split in two: the shared weights get exactly the ARM's gradient, the
+                  masks a mask embedding and adapters gated to mask rows (model/mask_adapter.py), which
+                  see the shared weights and the clean keys and values detached
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from refusion.model.config import ConfigError
+
+VARIANTS = ("paper", "boundary", "ar-share", "joint", "decoupled")
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str = "paper"
+    ar_share: float = 0.0  # ar-share only: the share of examples laid out as plain next-token training
+
+    @property
+    def boundary(self) -> bool:
+        """Whether the paper's layout gets boundary labels (ar-share needs them: without them an
+        example laid out in order would still miss every slot's first token)."""
+        return self.name in ("boundary", "ar-share")
+
+    @property
+    def drafts(self) -> bool:
+        """Whether the layout is the in-order response plus mask blocks (training/draft_layout.py)."""
+        return self.name in ("joint", "decoupled")
+
+
+def parse_variant(text: str) -> Variant:
+    """'paper', 'boundary', 'ar-share:0.25', 'joint' or 'decoupled' -> Variant (ConfigError otherwise)."""
+    name, _, arg = text.partition(":")
+    if name not in VARIANTS:
+        raise ConfigError(f"unknown objective variant {text!r}; choose one of paper, boundary, ar-share:F "
+                          "(F in (0, 1], the share of next-token examples), joint, decoupled")
+    if name == "ar-share":
+        try:
+            share = float(arg)
+        except ValueError:
+            raise ConfigError(f"variant {text!r}: write ar-share:F with F the share of next-token examples, "
+                              "e.g. ar-share:0.25") from None
+        if not 0 < share <= 1:
+            raise ConfigError(f"variant {text!r}: the share must lie in (0, 1], got {share}")
+        return Variant(name, share)
+    if arg:
+        raise ConfigError(f"variant {name!r} takes no argument, got {text!r}")
+    return Variant(name)
