@@ -21,7 +21,8 @@ def generate_ar(model: Transformer, prompts: list[list[int]], params: ARParams |
 
     first_from_mask: take the first response token from a <|mask|> fed at its position (the
     ReFusion objective never trains the prompt's last token to predict it; see the spec, section 5).
-    Default: on when the model has a mask token. Sampled rows share one generator (seeded with
+    Default: on when the model has a mask token, unless its config says the causal path was trained
+    to predict the first token (causal_first_token). Sampled rows share one generator (seeded with
     `seed`; unseeded when None). on_commit(row, [position], [token]) for every token (streaming).
     """
     p = params or ARParams()
@@ -33,7 +34,7 @@ def generate_ar(model: Transformer, prompts: list[list[int]], params: ARParams |
     eos = set(eos_ids if eos_ids is not None else cfg.eos_ids)
     mask_id = cfg.mask_token_id
     if first_from_mask is None:
-        first_from_mask = mask_id is not None
+        first_from_mask = mask_id is not None and not cfg.causal_first_token
     if first_from_mask and mask_id is None:
         raise ValueError("first_from_mask needs a model with mask_token_id in its config")
     gen = generator(seed, device) if seed is not None else None

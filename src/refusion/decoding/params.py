@@ -181,7 +181,7 @@ class ARParams:
     top_k: int | None = top_k_option()
     top_p: float | None = top_p_option()
     first_from_mask: bool | None = option(None, "read the first token from a <|mask|> at its position "
-                                                "(default: on when the model has a mask token)", hidden=True)
+                                                "(default: on when the model has a mask token and no causal_first_token)", hidden=True)
 
     def __post_init__(self) -> None:
         self.validate()

@@ -53,10 +53,14 @@ class SpeculativeSeq:
     in cache columns [0, c)), the draft for the positions after x, and the adaptive width."""
 
     def __init__(self, sid: int, prompt: list[int], p: SpeculativeParams, mask_id: int, eos: set[int],
-                 gen: torch.Generator | None, on_commit: Callable[[list[int], list[int]], None] | None) -> None:
+                 gen: torch.Generator | None, on_commit: Callable[[list[int], list[int]], None] | None,
+                 causal_first: bool = False) -> None:
         self.sid, self.prompt, self.p, self.mask_id, self.eos = sid, prompt, p, mask_id, eos
         self.gen, self.on_commit = gen, on_commit
         self.P = len(prompt)
+        # the first token from the prompt's last token (a model trained for it: causal_first_token),
+        # else from the first mask; either way the masks fed after the prompt draft from position P on
+        self.causal_first = causal_first and self.P > 0
         self.c = 0
         self.x: int | None = None  # None until the prefill has run
         self.draft: list[int] = []
@@ -78,15 +82,15 @@ class SpeculativeSeq:
         if self.x is None:  # prefill: the prompt, then masks; the first token is read from the first mask
             m = max(1, min(self._masks(), left))
             ids = self.prompt + [self.mask_id] * m
-            self.anchor, self.fed_k = self.P, 0
+            self.anchor, self.fed_k = self.P - self.causal_first, 0
+            start = 0
         else:
             k = min(len(self.draft), self.width, left - 1)
             m = min(self._masks(), left - k)
             self.draft = self.draft[:k]  # unfed draft tokens would sit where the masks go
             ids = [self.x] + self.draft + [self.mask_id] * m
             self.anchor, self.fed_k = 0, k
-        n0 = self.P + len(self.res.tokens) - (0 if self.x is None else 1)  # position of ids[anchor]
-        start = n0 - self.anchor
+            start = self.P + len(self.res.tokens) - 1  # x's position
         self.res.forwards += 1
         self.res.tokens_fed += len(ids)
         return ids, list(range(start, start + len(ids)))
@@ -109,7 +113,8 @@ class SpeculativeSeq:
             self.res.finished = eos_at is not None
         if prefill:
             self.c = self.P
-            self.draft = mask_preds
+            # after a causal first token the first mask guessed that same position: skip it
+            self.draft = mask_preds[1:] if self.causal_first else mask_preds
         else:
             self.c += j + 1  # x and the accepted drafts: their KV was computed by this forward
             # after a mismatch the rest of the old draft still guesses the positions after `extra`;
@@ -169,7 +174,8 @@ class SpeculativeBatch:
         if min(prompt) < 0 or max(prompt) >= self.vocab:
             raise ValueError(f"prompt token ids must lie in [0, {self.vocab})")
         gen = generator(seed if seed is not None else 0) if p.temperature > 0 else None
-        q = SpeculativeSeq(self.next_id, list(prompt), p, self.mask_id, self.eos, gen, on_commit)
+        q = SpeculativeSeq(self.next_id, list(prompt), p, self.mask_id, self.eos, gen, on_commit,
+                           causal_first=self.model.config.causal_first_token)
         self.next_id += 1
         self.pending.append(q)
         return q.sid

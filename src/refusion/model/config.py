@@ -46,6 +46,9 @@ class ModelConfig:
     training_objective: str | None = None  # refusion | ar | mdm, written by `refusion train`; picks the default decoder
     torch_dtype: str = "float32"
     mask_adapter: dict | None = None  # {"rank", "alpha"}: mask-only adapters (model/mask_adapter.py)
+    # the prompt's last token was trained to predict the first response token (an ARM, a ReFusion
+    # variant with boundary labels, a mask-adapted LM); otherwise decoders read it from a <|mask|>
+    causal_first_token: bool = False
     extra: dict = field(default_factory=dict)  # unknown HF keys, written back unchanged
 
     def __post_init__(self) -> None:
@@ -108,7 +111,7 @@ class ModelConfig:
             "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta", "rope_scaling", "rope_parameters",
             "rms_norm_eps", "tie_word_embeddings", "max_position_embeddings", "bos_token_id", "eos_token_id",
             "pad_token_id", "mask_token_id", "bidirectional_attention", "torch_dtype", "dtype", "attention_bias", "hidden_act",
-            "training_objective", "mask_adapter",
+            "training_objective", "mask_adapter", "causal_first_token",
         }
         if d.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"hidden_act {d['hidden_act']!r} is not supported (only silu / SwiGLU)")
@@ -137,6 +140,7 @@ class ModelConfig:
                 bidirectional=bool(d.get("bidirectional_attention", False)),
                 training_objective=d.get("training_objective"),
                 mask_adapter=d.get("mask_adapter"),
+                causal_first_token=bool(d.get("causal_first_token", False)),
                 torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
                 extra={k: v for k, v in d.items() if k not in known},
             )
@@ -177,6 +181,8 @@ class ModelConfig:
             d["training_objective"] = self.training_objective
         if self.mask_adapter is not None:
             d["mask_adapter"] = dict(self.mask_adapter)
+        if self.causal_first_token:
+            d["causal_first_token"] = True
         return d
 
     def to_dict(self) -> dict[str, Any]:

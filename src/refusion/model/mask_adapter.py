@@ -103,6 +103,7 @@ def add_mask_adapter(model: nn.Module, spec: dict, gen: torch.Generator | None =
     if cfg.mask_adapter is not None:
         raise ConfigError("this model already has a mask adapter")
     cfg.mask_adapter = check_adapter_config(spec)
+    cfg.causal_first_token = True  # the base's causal path answers: its first token too
     w = model.embed_tokens.weight
     model.mask_embedding = nn.Parameter(w.detach()[cfg.mask_token_id].clone())
     for block in model.layers:

@@ -179,6 +179,9 @@ def _model(cfg: TrainConfig, tok: Tokenizer, ckpt: Path | None, device: torch.de
                          f"{model.config.max_position_embeddings}")
     model.config.bidirectional = cfg.objective == "mdm"
     model.config.training_objective = cfg.objective  # picks the model's default decoder
+    # every objective but the paper's trains the prompt's last token to predict the first response token
+    model.config.causal_first_token = (cfg.objective == "ar" or (cfg.objective == "refusion" and cfg.variant != "paper")
+                                       or model.config.causal_first_token)
     if cfg.lora and (ckpt is None or fsdp):  # FSDP: the adapters must exist before sharding
         apply_seeded_lora(model, cfg, new_tokens)
     if parse_variant(cfg.variant).name == "decoupled" and model.config.mask_adapter is None:
