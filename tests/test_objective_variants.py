@@ -1,4 +1,4 @@
-"""The refusion objective's variants (spec section 8; training/variants.py, training/draft_layout.py):
+"""The refusion objective's variants (spec section 8; training/variants.py, training/joint_layouts.py):
 hand-built layouts, the rule every layout must keep checked by reachability on random layouts,
 ar-share:1 as exactly next-token training, losses against hand sums, and config errors."""
 
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from refusion.model.config import ConfigError
 from refusion.training.config import TrainConfig
-from refusion.training.draft_layout import draft_inputs
+from refusion.training.joint_layouts import draft_inputs, hybrid_inputs
 from refusion.training.objectives import IGNORE, ar_inputs, make_batch, refusion_inputs, refusion_loss
 from refusion.training.variants import Variant, parse_variant
 
@@ -74,12 +74,15 @@ def check_rule(x, batch) -> int:
     return checked
 
 
-@pytest.mark.parametrize("kind,seed", [("paper", 0), ("boundary", 1), ("ar-share:0.5", 2), ("draft", 3), ("draft", 4)])
+@pytest.mark.parametrize("kind,seed", [("paper", 0), ("boundary", 1), ("ar-share:0.5", 2), ("draft", 3), ("draft", 4),
+                                       ("hybrid", 5)])
 def test_every_layout_keeps_the_rule_on_random_batches(kind, seed):
     prompts, responses = random_examples(random.Random(seed), 10, 6, 30)
     batch = make_batch(prompts, responses, PAD)
     if kind == "draft":
         x = draft_inputs(batch, MASK, gen(seed), slot_sizes=(1, 3, 4, 8))
+    elif kind == "hybrid":
+        x = hybrid_inputs(batch, MASK, gen(seed), slot_sizes=(2, 3, 5))
     else:
         v = parse_variant(kind)
         x = refusion_inputs(batch, MASK, gen(seed), slot_sizes=(2, 3, 5), boundary=v.boundary, ar_share=v.ar_share)
@@ -162,6 +165,23 @@ def test_draft_layout_hand_built():
     assert sees[7] == [0, 1, 2, 7]  # block {1, 2}: the prompt and r0
     assert sees[8] == [0, 1, 2, 7, 8]
     assert sees[9] == [0, 1, 2, 3, 4, 9]  # block {3}
+
+
+def test_hybrid_layout_is_the_arms_example_then_the_papers_layout():
+    prompts, responses = random_examples(random.Random(8), 9, 6, 20)
+    batch = make_batch(prompts, responses, PAD)
+    x = hybrid_inputs(batch, MASK, gen(4), slot_sizes=(2, 3))
+    paper, arm = refusion_inputs(batch, MASK, gen(4), slot_sizes=(2, 3)), ar_inputs(batch)
+    for b, (p, r) in enumerate(zip(prompts, responses)):
+        n, Lr = len(p) + len(r), len(r)
+        for f in ("input_ids", "position_ids", "labels", "is_masked"):
+            got, a, pp = getattr(x, f)[b].tolist(), getattr(arm, f)[b].tolist(), getattr(paper, f)[b].tolist()
+            assert got[:n] == a[:n] and got[n:n + Lr] == pp[len(p):n], f
+        assert x.pad[b].tolist() == [False] * (n + Lr) + [True] * (x.pad.shape[1] - n - Lr)
+        sees = x.attn_mask[b, 0]
+        for q in range(n, n + Lr):  # a paper row: the prompt, and the paper part up to itself
+            assert [k for k in range(x.pad.shape[1]) if sees[q, k]] == list(range(len(p))) + list(range(n, q + 1))
+    assert torch.equal(x.mask_rate, paper.mask_rate)
 
 
 def test_draft_layout_padding_and_empty_rows():

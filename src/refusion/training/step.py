@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from refusion.model.mask_adapter import is_adapter_name
-from refusion.training.draft_layout import draft_inputs
+from refusion.training.joint_layouts import draft_inputs, hybrid_inputs
 from refusion.training.objectives import (Batch, TrainInputs, mdm_term, ar_inputs, ar_token_count, build_inputs,
                                          compute_loss, make_batch, pad_responses, token_ce)
 from refusion.training.optimizer import lr_at
@@ -39,6 +39,8 @@ def train_step(run: Run) -> dict[str, float]:
         inputs, drafts = ar_inputs(batch), draft_inputs(batch, mask_id, run.layout_gen, tuple(cfg.slot_sizes))
     elif cfg.objective == "refusion" and variant.drafts:
         inputs = draft_inputs(batch, mask_id, run.layout_gen, tuple(cfg.slot_sizes))
+    elif cfg.objective == "refusion" and variant.name == "hybrid":
+        inputs = hybrid_inputs(batch, mask_id, run.layout_gen, tuple(cfg.slot_sizes), cfg.eps)
     else:
         kw = {} if cfg.objective == "ar" else {"eps": cfg.eps}
         if cfg.objective == "refusion":

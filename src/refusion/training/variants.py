@@ -9,7 +9,10 @@ field, `variant`, parsed here without torch so that a config is checked before a
                   order: those examples are exactly next-token training
     joint         TiDAR-like: the response in order with next-token labels on every token, followed by
                   a copy of it as blocks of masks, each block drafting its tokens from the in-order
-                  prefix before it; all weights shared (training/draft_layout.py)
+                  prefix before it; all weights shared (training/joint_layouts.py)
+    hybrid        the ARM's example and the paper's layout of the same response in one row, the paper's
+                  part blind to the in-order part: next-token training as the ARM's plus the paper's
+                  objective, whole (training/joint_layouts.py)
     decoupled     the joint layout split in two: the shared weights get exactly the ARM's gradient, the
                   masks a mask embedding and adapters gated to mask rows (model/mask_adapter.py), which
                   see the shared weights and the clean keys and values detached
@@ -21,7 +24,7 @@ from dataclasses import dataclass
 
 from refusion.model.config import ConfigError
 
-VARIANTS = ("paper", "boundary", "ar-share", "joint", "decoupled")
+VARIANTS = ("paper", "boundary", "ar-share", "joint", "hybrid", "decoupled")
 
 
 @dataclass(frozen=True)
@@ -37,16 +40,16 @@ class Variant:
 
     @property
     def drafts(self) -> bool:
-        """Whether the layout is the in-order response plus mask blocks (training/draft_layout.py)."""
+        """Whether the layout is the in-order response plus mask blocks (training/joint_layouts.py)."""
         return self.name in ("joint", "decoupled")
 
 
 def parse_variant(text: str) -> Variant:
-    """'paper', 'boundary', 'ar-share:0.25', 'joint' or 'decoupled' -> Variant (ConfigError otherwise)."""
+    """'paper', 'boundary', 'ar-share:0.25', 'joint', 'hybrid' or 'decoupled' -> Variant (ConfigError otherwise)."""
     name, _, arg = text.partition(":")
     if name not in VARIANTS:
         raise ConfigError(f"unknown objective variant {text!r}; choose one of paper, boundary, ar-share:F "
-                          "(F in (0, 1], the share of next-token examples), joint, decoupled")
+                          "(F in (0, 1], the share of next-token examples), joint, hybrid, decoupled")
     if name == "ar-share":
         try:
             share = float(arg)

@@ -1,7 +1,11 @@
-"""The draft layout: the response in order, then a copy of it as blocks of masks that draft from in-order
-prefixes (the `joint` and `decoupled` objective variants; mask-only adaptation of a pretrained LM).
+"""Layouts that pack the ARM's example with a second view of the same response in one row, the second
+view blind to the first (training/variants.py):
 
-Per example, fed in this order (one row of the batch):
+- draft_inputs (the `joint` and `decoupled` variants; mask-only adaptation of a pretrained LM): the
+  response in order, then a copy of it as blocks of masks that draft from in-order prefixes;
+- hybrid_inputs (the `hybrid` variant): the response in order, then the paper's layout of it.
+
+The draft layout, per example, fed in this order (one row of the batch):
 
     prompt p0..p(Lp-1) | response r0..r(Lr-1) | masks m0..m(Lr-1) | padding
 
@@ -24,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from refusion.training.objectives import IGNORE, Batch, TrainInputs, label_prompt_end
+from refusion.training.objectives import IGNORE, Batch, TrainInputs, ar_inputs, label_prompt_end, refusion_inputs
 
 
 def draft_inputs(batch: Batch, mask_id: int, gen: torch.Generator, slot_sizes: tuple[int, ...] = (4, 8, 16, 32)
@@ -76,3 +80,46 @@ def draft_inputs(batch: Batch, mask_id: int, gen: torch.Generator, slot_sizes: t
     attn.diagonal(dim1=1, dim2=2).fill_(True)
     return TrainInputs(input_ids, position_ids, labels, in_mask, torch.ones(B, device=dev), "custom", attn[:, None],
                        pad, slot_size=L)
+
+
+def hybrid_inputs(batch: Batch, mask_id: int, gen: torch.Generator, slot_sizes: tuple[int, ...] = (4, 8, 16, 32),
+                  eps: float = 1e-3) -> TrainInputs:
+    """The ARM's example and the paper's layout of the same response in one row:
+
+        prompt | response in order (next-token labels, prompt end -> r0) | the paper's clean slots in
+        random order, then its masked slots (spec section 3, its labels) | padding
+
+    The in-order part is causal; the paper's part sees the prompt and, causally, itself, never the
+    in-order part (which holds its masked tokens' true values). Draws: exactly refusion_inputs's."""
+    paper = refusion_inputs(batch, mask_id, gen, slot_sizes, eps)
+    arm = ar_inputs(batch)
+    B = arm.input_ids.shape[0]
+    dev = arm.input_ids.device
+    pl, rl = batch.prompt_len[:, None], batch.response_len[:, None]
+    T = int((batch.prompt_len + 2 * batch.response_len).max()) if B else 0
+    c = torch.arange(T, device=dev)[None, :]
+    first = c < pl + rl  # prompt and in-order response: arm's columns as they are
+    second = ~first & (c < pl + 2 * rl)  # the paper's response columns, which sit at pl.. in `paper`
+    pad = ~first & ~second
+
+    def ext(x: Tensor, fill) -> Tensor:  # a spare column so clamped gathers stay valid
+        return torch.cat([x, x.new_full((B, 1), fill)], 1)
+
+    a_col = c.clamp(max=arm.input_ids.shape[1]).expand(B, T)
+    p_col = (c - rl).clamp(0, paper.input_ids.shape[1])
+
+    def pick(a: Tensor, p: Tensor, fill) -> Tensor:
+        return torch.where(first, ext(a, fill).gather(1, a_col), torch.where(second, ext(p, fill).gather(1, p_col), fill))
+
+    input_ids = pick(arm.input_ids, paper.input_ids, batch.pad_id)
+    position_ids = torch.where(pad, c, pick(arm.position_ids, paper.position_ids, 0))
+    labels = pick(arm.labels, paper.labels, IGNORE)
+    is_masked = pick(arm.is_masked, paper.is_masked, False)
+    k = c[:, None, :]
+    causal = k <= c[:, :, None]
+    # a paper row sees the prompt and the paper part before it; an in-order row everything before it
+    blind = second[:, :, None] & (k >= pl[:, :, None]) & (k < (pl + rl)[:, :, None])
+    attn = causal & ~blind & ~pad[:, None, :]
+    attn.diagonal(dim1=1, dim2=2).fill_(True)
+    return TrainInputs(input_ids, position_ids, labels, is_masked, paper.mask_rate, "custom", attn[:, None], pad,
+                       slot_size=paper.slot_size)
