@@ -15,9 +15,10 @@
 #
 #   bash scripts/study.sh                     # every stage, then the report (hours: run it in the background)
 #   bash scripts/study.sh refusion report     # some stages, in this order (or STAGES="refusion report")
-#   bash scripts/study.sh --quick             # a smoke test of every stage: a few steps, nothing learned
+#   bash scripts/study.sh --quick             # a smoke test of every stage: steps 4 and 8, nothing learned
 #   STEPS=8000 bash scripts/study.sh ar       # another budget for ar, refusion and mdm (default 16000)
 #   VARIANT_STEPS=8000 ...                    # another budget for the variants (default 4000)
+#   UNIT=1000 ...                             # the first curve point, doubled up to the budget (default 2000)
 #   N=200 bash scripts/study.sh               # more test prompts per task (default 100)
 #
 # Stages: base, then any of the fine-tunes (they need the base's model), then report. Trainings run
