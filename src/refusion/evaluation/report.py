@@ -181,8 +181,9 @@ def curves_tables(points: list[dict]) -> str:
         for c in pts:
             lo, hi = c["ci95"]
             cells = [f"{100 * c['task_accuracy'][t]:.1f}" if t in c["task_accuracy"] else "-" for t in tasks]
-            lines.append(f"| {c['decoder']} | {c['step']} | {100 * c['accuracy']:.1f} ({100 * lo:.1f}-{100 * hi:.1f})"
-                         f"{' *' if c['mixed'] else ''} | " + " | ".join(cells) + f" | {c['tps']:.1f} | {c['tpf']:.2f} |")
+            mean = f"{100 * c['accuracy']:.1f} ({100 * lo:.1f}-{100 * hi:.1f})" + (" *" if c["mixed"] else "")
+            lines.append(f"| {c['decoder']} | {c['step']} | {mean} | " + " | ".join(cells)
+                         + f" | {c['tps']:.1f} | {c['tpf']:.2f} |")
         parts.append("\n".join(lines))
     text = "\n\n".join(parts)
     if any(c["mixed"] for c in points):
