@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -51,23 +52,56 @@ def test_training_records_mix_the_corpus_into_the_task_data():
     assert got[30:] == stdlib_records(20, seed=0)
 
 
-def test_study_quick_runs_every_stage_and_writes_the_report(tmp_path):
-    """scripts/study.sh --quick: base -> refusion/ar/mdm fine-tunes -> every decoder -> report (untrained)."""
+# the stages the quick study runs here; the objective variants' stages (refusion-boundary, ...) join
+# once TrainConfig has its `variant` field
+QUICK_STAGES = ["base", "ar", "refusion", "mdm", "report"]
+
+
+def test_study_quick_runs_every_stage_and_writes_the_curves(tmp_path):
+    """scripts/study.sh --quick: base -> ar/refusion/mdm fine-tunes, each one run with a checkpoint at
+    every curve point (steps 4 and 8) -> every decoder on every checkpoint -> report (untrained)."""
     env = {**os.environ, "RUNS": str(tmp_path / "runs"), "OUT": str(tmp_path / "out"), "N": "2",
            "REFUSION": f"{sys.executable} -m refusion.cli"}
-    proc = subprocess.run(["bash", str(ROOT / "scripts" / "study.sh"), "--quick"], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+    def study(*stages):
+        proc = subprocess.run(["bash", str(ROOT / "scripts" / "study.sh"), "--quick", *stages], env=env, cwd=ROOT,
+                              capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        return proc.stdout
+
+    study(*QUICK_STAGES)
+    runs, out = tmp_path / "runs", tmp_path / "out"
     for stage in ("base", "refusion", "ar", "mdm"):
-        cfg = json.loads((tmp_path / "runs" / stage / "model" / "config.json").read_text())
+        cfg = json.loads((runs / stage / "model" / "config.json").read_text())
         assert cfg["training_objective"] == ("ar" if stage == "base" else stage)
-        assert (tmp_path / "out" / "logs" / f"{stage}.metrics.jsonl").is_file()
+        assert (out / "logs" / f"{stage}.metrics.jsonl").is_file()
+    for stage in ("refusion", "ar", "mdm"):  # every curve point kept, and the final model is the last one
+        assert sorted(p.name for p in (runs / stage).glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-8"]
+        assert json.loads((runs / stage / "train_config.json").read_text())["max_steps"] == 8
+        assert ((runs / stage / "model" / "model.safetensors").read_bytes()
+                == (runs / stage / "checkpoint-8" / "model.safetensors").read_bytes())
     # every fine-tune starts from the base: same tokenizer, and the mask token only where the objective needs it
-    base_tok = (tmp_path / "runs" / "base" / "model" / "tokenizer.json").read_text()
-    assert all((tmp_path / "runs" / s / "model" / "tokenizer.json").read_text() == base_tok for s in ("ar", "mdm"))
-    assert "mask_token_id" not in json.loads((tmp_path / "runs" / "ar" / "model" / "config.json").read_text())
-    report = (tmp_path / "out" / "report.md").read_text()
-    for row in ("| base | ar |", "| ar | ar |", "| refusion | speculative |", "| refusion | ar |",
-                "| refusion | refusion |", "| refusion | refusion-fast |", "| mdm | mdm |", "| mdm | mdm-threshold |"):
-        assert row in report, row
-    assert (tmp_path / "out" / "accuracy_vs_tps.png").stat().st_size > 1000
+    base_tok = (runs / "base" / "model" / "tokenizer.json").read_text()
+    assert all((runs / s / "model" / "tokenizer.json").read_text() == base_tok for s in ("ar", "mdm"))
+    assert "mask_token_id" not in json.loads((runs / "ar" / "model" / "config.json").read_text())
+    report = (out / "report.md").read_text()
+    assert "| base | ar |" in report
+    for model, decoders in (("ar", ["ar"]), ("refusion", ["ar", "refusion", "refusion-fast", "speculative"]),
+                            ("mdm", ["mdm", "mdm-threshold"])):
+        table = report[report.index(f"### {model}\n"):].split("\n\n")[1].splitlines()[2:]
+        assert [row.split(" | ")[:2] for row in table] == [[f"| {d}", str(s)] for d in decoders for s in (4, 8)]
+        assert json.loads((out / f"{model}@4__sort__{decoders[0]}.json").read_text())["model_path"] == str(
+            runs / model / "checkpoint-4")
+    for plot in ("accuracy_vs_steps.png", "accuracy_vs_tps.png"):
+        assert (out / plot).stat().st_size > 1000
+    # cut off: ar lost its final model, its last checkpoint and one summary; the same command resumes
+    # the run from checkpoint-4 (to the same weights) and evaluates only what is missing
+    weights = (runs / "ar" / "checkpoint-8" / "model.safetensors").read_bytes()
+    shutil.rmtree(runs / "ar" / "model")
+    shutil.rmtree(runs / "ar" / "checkpoint-8")
+    (out / "ar@8__add__ar.json").unlink()
+    log = study(*QUICK_STAGES)
+    assert "study: training ar" in log and "study: training refusion" not in log
+    assert (runs / "ar" / "checkpoint-8" / "model.safetensors").read_bytes() == weights
+    evaluated = [line.split(":")[0] for line in log.splitlines() if not line.startswith("study:")]
+    assert evaluated == ["ar@8 add ar"]

@@ -13,7 +13,7 @@ from refusion.training.data import train_bpe_tokenizer
 from refusion.evaluation.evaluate import EvalConfig, evaluate, model_label, wilson_interval
 from refusion.evaluation.run import eval_tasks, run_eval
 from refusion.model.transformer import Transformer
-from refusion.evaluation.report import averages, load_summaries, report
+from refusion.evaluation.report import averages, curve_point, last_steps, load_summaries, report
 from refusion.tasks import Example, Score, Task
 
 
@@ -166,3 +166,117 @@ def test_report_keeps_parameter_settings_apart_and_flags_other_task_sets(tiny, t
     assert [a["mixed"] for a in averages(rows) if a["tasks"] == ["echo2"]] == [True]
     text = report([out], plot=tmp_path / "p.png")
     assert "slot_size 2" in text and "slot_size 4" in text and "not comparable" in text
+
+
+def _summary(model, task, decoder, correct, n=100, tokens=1000, seconds=1.0, forwards=1000, params=None):
+    """A hand-made eval summary: what `refusion report` reads of one."""
+    from refusion.evaluation.evaluate import wilson_interval
+
+    return {"model": model, "task": task, "decoder": decoder, "params": params or {}, "n": n,
+            "accuracy": correct / n, "ci95": list(wilson_interval(correct, n)), "tokens": tokens,
+            "seconds": seconds, "forwards": forwards, "tps": tokens / seconds, "tpf": tokens / forwards,
+            "latency_p50": 0.25}
+
+
+def _write(summaries, out):
+    out.mkdir(parents=True, exist_ok=True)
+    for s in summaries:
+        (out / f"{s['model']}__{s['task']}__{s['decoder']}.json").write_text(json.dumps(s))
+    return out
+
+
+PLAIN = [_summary("base", "add", "ar", 40), _summary("base", "sort", "ar", 20, seconds=2.0),
+         _summary("refusion", "add", "refusion", 55, tokens=900, forwards=300, params={"slot_size": 8}),
+         _summary("refusion", "add", "refusion-fast", 45, tokens=900, forwards=200, params={"slot_size": 4})]
+CURVES = [_summary("ar@2000", "add", "ar", 50), _summary("ar@2000", "sort", "ar", 70),
+          _summary("ar@4000", "add", "ar", 100, seconds=0.5), _summary("ar@4000", "sort", "ar", 90, seconds=0.5),
+          _summary("ar@16000", "add", "ar", 100),
+          _summary("refusion@2000", "add", "speculative", 30, tokens=900, forwards=300),
+          _summary("refusion@2000", "sort", "speculative", 30, tokens=900, forwards=300, seconds=0.5),
+          _summary("refusion@2000", "add", "refusion-fast", 50, params={"slot_size": 8}),
+          _summary("refusion@2000", "sort", "refusion-fast", 70, params={"slot_size": 8})]
+
+
+def test_report_without_curve_labels_is_unchanged(tmp_path):
+    """Models not labelled NAME@STEP: the report as it was before curves existed, to the character."""
+    text = report([_write(PLAIN, tmp_path / "res")])
+    assert text == PLAIN_REPORT
+
+
+PLAIN_REPORT = """\
+## Per task
+
+| model | task | decoder | n | accuracy (95% CI) | TPS | TPF | latency p50 (s) |
+|---|---|---|---|---|---|---|---|
+| base | add | ar | 100 | 40.0 (30.9-49.8) | 1000.0 | 1.00 | 0.250 |
+| refusion | add | refusion | 100 | 55.0 (45.2-64.4) | 900.0 | 3.00 | 0.250 |
+| refusion | add | refusion-fast | 100 | 45.0 (35.6-54.8) | 900.0 | 4.50 | 0.250 |
+| base | sort | ar | 100 | 20.0 (13.3-28.9) | 500.0 | 1.00 | 0.250 |
+
+## Averaged over tasks
+
+| model | decoder | tasks | mean accuracy | TPS | TPF |
+|---|---|---|---|---|---|
+| base | ar | add, sort * | 30.0 | 666.7 | 1.00 |
+| refusion | refusion | add | 55.0 | 900.0 | 3.00 |
+| refusion | refusion-fast | add | 45.0 | 900.0 | 4.50 |
+
+\\* averaged over a different set of tasks from the other rows: not comparable with them.
+
+## Decoder settings
+
+| decoder | settings |
+|---|---|
+| ar | defaults |
+| refusion | slot_size 8 |
+| refusion-fast | slot_size 4 |
+"""
+
+
+def test_curve_labels_name_a_run_and_a_step():
+    assert curve_point("refusion-ar-share-25@4000") == ("refusion-ar-share-25", 4000)
+    assert curve_point("a@b@16000") == ("a@b", 16000)
+    assert [curve_point(m) for m in ("refusion", "refusion@", "@4000", "ar@4k", "ar@4000-fast")] == [None] * 5
+
+
+def test_report_draws_curves_of_models_labelled_with_steps(tmp_path, capsys):
+    out = _write(PLAIN[:2] + CURVES, tmp_path / "res")
+    text = report([out], out=tmp_path / "r.md", plot=tmp_path / "tps.png", curves_plot=tmp_path / "steps.png")
+    curves = text[text.index("## Over training steps"):]
+    # per run, a row per decoder x step (steps in numeric order); the interval is Wilson's over all 200
+    # prompts; a point missing a task shows - and is marked
+    assert curves == """\
+## Over training steps
+
+### ar
+
+| decoder | step | mean accuracy (95% CI) | add | sort | TPS | TPF |
+|---|---|---|---|---|---|---|
+| ar | 2000 | 60.0 (53.1-66.5) | 50.0 | 70.0 | 1000.0 | 1.00 |
+| ar | 4000 | 95.0 (91.0-97.3) | 100.0 | 90.0 | 2000.0 | 1.00 |
+| ar | 16000 | 100.0 (96.3-100.0) * | 100.0 | - | 1000.0 | 1.00 |
+
+### refusion
+
+| decoder | step | mean accuracy (95% CI) | add | sort | TPS | TPF |
+|---|---|---|---|---|---|---|
+| refusion-fast | 2000 | 60.0 (53.1-66.5) | 50.0 | 70.0 | 1000.0 | 1.00 |
+| speculative | 2000 | 30.0 (24.1-36.7) | 30.0 | 30.0 | 1200.0 | 3.00 |
+
+\\* averaged over a different set of tasks from the other rows: not comparable with them.
+"""
+    assert (tmp_path / "r.md").read_text() == text
+    # the tables before the curves list the curve points too, ordered by step
+    assert text.index("| ar@2000 | ar |") < text.index("| ar@4000 | ar |") < text.index("| ar@16000 | ar |")
+    assert (tmp_path / "steps.png").stat().st_size > 1000 and (tmp_path / "tps.png").stat().st_size > 1000
+    # the accuracy-vs-TPS plot shows each run at its last step only
+    rows = load_summaries([out])
+    assert [(a["model"], a["decoder"]) for a in last_steps(averages(rows))] == [
+        ("ar@16000", "ar"), ("base", "ar"), ("refusion@2000", "refusion-fast"), ("refusion@2000", "speculative")]
+    # the same through the CLI; a curves plot of results without steps is refused
+    assert main(["report", str(out), "--curves-plot", str(tmp_path / "cli.png")]) == 0
+    assert "### refusion" in capsys.readouterr().out and (tmp_path / "cli.png").stat().st_size > 1000
+    plain = _write(PLAIN, tmp_path / "plain")
+    assert main(["report", str(plain), "--curves-plot", str(tmp_path / "never.png")]) == 2
+    assert "--curves-plot needs results of models labelled NAME@STEP" in capsys.readouterr().err
+    assert not (tmp_path / "never.png").exists()

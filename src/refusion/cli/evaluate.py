@@ -19,7 +19,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--split", default="test", help="train or test (benchmarks have only test)")
     e.add_argument("--batch-size", type=positive_int, default=1, help="prompts decoded together")
     e.add_argument("--system", help="system message for the chat template")
-    e.add_argument("--label", help="model name in the results (default: the run directory's name)")
+    e.add_argument("--label", help="model name in the results (default: the run directory's name); NAME@STEP "
+                                   "makes it a point of NAME's curve over training steps in `refusion report`")
     e.add_argument("--tag", help="suffix for the decoder name, to tell parameter settings apart")
     e.add_argument("--out", default="results", help="directory for <model>__<task>__<decoder>.json/.jsonl")
     e.add_argument("--overwrite", action="store_true", help="replace results that exist")
@@ -32,6 +33,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     rp.add_argument("paths", nargs="+", help="result directories or summary .json files")
     rp.add_argument("--out", help="write the markdown here too")
     rp.add_argument("--plot", help="write the accuracy-vs-TPS plot here (PNG; needs matplotlib)")
+    rp.add_argument("--curves-plot", help="write the accuracy-against-training-steps plot here (PNG; needs "
+                                          "matplotlib and results labelled NAME@STEP, e.g. eval --label run@4000)")
     rp.set_defaults(func=cmd_report)
 
 
@@ -71,4 +74,4 @@ def _print_summary(summary: dict, path: Path) -> None:
 def cmd_report(args: argparse.Namespace) -> None:
     from refusion.evaluation.report import report
 
-    print(report(args.paths, out=args.out, plot=args.plot))
+    print(report(args.paths, out=args.out, plot=args.plot, curves_plot=args.curves_plot))
