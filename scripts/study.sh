@@ -5,7 +5,7 @@
 #   ar                    the base continued with the next-token objective (the ARM baseline)
 #   refusion              the base fine-tuned with the ReFusion objective (mask token added; variant "paper")
 #   mdm                   the base adapted to masked diffusion (the MDM baseline)
-#   refusion-boundary, refusion-ar-share-25, refusion-joint, refusion-decoupled
+#   refusion-boundary, refusion-ar-share-25, refusion-joint, refusion-hybrid, refusion-decoupled
 #                         the ReFusion objective's variants (TrainConfig.variant), configs/study/NAME.toml
 # Each fine-tune is ONE run from the base, on the same data, to a step budget; its checkpoints at
 # UNIT, 2 UNIT, 4 UNIT, ... steps (UNIT = the ARM's original 2000) and at the budget are the points of
@@ -34,7 +34,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 R=${REFUSION:-.venv/bin/refusion}
-ALL="base ar refusion mdm refusion-boundary refusion-ar-share-25 refusion-joint refusion-decoupled report"
+ALL="base ar refusion mdm refusion-boundary refusion-ar-share-25 refusion-joint refusion-hybrid refusion-decoupled report"
 QUICK=0 NAMED=()
 for a in "$@"; do
   case $a in

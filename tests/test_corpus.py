@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from refusion.model.config import ConfigError
 from refusion.training.corpus import corpus_records, stdlib_files, stdlib_records
@@ -52,9 +53,9 @@ def test_training_records_mix_the_corpus_into_the_task_data():
     assert got[30:] == stdlib_records(20, seed=0)
 
 
-# the stages the quick study runs here; the objective variants' stages (refusion-boundary, ...) join
-# once TrainConfig has its `variant` field
-QUICK_STAGES = ["base", "ar", "refusion", "mdm", "report"]
+# the stages the quick study runs here: all of them
+QUICK_STAGES = ["base", "ar", "refusion", "mdm", "refusion-boundary", "refusion-ar-share-25", "refusion-joint",
+                "refusion-hybrid", "refusion-decoupled", "report"]
 
 
 def test_study_quick_runs_every_stage_and_writes_the_curves(tmp_path):
@@ -83,7 +84,17 @@ def test_study_quick_runs_every_stage_and_writes_the_curves(tmp_path):
     # every fine-tune starts from the base: same tokenizer, and the mask token only where the objective needs it
     base_tok = (runs / "base" / "model" / "tokenizer.json").read_text()
     assert all((runs / s / "model" / "tokenizer.json").read_text() == base_tok for s in ("ar", "mdm"))
-    assert "mask_token_id" not in json.loads((runs / "ar" / "model" / "config.json").read_text())
+    ar_cfg = json.loads((runs / "ar" / "model" / "config.json").read_text())
+    assert "mask_token_id" in ar_cfg and ar_cfg["causal_first_token"]  # the ReFusion vocabulary, never a mask fed
+    for v in ("boundary", "ar-share-25", "joint", "hybrid", "decoupled"):
+        cfg = json.loads((runs / f"refusion-{v}" / "model" / "config.json").read_text())
+        assert cfg["causal_first_token"] and ("mask_adapter" in cfg) == (v == "decoupled")
+        assert sorted(p.name for p in (runs / f"refusion-{v}").glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-8"]
+    # the decoupled variant's shared weights are the ARM's, to the bit; its mask path is its own
+    from safetensors.torch import load_file
+    arm = load_file(runs / "ar" / "model" / "model.safetensors")
+    dec = load_file(runs / "refusion-decoupled" / "model" / "model.safetensors")
+    assert all(torch.equal(arm[k], dec[k]) for k in arm) and any("mask_adapter" in k for k in dec)
     report = (out / "report.md").read_text()
     assert "| base | ar |" in report
     for model, decoders in (("ar", ["ar"]), ("refusion", ["ar", "refusion", "refusion-fast", "speculative"]),
