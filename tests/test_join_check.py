@@ -4,7 +4,7 @@ Off, the decoder is the reference's, token for token. On, each rule is checked o
 result can be computed by hand without any cache (plan: a slot after a committed token starts with
 that token's causal prediction; commit: a slot committed right after another is kept only if it
 starts with the causal prediction of the other's last token, in global verification and after an
-infill), and each case is one where the default decoder's output differs. Then, on a grid of
+infill), each on prompts where the default decoder's output differs. Then, on a grid of
 settings: batch invariance, no holes, and the invariant the rule guarantees.
 """
 
@@ -16,8 +16,8 @@ from refusion.cli import main
 from refusion.decoding import decode
 from refusion.decoding.refusion import ReFusionParams, generate_refusion
 from refusion.model.checkpoint import save_model
-from test_decoding_refusion import (CANDIDATES, PROMPTS, causal_argmax, check_output_shape, first_plan,
-                                    infill_by_hand, params, pick_eos, run_lib, run_ref, assert_same, tiny_model)
+from test_decoding_refusion import (CANDIDATES, PROMPTS, assert_same, causal_argmax, check_output_shape,
+                                    first_plan, infill_by_hand, params, pick_eos, run_lib, run_ref, tiny_model)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -31,7 +31,8 @@ def causal_next(model, ids, pos):
 
 
 @pytest.mark.parametrize("kw", [params(16, 4, 1, 0.9, 0.4), params(16, 4, 2, 0.1, 0.1),
-                                params(16, 4, 1, 0.0, 1.0, recompute_kv=True), params(16, 4, 2, 0.0, 0.0, left_to_right=True)])
+                                params(16, 4, 1, 0.0, 1.0, recompute_kv=True),
+                                params(16, 4, 2, 0.0, 0.0, left_to_right=True)])
 def test_off_is_the_reference(kw):
     model = tiny_model(0)
     free = [run_ref(model, p, kw, set()) for p in PROMPTS]
@@ -71,6 +72,40 @@ def test_plan_rule_left_to_right(model_seed):
             assert res.forwards == 2 * (L // s)  # no forward added
         differs += expected[False] != expected[True]
     assert differs >= 3
+
+
+@pytest.mark.parametrize("model_seed", [0, 5])
+def test_plan_rule_scores_by_the_causal_probability(model_seed):
+    """slot_threshold 1 (the single best-scored slot per plan) and token_threshold 0: each step
+    commits one whole slot from one causal pass on top of the earlier ones, so the committed tokens
+    are a causal sequence in commit order. A slot after a committed token starts with that token's
+    causal prediction and is scored by its causal probability, which decides the order slots are
+    taken in."""
+    model = tiny_model(model_seed)
+    s, L = 4, 16
+    orders, differs = set(), 0
+    for p in PROMPTS + CANDIDATES[:5]:
+        P = len(p)
+        ids, pos = list(p), list(range(P))  # committed, in commit order
+        undecoded, order = list(range(P, P + L, s)), []
+        while undecoded:
+            drafts, scores = first_plan(model, ids, pos, undecoded, s)
+            amax, probs = causal_argmax(model, ids, pos)
+            for i, st in enumerate(undecoded):
+                if st - 1 in pos[P:]:
+                    at = pos.index(st - 1)
+                    drafts[i][0], scores[i] = amax[at], float(probs[at, amax[at]])
+            best = max(range(len(undecoded)), key=lambda i: (scores[i], -i))
+            ids += drafts[best]
+            pos += list(range(undecoded[best], undecoded[best] + s))
+            order.append(undecoded.pop(best))
+        expected = [t for _, t in sorted(zip(pos[P:], ids[P:]))]
+        kw = params(L, s, 1, 1.0, 0.0)
+        res, events = run_lib(model, [p], kw, set(), join_check=True)
+        assert res[0].tokens == expected and [ev[0][0] for ev in events[0]] == order, p
+        orders.add(tuple(st - P for st in order))
+        differs += run_lib(model, [p], kw, set())[0][0].tokens != expected
+    assert len(orders) >= 3 and differs >= 3  # slots are taken out of order, in several orders
 
 
 @pytest.mark.parametrize("model_seed", [0, 5])
@@ -160,7 +195,7 @@ def join_violations(model, prompt, res, events, s):
             if st > P and (st - P) % s == 0 and commit_of[st - 1] <= commit_of[st] and t != pred[st - 1]]
 
 
-SETTINGS = [(0.9, 0.4), (0.0, 1.0), (0.1, 0.1), (0.2, 0.05)]
+SETTINGS = [(0.9, 0.4), (0.0, 0.0), (0.0, 1.0), (0.1, 0.1), (0.2, 0.05)]
 
 
 @pytest.mark.parametrize("slot_size,serial_blocks", [(2, 1), (4, 2)])
@@ -173,8 +208,8 @@ def test_batch_invariance_and_no_bad_join(model_seed, slot_size, serial_blocks):
         for recompute_kv in (False, True):
             for left_to_right in (False, True):
                 kw = params(L, s, serial_blocks, slot_threshold, token_threshold, recompute_kv, left_to_right)
-                free = run_lib(model, PROMPTS, kw, set(), join_check=True)[0]
-                for eos in (set(), {pick_eos(free[1].tokens)}):
+                eos = set()
+                for _ in range(2):  # no EOS, then one picked from the output without it
                     batch, events = run_lib(model, PROMPTS, kw, eos, join_check=True)
                     if recompute_kv:
                         off, off_events = run_lib(model, PROMPTS, kw, eos)
@@ -188,6 +223,7 @@ def test_batch_invariance_and_no_bad_join(model_seed, slot_size, serial_blocks):
                         if recompute_kv:
                             assert join_violations(model, p, batch[i], events[i], s) == [], ctx
                             violations_without += len(join_violations(model, p, off[i], off_events[i], s))
+                    eos = {pick_eos(batch[1].tokens)}
     assert violations_without > 0  # the invariant does not hold by accident
 
 
