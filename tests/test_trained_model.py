@@ -38,6 +38,7 @@ DECODERS = [
     ("speculative", dict(gen_length=128, temperature=0.8, top_p=0.9)),
     ("mdm", dict(gen_length=128, block_length=32, steps=64)),
     ("mdm-threshold", dict(gen_length=128, block_length=32, threshold=0.9)),
+    ("refusion", dict(REFUSION, slot_size=4, slot_threshold=0.7, token_threshold=0.2, join_check=True)),
 ]
 
 

@@ -140,6 +140,9 @@ class ReFusionParams:
     temperature: float = temperature_option()
     recompute_kv: bool = option(False, "recompute infilled slots' KV in one causal pass (ablation)")
     left_to_right: bool = option(False, "always choose the leftmost undecoded slot (the refusion-l2r baseline)")
+    join_check: bool = option(False, "check slot joins: a slot after a committed response token starts with that "
+                                     "token's causal prediction; one committed right after another slot must too, "
+                                     "or is re-planned (greedy only)")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -158,6 +161,8 @@ class ReFusionParams:
         for name in ("slot_threshold", "token_threshold"):
             check_probability(name, getattr(self, name))
         check_sampling(self.temperature)
+        if self.join_check and self.temperature > 0:
+            raise ValueError("join_check compares slots with the greedy causal prediction: it needs temperature 0")
 
 
 def _whole_slots(s) -> int:

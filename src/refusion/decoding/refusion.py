@@ -12,6 +12,25 @@ Cache layout per sequence (a SlotKVCache row): columns [0, C) hold the committed
 order (prompt first); the columns after C are scratch for the current phase. Infill row r of a
 slot of size s lives at C + r*s + j, so the k rows share the committed prefix without copying it,
 and once accepted their KV already sits where "appending row after row" would put it.
+
+Join check (`join_check`, off by default; greedy only). Slots drafted in parallel can repeat or
+skip a token where they meet, since nothing in the reference checks a slot's first token against
+the token before it. With the option, let pred(q) be the greedy causal prediction (argmax of the
+logits) at the committed response token at position q, read from the forward whose KV of that token
+was kept (a global verification, an infill verification round or the recompute pass; every one of
+them already returns logits for every token it feeds, so this costs no forward). Then:
+  - plan: a planned slot starting at st whose token st-1 is a committed response token gets
+    pred(st-1) as its first token, and the causal probability of it as its score (the rest of its
+    draft is verified and infilled as usual);
+  - commit: a slot committed in the same step as the slot just before it (global verification over
+    adjacent chosen slots, or infill rows of adjacent slots) is committed only if its first token is
+    pred of the previous slot's last token, as computed in that commit's pass; the first slot that
+    fails, and every chosen slot after it, are not committed but re-planned (where the plan rule
+    then applies). In global verification this is part of the longest accepted prefix.
+So every slot that starts after a response token committed no later than itself starts with that
+token's causal prediction. Not checked: the prompt's last token (training never teaches it to
+predict the first response token; the first slot starts from its mask, as `ar` does), and a slot's
+last token against a slot already committed after it.
 """
 
 from __future__ import annotations
@@ -67,6 +86,10 @@ class PlanInfillSeq:
         self.stop_after_block = False
         self.phase = PLAN
         self.eos_row: tuple[int, int] | None = None  # (infill row, offset) of an EOS accepted in infill
+        # join_check: the greedy causal prediction (and its probability) at each position, from the
+        # latest causal pass that fed it; read only at committed positions, whose KV that pass made
+        self.pred_tok = np.full(self.P + p.gen_length + 1, -1, dtype=np.int64)
+        self.pred_prob = np.zeros(self.P + p.gen_length + 1)
         self.res = DecodeResult(prompt=list(prompt))
 
     # ---- what to feed -------------------------------------------------------------
@@ -108,6 +131,7 @@ class PlanInfillSeq:
                     grp.append(r + 1)
             need = len(ids)
         self.grp[cols] = grp
+        self.fed_positions = pos
         self.res.forwards += 1
         self.res.tokens_fed += len(ids)
         return Feed(ids, pos, cols, grp, need)
@@ -118,6 +142,9 @@ class PlanInfillSeq:
                 psampled: np.ndarray | None) -> None:
         """amax/pmax/pnext: per fed token (aligned with the feed); pnext[i] = P(token i | token i-1).
         sampled/psampled: the plan's sampled tokens and their probabilities (None when greedy)."""
+        if self.p.join_check and self.phase in (VERIFY, IVERIFY, RECOMPUTE):  # causal passes: logits at every token fed
+            self.pred_tok[self.fed_positions] = amax
+            self.pred_prob[self.fed_positions] = pmax
         if self.phase == PLAN:
             self._after_plan(amax, pmax, pnext, sampled, psampled)
         elif self.phase == VERIFY:
@@ -136,6 +163,13 @@ class PlanInfillSeq:
         n = len(self.plan_slots) * s
         tok = (sampled if sampled is not None else amax)[-n:].reshape(-1, s)
         prob = (psampled if psampled is not None else pmax)[-n:].reshape(-1, s)
+        if self.p.join_check:
+            # a slot right after a committed response token starts with that token's causal prediction
+            after = [i for i, st in enumerate(self.plan_slots) if st - 1 in self.committed]
+            before = np.asarray([self.plan_slots[i] - 1 for i in after], dtype=np.int64)
+            tok, prob = tok.copy(), prob.copy()
+            tok[after, 0] = self.pred_tok[before]
+            prob[after, 0] = self.pred_prob[before]
         if self.C == 0:
             self.C = self.P  # the prompt's KV stays
         score = prob[:, 0]
@@ -153,6 +187,10 @@ class PlanInfillSeq:
         flat = [t for row in self.drafts for t in row]
         ok = pnext > self.p.token_threshold
         ok[::s] = True  # token 0 of every slot keeps its draft and counts as accepted
+        rows_ok = ok
+        if self.p.join_check:  # ...unless it follows the previous chosen slot and is not its causal prediction
+            ok = ok.copy()
+            ok[::s] = ~self._bad_joins()
         n_acc = int(np.argmin(ok)) if not ok.all() else len(ok)
         eos_at = next((i for i in range(n_acc) if flat[i] in self.eos), None)
         if eos_at is not None:
@@ -166,7 +204,7 @@ class PlanInfillSeq:
             self.undecoded = [st for st in self.undecoded if st not in self.chosen[:w]]
             self._next_plan()
         else:
-            per = ok.reshape(k, s)
+            per = rows_ok.reshape(k, s)  # infill rows do not see each other: joins are checked at the commit
             self.nacc = [int(np.argmin(r)) if not r.all() else s for r in per]
             self.a = 0
             self.phase = DRAFT
@@ -214,20 +252,39 @@ class PlanInfillSeq:
             toks += row[:n]
             poss += list(range(st, st + n))
         self.eos_row = None
-        self.undecoded = [st for st in self.undecoded if st not in self.chosen]
+        self.pending = (toks, poss)
         if self.p.recompute_kv:
-            self.pending = (toks, poss)
             self.phase = RECOMPUTE
             return
-        self._commit_cols(toks, poss)
-        self._next_plan()
+        self._commit_infill()
 
     def _after_recompute(self, amax, pmax, pnext, sampled, psampled):
+        self._commit_infill()
+
+    def _commit_infill(self) -> None:
+        """Commit the infilled rows (self.pending, their KV in place after the committed prefix);
+        with join_check only those before the first bad join, the others are re-planned."""
         toks, poss = self.pending
+        k = len(self.chosen)
+        if self.p.join_check:
+            bad = self._bad_joins()
+            if bad.any():
+                k = int(np.argmax(bad))  # >= 1; the rows before it are whole (only the last row is cut at an EOS)
+                toks, poss = toks[: k * self.p.slot_size], poss[: k * self.p.slot_size]
+        self.undecoded = [st for st in self.undecoded if st not in self.chosen[:k]]
         self._commit_cols(toks, poss)
         self._next_plan()
 
     # ---- bookkeeping ----------------------------------------------------------------
+
+    def _bad_joins(self) -> np.ndarray:
+        """Per chosen slot: True where it directly follows the previous chosen slot and its first
+        token is not the causal prediction at that slot's last token (from this step's pass)."""
+        st = np.asarray(self.chosen, dtype=np.int64)
+        first = np.asarray([row[0] for row in self.drafts], dtype=np.int64)
+        bad = np.zeros(len(st), dtype=bool)
+        bad[1:] = (st[1:] == st[:-1] + self.p.slot_size) & (first[1:] != self.pred_tok[st[1:] - 1])
+        return bad
 
     def _commit_cols(self, toks: list[int], poss: list[int]) -> None:
         """The first len(toks) scratch columns become committed (their KV is kept as computed)."""
