@@ -251,3 +251,22 @@ def test_cli_flag(tmp_path, capsys):
         assert out[join] == decode(model, [[2, 3, 4]], "refusion-l2r", gen_length=16, slot_size=4,
                                    token_threshold=0.0, join_check=join)[0].tokens
     assert out[True] != out[False]
+
+
+def test_prompt_join_on_a_model_trained_for_it():
+    """A model whose prompt end was trained to predict the first token (causal_first_token): with the
+    join check its first slot starts with that prediction; without the flag in its config, from the mask."""
+    import copy
+
+    plain = tiny_model(0)
+    trained = copy.deepcopy(plain)
+    trained.config.causal_first_token = True
+    kw = params(16, 4, 1, 0.9, 0.4)
+    differs = 0
+    for p in PROMPTS + CANDIDATES[:5]:
+        first = causal_next(plain, p, list(range(len(p))))
+        on = generate_refusion(trained, [p], ReFusionParams(**kw, join_check=True), eos_ids=[])[0]
+        assert on.tokens[on.positions.index(len(p))] == first
+        off = generate_refusion(plain, [p], ReFusionParams(**kw, join_check=True), eos_ids=[])[0]
+        differs += off.tokens[off.positions.index(len(p))] != first
+    assert differs  # the mask's first token is not the causal one on some prompt: the test can fail

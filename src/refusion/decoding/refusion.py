@@ -28,9 +28,10 @@ them already returns logits for every token it feeds, so this costs no forward).
     fails, and every chosen slot after it, are not committed but re-planned (where the plan rule
     then applies). In global verification this is part of the longest accepted prefix.
 So every slot that starts after a response token committed no later than itself starts with that
-token's causal prediction. Not checked: the prompt's last token (training never teaches it to
-predict the first response token; the first slot starts from its mask, as `ar` does), and a slot's
-last token against a slot already committed after it.
+token's causal prediction. The prompt's last token counts too where the model was trained to
+predict the first response token from it (config causal_first_token: the objective variants);
+under the paper's objective it never was, and the first slot starts from its mask, as `ar` does.
+Not checked: a slot's last token against a slot already committed after it.
 """
 
 from __future__ import annotations
@@ -68,9 +69,12 @@ class PlanInfillSeq:
     response P..P+L-1)."""
 
     def __init__(self, row: int, prompt: list[int], p: ReFusionParams, mask_id: int, eos: set[int],
-                 on_commit: Callable | None, gen: torch.Generator | None) -> None:
+                 on_commit: Callable | None, gen: torch.Generator | None, causal_first: bool = False) -> None:
         self.row, self.prompt, self.p, self.mask_id, self.eos = row, prompt, p, mask_id, eos
         self.on_commit, self.gen = on_commit, gen
+        # join_check on a model whose prompt end predicts the first token (causal_first_token): the
+        # prompt's last token counts as a committed token before the first slot
+        self.prompt_join = p.join_check and causal_first and len(prompt) > 0
         self.P = len(prompt)
         s = p.slot_size
         per_block = p.gen_length // p.serial_blocks
@@ -107,7 +111,7 @@ class PlanInfillSeq:
                 pos += list(range(st, st + s))
                 grp += [1] * s
             self.plan_slots = slots
-            need = len(slots) * s
+            need = len(slots) * s + (C == 0 and self.prompt_join)  # (the prompt's last token's prediction too)
             cols = list(range(len(ids))) if C == 0 else list(range(C, C + len(ids)))
         elif self.phase in (VERIFY, RECOMPUTE):
             if self.phase == VERIFY:
@@ -145,6 +149,9 @@ class PlanInfillSeq:
         if self.p.join_check and self.phase in (VERIFY, IVERIFY, RECOMPUTE):  # causal passes: logits at every token fed
             self.pred_tok[self.fed_positions] = amax
             self.pred_prob[self.fed_positions] = pmax
+        if self.phase == PLAN and self.C == 0 and self.prompt_join:
+            n = len(self.plan_slots) * self.p.slot_size
+            self.pred_tok[self.P - 1], self.pred_prob[self.P - 1] = amax[-n - 1], pmax[-n - 1]
         if self.phase == PLAN:
             self._after_plan(amax, pmax, pnext, sampled, psampled)
         elif self.phase == VERIFY:
@@ -165,7 +172,8 @@ class PlanInfillSeq:
         prob = (psampled if psampled is not None else pmax)[-n:].reshape(-1, s)
         if self.p.join_check:
             # a slot right after a committed response token starts with that token's causal prediction
-            after = [i for i, st in enumerate(self.plan_slots) if st - 1 in self.committed]
+            after = [i for i, st in enumerate(self.plan_slots)
+                     if st - 1 in self.committed or (st == self.P and self.prompt_join)]
             before = np.asarray([self.plan_slots[i] - 1 for i in after], dtype=np.int64)
             tok, prob = tok.copy(), prob.copy()
             tok[after, 0] = self.pred_tok[before]
@@ -343,8 +351,8 @@ def generate_refusion(model: Transformer, prompts: list[list[int]], params: ReFu
     eos = set(eos_ids if eos_ids is not None else cfg.eos_ids)
     device = model.embed_tokens.weight.device
     gens = [generator(seed if seed is not None else 0, device) for _ in prompts]
-    seqs = [PlanInfillSeq(i, list(q), p, cfg.mask_token_id, eos, on_commit, gens[i] if p.temperature > 0 else None)
-            for i, q in enumerate(prompts)]
+    seqs = [PlanInfillSeq(i, list(q), p, cfg.mask_token_id, eos, on_commit, gens[i] if p.temperature > 0 else None,
+                          causal_first=cfg.causal_first_token) for i, q in enumerate(prompts)]
     cap = max(len(q) for q in prompts) + p.gen_length + 1
     cache = SlotKVCache(cfg.num_layers, len(prompts), cap, cfg.num_kv_heads, cfg.head_dim,
                         model.embed_tokens.weight.dtype, device)
