@@ -160,3 +160,35 @@ def test_decoupled_training_leaves_the_shared_weights_exactly_the_arms(tmp_path)
     assert [r["grad_norm"] for r in arm_log] == [r["grad_norm"] for r in dec_log]
     assert dec_log[-1]["mdm_loss"] < dec_log[0]["mdm_loss"]
     shutil.rmtree(tmp_path / "dec" / "model")  # resume from its last checkpoint? none kept: a fresh run
+
+
+def test_masks_on_the_clean_cache_equal_the_packed_draft_layout():
+    """The decoupled pass (clean tokens once into a cache, no graph; masks on top) gives the packed
+    draft layout's mask logits and the same gradients of the mask path."""
+    from refusion.training.joint_layouts import draft_inputs, draft_masks
+    from refusion.training.objectives import ar_inputs, make_batch
+
+    model = adapted(base_model(), 4)
+    model.train()
+    rng = random.Random(1)
+    prompts = [[rng.randint(2, 22) for _ in range(rng.randint(1, 6))] for _ in range(5)]
+    responses = [[rng.randint(2, 22) for _ in range(rng.randint(0, 12))] + [1] for _ in range(5)]
+    batch = make_batch(prompts, responses, 0)
+    packed = draft_inputs(batch, MASK, torch.Generator().manual_seed(3), slot_sizes=(2, 3, 5))
+    masks = draft_masks(batch, MASK, torch.Generator().manual_seed(3), slot_sizes=(2, 3, 5))
+    own = [p for _, p in adapter_parameters(model)]
+
+    logits = model(packed.input_ids, packed.position_ids, packed.attn_mask)
+    want = torch.stack([logits[b][packed.is_masked[b]].sum(0) for b in range(5)])  # per example, summed
+    grads_want = torch.autograd.grad(want.sum(), own)
+
+    clean = ar_inputs(batch)
+    cache = KVCache(2)
+    with torch.no_grad():
+        model(clean.input_ids, clean.position_ids, None, cache=cache)
+    out = model(masks.input_ids, masks.position_ids, masks.attn_mask(len(cache)), cache=cache)
+    got = torch.stack([out[b][masks.valid[b]].sum(0) for b in range(5)])
+    grads_got = torch.autograd.grad(got.sum(), own)
+    assert torch.allclose(got, want, atol=1e-4)
+    assert all(torch.allclose(a, b, atol=1e-4) for a, b in zip(grads_got, grads_want))
+    assert torch.equal(masks.labels[masks.valid], packed.labels[packed.is_masked])

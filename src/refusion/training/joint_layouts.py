@@ -25,6 +25,8 @@ Draws (all batched): size_idx = randint(len(slot_sizes), (B,)), then phase = ran
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+
 import torch
 from torch import Tensor
 
@@ -123,3 +125,62 @@ def hybrid_inputs(batch: Batch, mask_id: int, gen: torch.Generator, slot_sizes: 
     attn.diagonal(dim1=1, dim2=2).fill_(True)
     return TrainInputs(input_ids, position_ids, labels, is_masked, paper.mask_rate, "custom", attn[:, None], pad,
                        slot_size=paper.slot_size)
+
+
+@dataclass
+class DraftMasks:
+    """The draft layout's masks alone, fed on top of the cache of the in-order example (ar_inputs):
+    what a pass that trains only the mask path needs (the `decoupled` variant, mask-only adaptation).
+    The clean tokens' forward then runs once, without a graph, and the backward covers the mask rows.
+
+    All [B, M] with M the longest response; mask i of a row sits at its response token i's position.
+    A mask sees the cache's columns before `visible_end` (the prompt and the response before its
+    block) and the masks of its own `block` up to itself."""
+
+    input_ids: Tensor
+    position_ids: Tensor
+    labels: Tensor
+    valid: Tensor  # a mask (True) or padding
+    visible_end: Tensor
+    block: Tensor
+
+    def rows(self, lo: int, hi: int) -> "DraftMasks":
+        """Rows lo:hi, cut to their longest response."""
+        M = int(self.valid[lo:hi].sum(1).max()) if hi > lo else 0
+        return DraftMasks(*(getattr(self, f.name)[lo:hi, :M] for f in fields(self)))
+
+    def to(self, device) -> "DraftMasks":
+        return DraftMasks(*(getattr(self, f.name).to(device) for f in fields(self)))
+
+    def attn_mask(self, cached: int) -> Tensor:
+        """[B, 1, M, cached + M] bool over the cache's `cached` columns then the masks."""
+        B, M = self.input_ids.shape
+        k = torch.arange(cached, device=self.input_ids.device)
+        clean = k[None, None, :] < self.visible_end[:, :, None]
+        i = torch.arange(M, device=self.input_ids.device)
+        own = (self.block[:, :, None] == self.block[:, None, :]) & (i[None, None, :] <= i[None, :, None])
+        own = own & self.valid[:, None, :] | torch.eye(M, dtype=torch.bool, device=own.device)
+        return torch.cat([clean, own], 2)[:, None]
+
+
+def draft_masks(batch: Batch, mask_id: int, gen: torch.Generator, slot_sizes: tuple[int, ...] = (4, 8, 16, 32)
+                ) -> DraftMasks:
+    """The masks of draft_inputs (the same draws, so the same blocks) as a feed after the cache of
+    ar_inputs(batch)."""
+    slot_sizes = tuple(slot_sizes)
+    if not slot_sizes or any(int(s) != s or s <= 0 for s in slot_sizes):
+        raise ValueError(f"slot sizes must be a non-empty list of positive integers, got {slot_sizes}")
+    resp = batch.response_ids
+    B, R = resp.shape
+    dev = resp.device
+    size_idx = torch.randint(len(slot_sizes), (B,), generator=gen, device=gen.device).to(dev)
+    phase_u = torch.rand(B, generator=gen, device=gen.device).to(dev)
+    L = torch.tensor(slot_sizes, dtype=torch.long, device=dev)[size_idx][:, None]
+    phase = (phase_u[:, None] * L).long().clamp(max=L - 1)
+    i = torch.arange(R, device=dev)[None, :]
+    valid = i < batch.response_len[:, None]
+    block = ((i + phase) // L * L - phase).clamp(min=0)
+    pl = batch.prompt_len[:, None]
+    return DraftMasks(torch.where(valid, mask_id, batch.pad_id), torch.where(valid, pl + i, 0),
+                      torch.where(valid, resp, IGNORE), valid, torch.where(valid, pl + block, 0),
+                      torch.where(valid, block, -1))

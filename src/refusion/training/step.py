@@ -16,9 +16,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from refusion.model.cache import KVCache
 from refusion.model.mask_adapter import is_adapter_name
-from refusion.training.joint_layouts import draft_inputs, hybrid_inputs
-from refusion.training.objectives import (Batch, TrainInputs, mdm_term, ar_inputs, ar_token_count, build_inputs,
+from refusion.training.joint_layouts import DraftMasks, draft_inputs, draft_masks, hybrid_inputs
+from refusion.training.objectives import (Batch, TrainInputs, ar_inputs, ar_token_count, build_inputs,
                                          compute_loss, make_batch, pad_responses, token_ce)
 from refusion.training.optimizer import lr_at
 from refusion.training.setup import Run
@@ -36,7 +37,7 @@ def train_step(run: Run) -> dict[str, float]:
     t0 = time.perf_counter()
     drafts = None  # decoupled: the mask pass's layout, beside the ARM's
     if cfg.objective == "refusion" and variant.name == "decoupled":
-        inputs, drafts = ar_inputs(batch), draft_inputs(batch, mask_id, run.layout_gen, tuple(cfg.slot_sizes))
+        inputs, drafts = ar_inputs(batch), draft_masks(batch, mask_id, run.layout_gen, tuple(cfg.slot_sizes))
     elif cfg.objective == "refusion" and variant.drafts:
         inputs = draft_inputs(batch, mask_id, run.layout_gen, tuple(cfg.slot_sizes))
     elif cfg.objective == "refusion" and variant.name == "hybrid":
@@ -75,7 +76,7 @@ def _global_batch(run: Run, idx: list[int]) -> Batch:
     return batch
 
 
-def _backward(run: Run, inputs: TrainInputs, batch: Batch, n_ar: Tensor, B: int, drafts: TrainInputs | None = None
+def _backward(run: Run, inputs: TrainInputs, batch: Batch, n_ar: Tensor, B: int, drafts: DraftMasks | None = None
               ) -> tuple[dict[str, Tensor], int]:
     """Forward and backward of this process's rows, in micro-batches; the summed loss statistics and
     the number of real tokens. drafts (the decoupled variant): a second pass over this layout trains
@@ -107,23 +108,30 @@ def _backward(run: Run, inputs: TrainInputs, batch: Batch, n_ar: Tensor, B: int,
             # DDP and FSDP average gradients over processes; the global loss is their sum
             (loss * run.world).backward()
             if drafts is not None:
-                stats.update(_mask_pass(run, _rows(drafts, lo, lo + run.micro).to(run.device), sub_batch, B, autocast))
+                stats.update(_mask_pass(run, sub, drafts.rows(lo, lo + run.micro).to(run.device), sub_batch, B,
+                                        autocast))
                 stats["loss"] = stats["loss"] + stats["mdm_loss"]
         for key, v in stats.items():
             totals[key] = totals.get(key, 0) + v
     return totals, tokens
 
 
-def _mask_pass(run: Run, drafts: TrainInputs, batch: Batch, B: int, autocast) -> dict[str, Tensor]:
-    """The decoupled variant's second pass: the draft layout's mask loss, back-propagated into the mask
-    path's parameters only (backward(inputs=...)): the shared weights, and the clean tokens' keys and
-    values, act as constants, so the shared weights keep exactly the ARM's gradient."""
+def _mask_pass(run: Run, clean: TrainInputs, masks: DraftMasks, batch: Batch, B: int, autocast) -> dict[str, Tensor]:
+    """The decoupled variant's second pass, which trains the mask path alone: the clean tokens (the
+    ARM's example) run once without a graph into a cache, the masks run on top of it, and their loss
+    (the mean over examples of each one's mean mask CE) back-propagates into the mask path's
+    parameters only (backward(inputs=...)): the shared weights, and the clean keys and values, act as
+    constants, so the shared weights keep exactly the ARM's gradient."""
+    cache = KVCache(run.model.config.num_layers)
+    with torch.no_grad(), autocast:
+        run.model(clean.input_ids, clean.position_ids, None, cache=cache)
     with autocast:
-        logits = run.model(drafts.input_ids, drafts.position_ids, drafts.attn_mask)
-    mdm, n = mdm_term(token_ce(logits, drafts.labels), drafts, batch.response_len, B)
+        logits = run.model(masks.input_ids, masks.position_ids, masks.attn_mask(len(cache)), cache=cache)
+    ce = token_ce(logits, masks.labels)
+    mdm = (ce.sum(1) / batch.response_len.to(ce.device).clamp(min=1)).sum() / B
     own = [p for name, p in run.model.named_parameters() if is_adapter_name(name)]
     mdm.backward(inputs=own)
-    return {"mdm_loss": mdm.detach(), "n_masked_tokens": n}
+    return {"mdm_loss": mdm.detach(), "n_masked_tokens": masks.valid.sum()}
 
 
 def _optimizer_step(run: Run, split: bool = False) -> Tensor:
