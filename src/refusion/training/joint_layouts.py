@@ -1,8 +1,10 @@
 """Layouts that pack the ARM's example with a second view of the same response in one row, the second
 view blind to the first (training/variants.py):
 
-- draft_inputs (the `joint` and `decoupled` variants; mask-only adaptation of a pretrained LM): the
-  response in order, then a copy of it as blocks of masks that draft from in-order prefixes;
+- draft_inputs (the `joint`, `decoupled` and `mask-only` variants): the response in order, then a copy
+  of it as blocks of masks that draft from in-order prefixes; split_draft cuts it into two feeds
+  (the in-order part, then the masks on top of its cache), so that a frozen model's in-order part
+  runs without gradients;
 - hybrid_inputs (the `hybrid` variant): the response in order, then the paper's layout of it.
 
 The draft layout, per example, fed in this order (one row of the batch):
@@ -28,7 +30,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from refusion.training.objectives import IGNORE, Batch, TrainInputs, ar_inputs, label_prompt_end, refusion_inputs
+from refusion.training.objectives import (IGNORE, Batch, TrainInputs, ar_inputs, causal_attn_mask, label_prompt_end,
+                                         refusion_inputs)
 
 
 def draft_inputs(batch: Batch, mask_id: int, gen: torch.Generator, slot_sizes: tuple[int, ...] = (4, 8, 16, 32)
@@ -80,6 +83,46 @@ def draft_inputs(batch: Batch, mask_id: int, gen: torch.Generator, slot_sizes: t
     attn.diagonal(dim1=1, dim2=2).fill_(True)
     return TrainInputs(input_ids, position_ids, labels, in_mask, torch.ones(B, device=dev), "custom", attn[:, None],
                        pad, slot_size=L)
+
+
+def split_draft(inputs: TrainInputs, batch: Batch) -> tuple[TrainInputs, TrainInputs]:
+    """The draft layout (draft_inputs) as two feeds of one model with one cache (mask-only adaptation):
+
+        prefix   prompt | response, causal, the response's next-token labels   [B, max(Lp + Lr)]
+        masks    the mask columns, fed on top of the prefix's cached keys and   [B, max(Lr)]
+                 values; attention [B, 1, max(Lr), max(Lp + Lr) + max(Lr)]
+
+    Every mask sees exactly the columns it sees in the one-row layout, so its logits are the same
+    (up to the order of floating-point sums), while the prefix can run without gradients. A row
+    shorter than the longest is padded in both feeds (pad = True); a padded prefix column is
+    hidden from every mask."""
+    B, T = inputs.input_ids.shape
+    dev = inputs.input_ids.device
+    pl, rl = batch.prompt_len[:, None].to(dev), batch.response_len[:, None].to(dev)
+    clean = pl + rl
+    T1, T2 = (int(clean.max()), int(rl.max())) if B else (0, 0)
+    c1, c2 = torch.arange(T1, device=dev)[None], torch.arange(T2, device=dev)[None]
+
+    pad1 = c1 >= clean  # the prefix: the layout's first columns, another row's mask columns padded out
+    prefix = TrainInputs(torch.where(pad1, batch.pad_id, inputs.input_ids[:, :T1]),
+                         torch.where(pad1, c1, inputs.position_ids[:, :T1]),
+                         torch.where(pad1, IGNORE, inputs.labels[:, :T1]), torch.zeros_like(pad1),
+                         torch.ones(B, device=dev), "custom", causal_attn_mask(pad1), pad1)
+
+    pad2 = c2 >= rl  # the masks: columns Lp + Lr + i of the layout
+    cols = (clean + c2).clamp(max=max(T - 1, 0))
+
+    def take(x: Tensor, fill) -> Tensor:
+        return torch.where(pad2, fill, x.gather(1, cols))
+
+    rows = inputs.attn_mask[:, 0].gather(1, cols[:, :, None].expand(B, T2, T))  # [B, T2, T]: the masks' rows
+    sees_prefix = rows[:, :, :T1] & ~pad1[:, None, :]
+    sees_masks = rows.gather(2, cols[:, None, :].expand(B, T2, T2)) & ~pad2[:, None, :]
+    sees_masks.diagonal(dim1=1, dim2=2).fill_(True)  # a padded row must see something (SDPA: no all -inf row)
+    masks = TrainInputs(take(inputs.input_ids, batch.pad_id), take(inputs.position_ids, 0),
+                        take(inputs.labels, IGNORE), take(inputs.is_masked, False), inputs.mask_rate, "custom",
+                        torch.cat([sees_prefix, sees_masks], 2)[:, None], pad2, slot_size=inputs.slot_size)
+    return prefix, masks
 
 
 def hybrid_inputs(batch: Batch, mask_id: int, gen: torch.Generator, slot_sizes: tuple[int, ...] = (4, 8, 16, 32),

@@ -17,9 +17,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from refusion.model.mask_adapter import is_adapter_name
-from refusion.training.joint_layouts import draft_inputs, hybrid_inputs
-from refusion.training.objectives import (Batch, TrainInputs, mdm_term, ar_inputs, ar_token_count, build_inputs,
-                                         compute_loss, make_batch, pad_responses, token_ce)
+from refusion.model.cache import KVCache
+from refusion.training.joint_layouts import draft_inputs, hybrid_inputs, split_draft
+from refusion.training.objectives import (Batch, TrainInputs, mdm_term, ar_inputs, ar_term, ar_token_count,
+                                         build_inputs, compute_loss, make_batch, pad_responses, token_ce)
 from refusion.training.optimizer import lr_at
 from refusion.training.setup import Run
 from refusion.training.variants import parse_variant
@@ -35,7 +36,9 @@ def train_step(run: Run) -> dict[str, float]:
     mask_id = mask_id if mask_id is not None else -1
     t0 = time.perf_counter()
     drafts = None  # decoupled: the mask pass's layout, beside the ARM's
-    if cfg.objective == "refusion" and variant.name == "decoupled":
+    if cfg.objective == "refusion" and variant.name == "mask-only":
+        inputs = draft_inputs(batch, mask_id, run.layout_gen, tuple(cfg.slot_sizes))
+    elif cfg.objective == "refusion" and variant.name == "decoupled":
         inputs, drafts = ar_inputs(batch), draft_inputs(batch, mask_id, run.layout_gen, tuple(cfg.slot_sizes))
     elif cfg.objective == "refusion" and variant.drafts:
         inputs = draft_inputs(batch, mask_id, run.layout_gen, tuple(cfg.slot_sizes))
@@ -52,7 +55,8 @@ def train_step(run: Run) -> dict[str, float]:
     n_ar, B = ar_token_count(inputs), len(idx)
     for g in run.optimizer.param_groups:
         g["lr"] = lr_at(run.step, cfg)
-    totals, tokens = _backward(run, inputs, batch, n_ar, B, drafts)
+    backward = _mask_only_backward if variant.name == "mask-only" and cfg.objective == "refusion" else _backward
+    totals, tokens = backward(run, inputs, batch, n_ar, B, drafts)
     grad_norm = _optimizer_step(run, split=drafts is not None)
     run.step += 1
     out = {k: v.float() for k, v in totals.items() if "loss" in k}
@@ -109,6 +113,36 @@ def _backward(run: Run, inputs: TrainInputs, batch: Batch, n_ar: Tensor, B: int,
             if drafts is not None:
                 stats.update(_mask_pass(run, _rows(drafts, lo, lo + run.micro).to(run.device), sub_batch, B, autocast))
                 stats["loss"] = stats["loss"] + stats["mdm_loss"]
+        for key, v in stats.items():
+            totals[key] = totals.get(key, 0) + v
+    return totals, tokens
+
+
+def _mask_only_backward(run: Run, inputs: TrainInputs, batch: Batch, n_ar: Tensor, B: int, drafts: None = None
+                        ) -> tuple[dict[str, Tensor], int]:
+    """The mask-only variant: per micro-batch, the draft layout's in-order part runs without gradients
+    on a frozen model (its next-token loss is only logged), then its masks, on top of its cached keys
+    and values, with the mask loss back-propagated into the mask path alone (the only parameters that
+    require gradients). The in-order part's logits serve the logged loss only and keep no graph."""
+    cfg, model = run.cfg, run.model
+    autocast = torch.autocast(run.device.type, dtype=torch.bfloat16) if cfg.dtype == "bfloat16" else nullcontext()
+    totals: dict[str, Tensor] = {}
+    tokens = 0
+    for lo in range(0, B, run.micro):
+        sub = _rows(inputs, lo, lo + run.micro).to(run.device)
+        sub_batch = _batch_rows(batch, lo, lo + run.micro).to(run.device)
+        tokens += int((~sub.pad).sum())
+        prefix, masks = split_draft(sub, sub_batch)
+        cache = KVCache(model.config.num_layers)
+        with torch.no_grad(), autocast:
+            logits = model(prefix.input_ids, prefix.position_ids, prefix.attn_mask, cache=cache)
+            ar, n_ar_sub = ar_term(token_ce(logits, prefix.labels), prefix, n_ar.to(run.device))
+        del logits
+        with autocast:
+            logits = model(masks.input_ids, masks.position_ids, masks.attn_mask, cache=cache)
+        mdm, n_m = mdm_term(token_ce(logits, masks.labels), masks, sub_batch.response_len, B)
+        mdm.backward()
+        stats = dict(loss=mdm.detach(), ar_loss=ar, mdm_loss=mdm.detach(), n_ar_tokens=n_ar_sub, n_masked_tokens=n_m)
         for key, v in stats.items():
             totals[key] = totals.get(key, 0) + v
     return totals, tokens
