@@ -1,7 +1,7 @@
 """Where a model named on the command line lies: `--model` (and the server, `refusion eval`, lm-eval's
 `pretrained`, a training run's `init`) resolve here, and nowhere else.
 
-    resolve_model(None)                  the default: `refusion-tiny`, shipped inside the package
+    resolve_model(None)                  the default: `refusion-tiny`, shipped inside the package (also by name)
     resolve_model("runs/x/model")        a model directory, as it is
     resolve_model("smollm2")             SmolLM2-135M-Instruct, imported from its GGUF package once
     resolve_model("smollm2-refusion")    SmolLM2 with the mask adapter shipped in assets/smollm2-refusion
@@ -35,7 +35,7 @@ def adapter_names() -> list[str]:
 
 
 def model_names() -> list[str]:
-    return [SMOLLM2, *adapter_names()]
+    return [BUNDLED.name, SMOLLM2, *adapter_names()]
 
 
 def is_model_name(text: str) -> bool:
@@ -49,12 +49,14 @@ def resolve_model(name: str | Path | None) -> Path:
         return default_model_dir()
     path = Path(name)
     if not path.exists():
+        if str(name) == BUNDLED.name:
+            return default_model_dir()
         if str(name) == SMOLLM2:
             return smollm2_dir()
         if str(name) in adapter_names():
             return adapted_model_dir(ASSETS / str(name))
-        raise ValueError(f"model {name}: no such directory, and not a model name "
-                         f"(names: {', '.join(model_names())})")
+        raise ValueError(f"{name} does not exist: it is neither a model directory nor a model name "
+                         f"({', '.join(model_names())})")
     if path.is_dir() and (path / ADAPTER_CONFIG).is_file() and not (path / "config.json").is_file():
         return adapted_model_dir(path)
     return path
@@ -105,7 +107,7 @@ def adapted_model_dir(adapter: Path) -> Path:
     h = hashlib.sha256(str(base.resolve()).encode())
     for f in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
         h.update((adapter / f).read_bytes())
-    out = cache_dir() / "models" / "adapted" / h.hexdigest()[:16] / adapter.resolve().name
+    out = cache_dir() / "models" / "adapted" / h.hexdigest()[:16] / _name(adapter.resolve())
     if (out / "config.json").exists():
         return out
     print(f"refusion: attaching the mask adapter {adapter} to {base} -> {out} (once) ...", file=sys.stderr)
@@ -118,3 +120,11 @@ def adapted_model_dir(adapter: Path) -> Path:
         raise ValueError(f"the mask adapter {adapter} does not fit its base {base}: {e}") from None
     save_model(model, out, tok, overwrite=True)
     return out
+
+
+def _name(adapter: Path) -> str:
+    """The adapted model's directory name (what results and the server call it): the adapter's, or for
+    the names a training run gives (`adapter`, `checkpoint-N`) the run's and that name."""
+    if adapter.name == "adapter" or adapter.name.startswith("checkpoint-"):
+        return f"{adapter.parent.name}-{adapter.name}"
+    return adapter.name
