@@ -10,10 +10,12 @@ import torch
 
 from refusion.model.checkpoint import add_mask_token, load_model
 from refusion.model.config import ConfigError
-from refusion.model.mask_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_parameters, attach_mask_adapter
+from refusion.model.mask_adapter import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, add_mask_adapter, adapter_parameters,
+                                         attach_mask_adapter)
 from refusion.model.tokenizer import Tokenizer
 from refusion.training.joint_layouts import draft_inputs, split_draft
-from refusion.training.objectives import make_batch
+from refusion.model.cache import KVCache
+from refusion.training.objectives import make_batch, mdm_term, token_ce
 from refusion.training.setup import setup
 from refusion.training.trainer import TrainConfig, fit
 from tiny_causal_lm import addition_records, make_causal_lm
@@ -94,8 +96,6 @@ def test_mask_only_trains_the_mask_path_alone_and_resumes_exactly(base_dir, data
 
 def test_the_two_feeds_give_the_one_row_layouts_mask_logits_and_labels(base_dir):
     model, tok = base_with_mask(base_dir)
-    from refusion.model.mask_adapter import add_mask_adapter
-
     add_mask_adapter(model, {"rank": 4})
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -110,8 +110,6 @@ def test_the_two_feeds_give_the_one_row_layouts_mask_logits_and_labels(base_dir)
     prefix, masks = split_draft(inputs, batch)
     with torch.no_grad():
         whole = model(inputs.input_ids, inputs.position_ids, inputs.attn_mask)
-        from refusion.model.cache import KVCache
-
         cache = KVCache(model.config.num_layers)
         first = model(prefix.input_ids, prefix.position_ids, prefix.attn_mask, cache=cache)
         second = model(masks.input_ids, masks.position_ids, masks.attn_mask, cache=cache)
@@ -125,6 +123,23 @@ def test_the_two_feeds_give_the_one_row_layouts_mask_logits_and_labels(base_dir)
             assert torch.equal(getattr(masks, name)[b, :n_resp], getattr(inputs, name)[b, cols]), name
         assert torch.allclose(second[b, :n_resp], whole[b, cols], atol=1e-5)
         assert bool(masks.pad[b, n_resp:].all()) and not bool(masks.pad[b, :n_resp].any())
+    # and the mask loss's gradient on the mask path is the one-row layout's
+    own = [p for _, p in adapter_parameters(model)]
+    for p in own:
+        p.requires_grad_(True)
+
+    def grads(loss):
+        return torch.autograd.grad(loss, own)
+
+    one = grads(mdm_term(token_ce(model(inputs.input_ids, inputs.position_ids, inputs.attn_mask), inputs.labels),
+                         inputs, batch.response_len)[0])
+    cache = KVCache(model.config.num_layers)
+    with torch.no_grad():
+        model(prefix.input_ids, prefix.position_ids, prefix.attn_mask, cache=cache)
+    two = grads(mdm_term(token_ce(model(masks.input_ids, masks.position_ids, masks.attn_mask, cache=cache),
+                                  masks.labels), masks, batch.response_len)[0])
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(one, two))
+    assert all(g.abs().sum() > 0 for g in two)
 
 
 def test_mask_only_needs_a_pretrained_model_and_trains_alone(base_dir, data_file, tmp_path):
