@@ -36,9 +36,7 @@ def train_step(run: Run) -> dict[str, float]:
     mask_id = mask_id if mask_id is not None else -1
     t0 = time.perf_counter()
     drafts = None  # decoupled: the mask pass's layout, beside the ARM's
-    if cfg.objective == "refusion" and variant.name == "mask-only":
-        inputs = draft_inputs(batch, mask_id, run.layout_gen, tuple(cfg.slot_sizes))
-    elif cfg.objective == "refusion" and variant.name == "decoupled":
+    if cfg.objective == "refusion" and variant.name == "decoupled":
         inputs, drafts = ar_inputs(batch), draft_inputs(batch, mask_id, run.layout_gen, tuple(cfg.slot_sizes))
     elif cfg.objective == "refusion" and variant.drafts:
         inputs = draft_inputs(batch, mask_id, run.layout_gen, tuple(cfg.slot_sizes))
@@ -55,8 +53,10 @@ def train_step(run: Run) -> dict[str, float]:
     n_ar, B = ar_token_count(inputs), len(idx)
     for g in run.optimizer.param_groups:
         g["lr"] = lr_at(run.step, cfg)
-    backward = _mask_only_backward if variant.name == "mask-only" and cfg.objective == "refusion" else _backward
-    totals, tokens = backward(run, inputs, batch, n_ar, B, drafts)
+    if variant.name == "mask-only":
+        totals, tokens = _mask_only_backward(run, inputs, batch, n_ar, B)
+    else:
+        totals, tokens = _backward(run, inputs, batch, n_ar, B, drafts)
     grad_norm = _optimizer_step(run, split=drafts is not None)
     run.step += 1
     out = {k: v.float() for k, v in totals.items() if "loss" in k}
@@ -118,7 +118,7 @@ def _backward(run: Run, inputs: TrainInputs, batch: Batch, n_ar: Tensor, B: int,
     return totals, tokens
 
 
-def _mask_only_backward(run: Run, inputs: TrainInputs, batch: Batch, n_ar: Tensor, B: int, drafts: None = None
+def _mask_only_backward(run: Run, inputs: TrainInputs, batch: Batch, n_ar: Tensor, B: int
                         ) -> tuple[dict[str, Tensor], int]:
     """The mask-only variant: per micro-batch, the draft layout's in-order part runs without gradients
     on a frozen model (its next-token loss is only logged), then its masks, on top of its cached keys
