@@ -19,8 +19,9 @@ template applied), greedy, each setting decodes every prompt at each thread coun
 Per setting and benchmark: identical (outputs token for token equal to the reference, base ar at
 the first batch size and thread count), agree (GSM8K: the same final number as the reference; HumanEval:
 the same extracted code), GSM8K accuracy against the gold answers, TPF (tokens / forward passes; every
-pass counted, for each sequence it ran; the hf ones through a forward hook), TPS (generated tokens up to and including EOS /
-wall seconds of decoding) and TPS / AR (against base ar at the same threads and batch). The cost of
+pass counted, for each sequence it ran; the hf ones through a forward hook), TPS (generated tokens up
+to and including EOS / wall seconds of decoding) and TPS / AR (against base ar at the same threads and
+batch). The cost of
 the adapter: its extra parameters, its files' bytes, and the peak resident memory of a process that
 loads each model and decodes one prompt (measured in subprocesses). Writes JSON (rows with every
 output's tokens, the summary, the costs) after every row: rerun the same command to continue a run
@@ -187,7 +188,8 @@ def table(summary: list[dict]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-refusion", help="the adapted model: a name, a model or adapter directory")
+    ap.add_argument("--model", default="smollm2-refusion",
+                    help="the adapted model: a name, a model directory or an adapter directory")
     ap.add_argument("--base", help="the base model (default: the one the adapter names)")
     ap.add_argument("--gsm8k", default="tasks", help="'tasks' (GSM8K test, refusion.tasks) or a GSM8K-format JSONL")
     ap.add_argument("--humaneval", default="tasks", help="'tasks' (refusion.tasks) or a HumanEval JSONL(.gz)")
@@ -238,7 +240,8 @@ def main() -> None:
     rows = state.get("rows", [])
     done = {(r["threads"], r["batch_size"], r["name"], r["bench"]) for r in rows}
     models = {"base": base, "adapted": adapted}
-    thread_counts, batch_sizes = [int(t) for t in args.threads.split(",")], [int(b) for b in args.batch_sizes.split(",")]
+    thread_counts = [int(t) for t in args.threads.split(",")]
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     for threads in thread_counts:
         torch.set_num_threads(threads)
         warm = prompts["gsm8k"][:2]  # first calls allocate and pick kernels
@@ -264,8 +267,8 @@ def main() -> None:
                                    args.lookup_tokens if name == "hf prompt-lookup" else None)
                     rows.append(dict(threads=threads, batch_size=bs, name=name, bench=bench, **r))
                     tokens = sum(map(len, r["outputs"]))
-                    print(f"threads {threads} batch {bs:>2} {name:<22} {bench:<9} TPF {tokens / max(r['forwards'], 1):5.2f}"
-                          f" TPS {tokens / r['seconds']:8.1f}", flush=True)
+                    print(f"threads {threads} batch {bs:>2} {name:<22} {bench:<9} "
+                          f"TPF {tokens / max(r['forwards'], 1):5.2f} TPS {tokens / r['seconds']:8.1f}", flush=True)
                     state = dict(args=vars(args), torch=torch.__version__, rows=rows)
                     out.parent.mkdir(parents=True, exist_ok=True)
                     out.write_text(json.dumps(state))
@@ -283,11 +286,11 @@ def main() -> None:
     out.write_text(json.dumps(state))
     print()
     print(table(summary))
-    mib = 1024 * 1024
+    mib, rss = 1024 * 1024, costs["peak_rss_bytes"]
     print(f"\nadapter: {costs['extra_parameters']:,} parameters on a base of {costs['base_parameters']:,} "
           f"({100 * costs['extra_parameters'] / costs['base_parameters']:.1f}%), files "
           f"{(costs['adapter_file_bytes'] or 0) / mib:.1f} MiB; peak RSS (load + decode one prompt): base "
-          f"{costs['peak_rss_bytes']['base ar'] / mib:.0f} MiB, adapted {costs['peak_rss_bytes']['speculative'] / mib:.0f} MiB")
+          f"{rss['base ar'] / mib:.0f} MiB, adapted {rss['speculative'] / mib:.0f} MiB")
     print(f"wrote {out}")
 
 

@@ -29,7 +29,8 @@ def files(tmp_path_factory):
 
 
 def run(d, base, out, *extra) -> int:
-    return main(["self-generate", "--model", str(base), "--prompts", f"jsonl:{d / 'add.jsonl'},gsm8k:{d / 'train.jsonl'}",
+    sources = f"jsonl:{d / 'add.jsonl'},gsm8k:{d / 'train.jsonl'}"
+    return main(["self-generate", "--model", str(base), "--prompts", sources,
                  "--n", "3", "--max-tokens", "12", "--batch-size", "2", "--out", str(out), "--no-progress", *extra])
 
 

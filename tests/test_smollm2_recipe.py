@@ -15,8 +15,10 @@ from tiny_gguf import write_byte_level_gguf
 ROOT = Path(__file__).parents[1]
 QUESTIONS = ["Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
              "How many clips did Natalia sell altogether?",
-             "Weng earns $12 an hour for babysitting. Yesterday, she did 50 minutes of babysitting. How much did she earn?",
-             "Betty is saving money for a new wallet which costs $100. She has half of it. How much more does she need?"]
+             "Weng earns $12 an hour for babysitting. Yesterday, she did 50 minutes of babysitting. "
+             "How much did she earn?",
+             "Betty is saving money for a new wallet which costs $100. She has half of it. "
+             "How much more does she need?"]
 
 
 def recipe_env(tmp: Path, **extra) -> dict:

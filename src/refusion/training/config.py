@@ -25,11 +25,11 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 class TrainConfig:
     # what to train
     objective: str = "refusion"  # refusion | ar | mdm
-    variant: str = "paper"  # of the refusion objective: paper | boundary | ar-share:F | joint | decoupled (variants.py)
-    mask_adapter: dict | None = None  # decoupled, mask-only: {"rank", "alpha"} of the mask path's adapters (default rank 16)
+    variant: str = "paper"  # of the refusion objective: paper, boundary, ar-share:F, joint, hybrid, ... (variants.py)
+    mask_adapter: dict | None = None  # decoupled, mask-only: {"rank", "alpha"} of the mask path (default rank 16)
     mask_token: bool = False  # give the model a mask token even where the objective needs none (an ARM
     #                           whose vocabulary, and so whose softmax, matches its ReFusion siblings')
-    init: str | None = None  # a checkpoint directory, or a model name (refusion.bundled), to start from; None: a fresh model
+    init: str | None = None  # a checkpoint directory or a model name (refusion.bundled); None: a fresh model
     model: dict = field(default_factory=dict)  # ModelConfig fields of a fresh model
     tokenizer: str | None = None  # a directory with tokenizer.json for a fresh model; None: train a BPE
     vocab_size: int = 1024  # of the BPE trained on the data when `tokenizer` is None

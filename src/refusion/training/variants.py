@@ -55,7 +55,8 @@ class Variant:
 
 
 def parse_variant(text: str) -> Variant:
-    """'paper', 'boundary', 'ar-share:0.25', 'joint', 'hybrid', 'decoupled' or 'mask-only' -> Variant (ConfigError otherwise)."""
+    """'paper', 'boundary', 'ar-share:0.25', 'joint', 'hybrid', 'decoupled' or 'mask-only' -> Variant
+    (ConfigError otherwise)."""
     name, _, arg = text.partition(":")
     if name not in VARIANTS:
         raise ConfigError(f"unknown objective variant {text!r}; choose one of paper, boundary, ar-share:F "
