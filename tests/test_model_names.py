@@ -77,6 +77,8 @@ def test_a_shipped_adapter_by_name_decodes_the_bases_greedy_output(base_dir, cac
 
 
 def test_names_and_adapters_that_do_not_fit_are_refused(base_dir, cache, tmp_path, capsys):
+    assert resolve_model("refusion-tiny") == resolve_model(None) == bundled.BUNDLED
+    assert resolve_model(str(base_dir)) == base_dir  # a directory is itself
     with pytest.raises(ValueError, match="neither a model directory nor a model name"):
         resolve_model("no-such-model")
     write_adapter(base_dir, tmp_path / "lost", str(tmp_path / "gone"))

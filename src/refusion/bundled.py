@@ -35,7 +35,7 @@ def adapter_names() -> list[str]:
 
 
 def model_names() -> list[str]:
-    return [BUNDLED.name, SMOLLM2, *adapter_names()]
+    return [BUNDLED.name] * (BUNDLED / "config.json").exists() + [SMOLLM2, *adapter_names()]
 
 
 def is_model_name(text: str) -> bool:
@@ -49,8 +49,8 @@ def resolve_model(name: str | Path | None) -> Path:
         return default_model_dir()
     path = Path(name)
     if not path.exists():
-        if str(name) == BUNDLED.name:
-            return default_model_dir()
+        if str(name) == BUNDLED.name and (BUNDLED / "config.json").exists():
+            return BUNDLED
         if str(name) == SMOLLM2:
             return smollm2_dir()
         if str(name) in adapter_names():
