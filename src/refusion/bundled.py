@@ -45,7 +45,7 @@ def is_model_name(text: str) -> bool:
 
 def resolve_model(name: str | Path | None) -> Path:
     """The model directory `name` means (module docstring); a ValueError says what is wrong."""
-    if name is None:
+    if not name:  # (None, or an empty --model)
         return default_model_dir()
     path = Path(name)
     if not path.exists():
