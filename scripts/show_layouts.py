@@ -53,7 +53,7 @@ def show(variant: str, seed: int) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("variants", nargs="*", default=["paper", "boundary", "joint", "hybrid"],
-                    help=f"of {', '.join(VARIANTS)} (ar-share as ar-share:F); decoupled lays out as joint")
+                    help=f"of {', '.join(VARIANTS)} (ar-share as ar-share:F); decoupled and mask-only lay out as joint")
     ap.add_argument("--seed", type=int, default=115)
     a = ap.parse_args()
     print("\n\n".join(show(v, a.seed) for v in a.variants))

@@ -27,6 +27,7 @@ from refusion.model.lora import apply_lora, merged_state_dict
 from refusion.training.optimizer import lr_at
 from refusion.training.setup import setup
 from refusion.training.trainer import TrainConfig, fit, load_train_config, train
+from tiny_causal_lm import tokenizer_without_mask
 
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2}
 
@@ -282,15 +283,7 @@ def test_two_processes_match_one(data_file, tmp_path):
 
 
 def _tokenizer_without_mask(data_file: Path) -> Tokenizer:
-    tok = train_bpe_tokenizer([r["query"] + r["response"] for r in load_records(data_file)], vocab_size=300)
-    from tokenizers import Tokenizer as HF
-
-    raw = json.loads(tok.tok.to_str())
-    gone = tok.mask_id  # drop it and close the gap in the ids (merges refer to strings, not ids)
-    raw["added_tokens"] = [dict(t, id=t["id"] - (t["id"] > gone)) for t in raw["added_tokens"] if t["id"] != gone]
-    raw["model"]["vocab"] = {k: v - (v > gone) for k, v in raw["model"]["vocab"].items() if v != gone}
-    cfg = {k: v for k, v in tok.config.items() if k != "mask_token"}
-    return Tokenizer(HF.from_str(json.dumps(raw)), cfg)
+    return tokenizer_without_mask([r["query"] + r["response"] for r in load_records(data_file)], vocab_size=300)
 
 
 def test_init_from_a_causal_checkpoint_adds_the_mask_token_and_lora(data_file, tmp_path):

@@ -55,11 +55,15 @@ def check_out_dir(path: str, overwrite: bool) -> None:
         raise ValueError(f"{p} exists and is not empty; choose another directory or pass --overwrite")
 
 
-def resolve_model_dir(args: argparse.Namespace) -> Path:
-    """--model, or the bundled model when none is named."""
-    from refusion.bundled import default_model_dir
+MODEL_HELP = ("a model directory, a mask adapter directory (its base with it attached), or a name: refusion-tiny, "
+              "smollm2, smollm2-refusion (default: the bundled refusion-tiny)")
 
-    return Path(args.model) if args.model else default_model_dir()
+
+def resolve_model_dir(args: argparse.Namespace) -> Path:
+    """--model (a directory or a name, refusion.bundled.resolve_model), or the bundled model when none is named."""
+    from refusion.bundled import resolve_model
+
+    return resolve_model(args.model)
 
 
 def add_runtime_flags(p: argparse.ArgumentParser, threads_default: str = SMALL_MODEL_THREADS) -> None:

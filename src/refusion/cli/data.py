@@ -1,9 +1,12 @@
-"""`refusion data`: download the real benchmarks' files into the cache (refusion.tasks.sources)."""
+"""`refusion data`: download the real benchmarks' files into the cache (refusion.tasks.sources).
+`refusion self-generate`: training data a model writes itself (refusion.training.self_generate)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+from refusion.cli.args import MODEL_HELP, positive_int
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -14,6 +17,27 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("names", nargs="*", help=f"benchmarks (default: all): {', '.join(sources.BENCHMARKS)}")
     p.add_argument("--list", action="store_true", help="list the benchmarks and whether they are cached")
     p.set_defaults(func=cmd_data)
+
+    g = sub.add_parser("self-generate", help="training data: prompts answered by the model's own greedy output",
+                       description=_doc_head())
+    g.add_argument("--model", help=MODEL_HELP)
+    g.add_argument("--prompts", required=True, help="comma-separated sources: gsm8k:FILE (a train split), "
+                   "stdlib-functions, stdlib, jsonl:FILE")
+    g.add_argument("--n", type=positive_int, help="prompts per source (a seeded sample; default: all, "
+                   "1000 for stdlib)")
+    g.add_argument("--seed", type=int, default=0, help="of the sample of prompts")
+    g.add_argument("--max-tokens", type=positive_int, default=256, help="longest response (tokens)")
+    g.add_argument("--batch-size", type=positive_int, default=8, help="prompts decoded together")
+    g.add_argument("--out", required=True, help="JSONL file, appended to: prompts already in it are skipped")
+    g.add_argument("--threads", type=positive_int, help="CPU threads (default: torch's)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.set_defaults(func=cmd_self_generate)
+
+
+def _doc_head() -> str:
+    from refusion.training import self_generate
+
+    return self_generate.__doc__ or ""
 
 
 def cmd_data(args: argparse.Namespace) -> None:
@@ -31,3 +55,20 @@ def cmd_data(args: argparse.Namespace) -> None:
         benchmark_files(n)
         print(f"{n}: {len(BENCHMARKS[n])} file(s) ready", file=sys.stderr)
     print(benchmarks_dir())
+
+
+def cmd_self_generate(args: argparse.Namespace) -> None:
+    from refusion.bundled import resolve_model
+    from refusion.model.checkpoint import load_model
+    from refusion.model.tokenizer import Tokenizer
+    from refusion.runtime import set_threads
+    from refusion.training.self_generate import load_prompts, self_generate
+
+    prompts = load_prompts(args.prompts, args.n, args.seed)  # bad sources fail before the model loads
+    model_dir = resolve_model(args.model)
+    model, tok = load_model(model_dir), Tokenizer.from_dir(model_dir)
+    set_threads(args.threads)
+    c = self_generate(model, tok, prompts, args.out, args.max_tokens, args.batch_size, progress=not args.no_progress)
+    print(f"{args.out}: {c['written']} responses written ({c['finished']} ended within {args.max_tokens} tokens), "
+          f"{c['skipped']} prompts already there; {c['retokenized']} responses re-encode to other tokens than the "
+          "model wrote", file=sys.stderr)

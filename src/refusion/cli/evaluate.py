@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from refusion.cli.args import add_runtime_flags, positive_int, resolve_model_dir
+from refusion.cli.args import MODEL_HELP, add_runtime_flags, positive_int, resolve_model_dir
 from refusion.cli.decoder_flags import add_decoder_flags, choose_decoder, decoder_params
 
 
@@ -13,7 +13,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     from refusion.tasks import all_tasks
 
     e = sub.add_parser("eval", help="evaluate a model on tasks with a decoder (accuracy and speed)")
-    e.add_argument("--model", help="model directory (default: the bundled refusion-tiny)")
+    e.add_argument("--model", help=MODEL_HELP)
     e.add_argument("--task", required=True, help="task name(s), comma-separated: " + ", ".join(all_tasks()))
     e.add_argument("--n", type=positive_int, help="number of samples, drawn with --seed (default: the whole split)")
     e.add_argument("--split", default="test", help="train or test (benchmarks have only test)")

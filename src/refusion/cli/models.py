@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from refusion.cli.args import check_out_dir, resolve_model_dir
+from refusion.cli.args import MODEL_HELP, check_out_dir, resolve_model_dir
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -33,7 +33,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     x.set_defaults(func=cmd_export)
 
     n = sub.add_parser("info", help="a model directory's configuration and parameter count (JSON)")
-    n.add_argument("model", nargs="?", help="model directory (default: the bundled refusion-tiny)")
+    n.add_argument("model", nargs="?", help=MODEL_HELP)
     n.set_defaults(func=cmd_info)
 
 

@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from refusion.cli.args import positive_int
+from refusion.cli.args import MODEL_HELP, positive_int, resolve_model_dir
 
 DESCRIPTION = """\
 Serve a model over HTTP with OpenAI's API (continuous batching; streaming with SSE).
@@ -45,7 +45,7 @@ def _port(text: str) -> int:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("serve", help="serve a model with an OpenAI-compatible HTTP API and a live web page",
                        description=DESCRIPTION)
-    s.add_argument("--model", help="Hugging Face model directory (default: the bundled refusion-tiny)")
+    s.add_argument("--model", help=MODEL_HELP)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on; 127.0.0.1 is this machine only")
     s.add_argument("--port", type=_port, default=8000, help="TCP port (0: any free one)")
     s.add_argument("--served-model-name", help="the model id clients send and /v1/models lists "
@@ -85,15 +85,15 @@ def cmd_serve(args: argparse.Namespace) -> None:
     except ImportError as e:
         raise ValueError(f"refusion serve needs the serve extra ({e.name} is missing): "
                          "pip install 'refusion[serve]'") from None
-    from refusion.bundled import default_model_dir
     from refusion.runtime import count_parameters, resolve_device, set_threads
 
-    model_dir = Path(args.model) if args.model else default_model_dir()
+    model_dir = resolve_model_dir(args)
     device = resolve_device(args.device)
+    aliases = [str(model_dir)] + ([args.model] if args.model and args.model != str(model_dir) else [])
     cfg = ServeConfig(model_name=args.served_model_name or model_dir.name, max_tokens_cap=args.max_tokens_cap,
                       default_max_tokens=args.default_max_tokens, max_body_bytes=args.max_body_bytes,
                       body_timeout=args.body_timeout, max_queue=args.max_queue, max_running=args.max_running,
-                      static_batch=args.static_batch, aliases=[str(model_dir)])
+                      static_batch=args.static_batch, aliases=aliases)
     server = build(model_dir, cfg, dtype=args.dtype, device=device, compile=args.compile)
     set_threads(args.threads, count_parameters(server.model))
     print(f"refusion: serving {cfg.model_name} on http://{args.host}:{args.port}/ "

@@ -21,7 +21,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a field (JSON value), e.g. --set lr=3e-4 --set model.num_layers=2")
     t.add_argument("--objective", choices=("refusion", "ar", "mdm"), help="training objective")
-    t.add_argument("--init", help="start from this checkpoint directory")
+    t.add_argument("--init", help="start from this checkpoint directory, or a model name (smollm2)")
     t.add_argument("--data", help="JSON / JSONL file of {query, response}, 'synthetic', or 'tasks:NAME,NAME,...' "
                                   "(a mixture of refusion.tasks' train splits)")
     t.add_argument("--out", dest="out_dir", help="output directory (checkpoints, metrics.jsonl, model/)")

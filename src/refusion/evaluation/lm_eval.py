@@ -101,8 +101,9 @@ def score(model: Transformer, pairs: list[tuple[list[int], list[int]]], batch_si
 
 
 class ReFusionLM(LM):
-    """model_args: pretrained (model directory; default: the bundled model), decoder (default:
-    speculative on a model with a mask token, else ar), the decoder's parameters (slot_size,
+    """model_args: pretrained (a model directory, or a name refusion.bundled resolves; default: the
+    bundled model), decoder (default: speculative on a model with a mask token, else ar), the
+    decoder's parameters (slot_size,
     serial_blocks, slot_threshold, token_threshold, block_length, steps, threshold, draft_length,
     ...), gen_length (fixed generation length; default: each request's max_gen_toks, rounded up to
     what the decoder needs), seed, dtype, max_length (default: the model's context)."""
@@ -111,9 +112,9 @@ class ReFusionLM(LM):
                  device: str | None = None, dtype: str | None = None, seed: int = 0, gen_length: int | None = None,
                  max_length: int | None = None, max_batch_size: int | None = None, **decoder_params: Any) -> None:
         super().__init__()
-        from refusion.bundled import default_model_dir
+        from refusion.bundled import resolve_model
 
-        self.path = Path(pretrained) if pretrained else default_model_dir()
+        self.path = resolve_model(pretrained)
         # lm-eval's command line asks for "cuda" unless told otherwise; on a CPU-only machine that
         # would only fail, so fall back to the CPU (as lm-eval's own HF model does)
         if not device or (str(device).startswith("cuda") and not torch.cuda.is_available()):

@@ -23,13 +23,18 @@ def load_mbpp(split: str = "test", n: int | None = None, seed: int = 0) -> list[
     return subset(exs, n, seed)
 
 
+def complete_function_prompt(code: str) -> str:
+    """The user message asking to complete a function (a signature and its docstring): HumanEval's,
+    and self-generated training data's."""
+    return f"Complete the following Python function.\n```python\n{code}```"
+
+
 def load_humaneval(split: str = "test", n: int | None = None, seed: int = 0) -> list[Example]:
     if split != "test":
         raise ValueError("humaneval has only a 'test' split here")
     exs = []
     for d in request_docs("humaneval"):
-        prompt = f"Complete the following Python function.\n```python\n{d['prompt']}```"
-        exs.append(Example(d["task_id"], prompt, d["prompt"] + d["canonical_solution"],
+        exs.append(Example(d["task_id"], complete_function_prompt(d["prompt"]), d["prompt"] + d["canonical_solution"],
                            {"prompt": d["prompt"], "test": d["test"], "entry_point": d["entry_point"]}))
     return subset(exs, n, seed)
 

@@ -23,9 +23,14 @@ MATH_INSTRUCTION = "Solve the problem step by step. Put the final answer in \\bo
 # ---- GSM8K ---------------------------------------------------------------------------------
 
 
+def gsm8k_prompt(question: str) -> str:
+    """The user message of a GSM8K question (the benchmark's, and self-generated training data's)."""
+    return f"{question}\n\n{GSM8K_INSTRUCTION}"
+
+
 def load_gsm8k(split: str = "test", n: int | None = None, seed: int = 0) -> list[Example]:
     _test_only("gsm8k", split)
-    exs = [Example(f"gsm8k/{i}", f"{d['question']}\n\n{GSM8K_INSTRUCTION}", d["answer"],
+    exs = [Example(f"gsm8k/{i}", gsm8k_prompt(d["question"]), d["answer"],
                    (d.get("short_answer") or extract_final_number(d["answer"])).replace(",", ""))
            for i, d in enumerate(request_docs("gsm8k"))]
     return subset(exs, n, seed)

@@ -2,7 +2,9 @@
 
 A checkpoint is a Hugging Face directory written atomically (refusion.model.checkpoint.save_model),
 with the optimizer, layout generator, step and RNG states in training_state.pt; under FSDP it is a
-sharded checkpoint (refusion.training.sharded_checkpoint). refusion.training.setup reads both back.
+sharded checkpoint (refusion.training.sharded_checkpoint); a mask-only run's holds its mask adapter
+and training_state.pt only (its base is `init`, which it never changes). refusion.training.setup
+reads each back.
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ from pathlib import Path
 
 import torch
 
-from refusion.model.checkpoint import DTYPES, STATE_FILE, save_model
+from refusion.bundled import is_model_name
+from refusion.model.checkpoint import DTYPES, STATE_FILE, _atomic_dir, _commit_dir, save_model
 from refusion.model.lora import merged_state_dict
+from refusion.model.mask_adapter import save_mask_adapter
 from refusion.model.transformer import Transformer
 from refusion.training.run_dir import prune_checkpoints
-from refusion.training.setup import Run, rng_state
+from refusion.training.setup import Run, mask_only, rng_state
 
 
 def training_state(run: Run) -> bytes:
@@ -37,7 +41,9 @@ def training_state(run: Run) -> bytes:
 def save_checkpoint(run: Run) -> Path | None:
     """OUT/checkpoint-<step> (every process calls this); its path on rank 0, None elsewhere."""
     path = run.out / f"checkpoint-{run.step}"
-    if run.fsdp:  # every process writes its own shards
+    if mask_only(run.cfg):  # the adapters and the training state: the base is `init`, unchanged
+        _save_adapter(run, path, None, {STATE_FILE: training_state(run)})
+    elif run.fsdp:  # every process writes its own shards
         from refusion.training.sharded_checkpoint import save_sharded
 
         save_sharded(path, run.model, run.optimizer, rng_state(), run.tokenizer,
@@ -50,9 +56,17 @@ def save_checkpoint(run: Run) -> Path | None:
     return path
 
 
+def final_dir(run: Run) -> Path:
+    """Where the finished run's result goes: OUT/model, or OUT/adapter for a mask-only run."""
+    return run.out / ("adapter" if mask_only(run.cfg) else "model")
+
+
 def export_model(run: Run, final: Path) -> None:
-    """The finished run's model as a Hugging Face directory in save_dtype (rank 0 only)."""
-    if run.fsdp:  # consolidated from the last checkpoint's shards, by this process alone
+    """The finished run's model as a Hugging Face directory in save_dtype (rank 0 only); a mask-only
+    run's as its mask adapter alone, which names its base (`refusion generate --model OUT/adapter`)."""
+    if mask_only(run.cfg):
+        _save_adapter(run, final, DTYPES[run.cfg.save_dtype], None)
+    elif run.fsdp:  # consolidated from the last checkpoint's shards, by this process alone
         from refusion.training.sharded_checkpoint import export_checkpoint
 
         export_checkpoint(run.out / f"checkpoint-{run.step}", final, DTYPES[run.cfg.save_dtype], overwrite=True)
@@ -66,3 +80,18 @@ def _save_model(run: Run, path: Path, dtype: torch.dtype | None, extra: dict | N
         model = Transformer(run.model.config)
         model.load_state_dict(merged_state_dict(run.model))
     save_model(model, path, run.tokenizer, dtype=dtype, overwrite=True, extra_files=extra)
+
+
+def adapter_base_name(init: str) -> str:
+    """How a mask adapter names the base it was trained on: a model name as it is, a directory by its
+    absolute path."""
+    return init if is_model_name(init) else str(Path(init).resolve())
+
+
+def _save_adapter(run: Run, path: Path, dtype: torch.dtype | None, extra: dict | None) -> None:
+    """A mask-only run's mask path (save_mask_adapter) and `extra` files, written atomically."""
+    tmp = _atomic_dir(path, overwrite=True)
+    save_mask_adapter(run.model, tmp, base=adapter_base_name(run.cfg.init), dtype=dtype)
+    for name, data in (extra or {}).items():
+        (tmp / name).write_bytes(data)
+    _commit_dir(tmp, path)

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from refusion.bundled import is_model_name
 from refusion.model.config import OBJECTIVES, ConfigError, ModelConfig
 
 SAVE_DTYPES = ("float32", "bfloat16", "float16")
@@ -24,11 +25,11 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 class TrainConfig:
     # what to train
     objective: str = "refusion"  # refusion | ar | mdm
-    variant: str = "paper"  # of the refusion objective: paper | boundary | ar-share:F | joint | decoupled (variants.py)
-    mask_adapter: dict | None = None  # decoupled: {"rank", "alpha"} of the mask path's adapters (default rank 16)
+    variant: str = "paper"  # of the refusion objective: paper, boundary, ar-share:F, joint, hybrid, ... (variants.py)
+    mask_adapter: dict | None = None  # decoupled, mask-only: {"rank", "alpha"} of the mask path (default rank 16)
     mask_token: bool = False  # give the model a mask token even where the objective needs none (an ARM
     #                           whose vocabulary, and so whose softmax, matches its ReFusion siblings')
-    init: str | None = None  # a checkpoint directory to start from; None: a fresh model from `model`
+    init: str | None = None  # a checkpoint directory or a model name (refusion.bundled); None: a fresh model
     model: dict = field(default_factory=dict)  # ModelConfig fields of a fresh model
     tokenizer: str | None = None  # a directory with tokenizer.json for a fresh model; None: train a BPE
     vocab_size: int = 1024  # of the BPE trained on the data when `tokenizer` is None
@@ -128,13 +129,20 @@ class TrainConfig:
         if v.name != "paper" and self.objective != "refusion":
             raise ConfigError(f"variant {self.variant!r} is a variant of the refusion objective, not of {self.objective!r}")
         if self.mask_adapter is not None:
-            if v.name != "decoupled":
-                raise ConfigError("mask_adapter sizes the decoupled variant's mask path; set variant = \"decoupled\" "
-                                  "or drop mask_adapter")
+            if not v.mask_path:
+                raise ConfigError("mask_adapter sizes the decoupled and mask-only variants' mask path; set "
+                                  "variant = \"mask-only\" (or \"decoupled\") or drop mask_adapter")
             check_adapter_config(self.mask_adapter)
         if v.name == "decoupled" and (self.lora is not None or self.strategy == "fsdp"):
             raise ConfigError("the decoupled variant trains the whole shared model plus its own mask path: "
                               "it does not combine with lora or strategy fsdp")
+        if v.name == "mask-only":
+            if self.init is None:
+                raise ConfigError("the mask-only variant adapts a pretrained model: set init (a model directory "
+                                  "or a name such as smollm2)")
+            if self.lora is not None or self.strategy == "fsdp" or self.gradient_checkpointing:
+                raise ConfigError("the mask-only variant trains its adapters on top of a frozen model: it does not "
+                                  "combine with lora, strategy fsdp or gradient_checkpointing")
 
     def _check_model(self) -> None:
         """The starting point (init, or a fresh model's table) and the data source."""
@@ -219,7 +227,7 @@ def _check_paths(cfg: TrainConfig) -> None:
             raise ConfigError(f"data {cfg.data} is a directory, not a JSON or JSONL file of records")
     for name, must_hold in (("init", "config.json"), ("tokenizer", "tokenizer.json")):
         v = getattr(cfg, name)
-        if v is None:
+        if v is None or (name == "init" and is_model_name(v)):
             continue
         p = Path(v)
         if not p.is_dir():

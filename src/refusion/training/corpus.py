@@ -65,6 +65,34 @@ def stdlib_records(n: int, seed: int = 0, lines: tuple[int, int] = (4, 12), max_
     return out
 
 
+def stdlib_functions(n: int, seed: int = 0, max_chars: int = 1200) -> list[str]:
+    """n functions of the standard library as HumanEval-style prompts: a public module-level function's
+    `def` line(s) and its docstring, up to the docstring's end (the body left to complete). Drawn from
+    the files in a seeded order; each function once. Fewer than n when the library has fewer."""
+    import ast
+
+    files = stdlib_files()
+    random.Random(seed).shuffle(files)
+    out: list[str] = []
+    for path in files:
+        text = path.read_text(encoding="utf-8", errors="replace")
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:  # (a library file of another Python's grammar)
+            continue
+        lines = text.splitlines()
+        for node in tree.body:
+            if (not isinstance(node, ast.FunctionDef) or node.name.startswith("_") or node.decorator_list
+                    or len(node.body) < 2 or ast.get_docstring(node) is None):
+                continue  # a docstring and something after it to write
+            head = "\n".join(lines[node.lineno - 1:node.body[0].end_lineno]) + "\n"
+            if len(head) <= max_chars:
+                out.append(head)
+                if len(out) == n:
+                    return out
+    return out
+
+
 def corpus_records(name: str, n: int, seed: int = 0) -> list[dict]:
     """n records of corpus `name` (one of CORPORA)."""
     if name not in CORPORA:

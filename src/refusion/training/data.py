@@ -2,7 +2,8 @@
 
 Records use the reference's format: a JSON list, or JSONL, of {"query": str, "response": str}. The
 query is wrapped in the tokenizer's chat template (as a user turn, generation prompt added); the
-response is followed by EOS. Batches group examples of similar length (less padding) and are a pure
+response is followed by EOS, unless the record says "finished": false (a self-generated response cut
+at its length limit). Batches group examples of similar length (less padding) and are a pure
 function of (seed, epoch), so a resumed run sees exactly the batches an uninterrupted one would.
 """
 
@@ -46,7 +47,12 @@ def _check_record(rec, where: str) -> dict:
             raise DataError(f"{where}: record has no {key!r} field (fields: {', '.join(map(str, rec)) or 'none'})")
         if not isinstance(rec[key], str):
             raise DataError(f"{where}: {key!r} must be a string, got {type(rec[key]).__name__}")
-    return {"query": rec["query"], "response": rec["response"]}
+    out = {"query": rec["query"], "response": rec["response"]}
+    if "finished" in rec:  # self-generated records (training/self_generate.py): was the response ended?
+        if not isinstance(rec["finished"], bool):
+            raise DataError(f"{where}: 'finished' must be true or false, got {rec['finished']!r}")
+        out["finished"] = rec["finished"]
+    return out
 
 
 def _json_list_items(text: str, path: Path):
@@ -106,14 +112,16 @@ def _jsonl_records(text: str, path: Path) -> list[dict]:
 
 
 def encode_records(records: list[dict], tokenizer: Tokenizer) -> list[Example]:
-    """Chat template on each query, EOS after each response."""
+    """Chat template on each query, EOS after each response (but a response marked "finished": false,
+    cut at a length limit, which must not teach an end the text never had)."""
     eos = tokenizer.eos_id
     if eos is None:
         raise DataError("the tokenizer has no eos_token; set one in tokenizer_config.json")
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": r["query"]}]) for r in records]
     p_ids = tokenizer.tok.encode_batch(prompts, add_special_tokens=False)
     r_ids = tokenizer.tok.encode_batch([r["response"] for r in records], add_special_tokens=False)
-    return [Example(p.ids, r.ids + [eos]) for p, r in zip(p_ids, r_ids)]
+    return [Example(p.ids, r.ids + ([eos] if rec.get("finished", True) else []))
+            for p, r, rec in zip(p_ids, r_ids, records)]
 
 
 def filter_by_length(examples: list[Example], max_length: int) -> tuple[list[Example], int]:

@@ -1,8 +1,10 @@
 """Layouts that pack the ARM's example with a second view of the same response in one row, the second
 view blind to the first (training/variants.py):
 
-- draft_inputs (the `joint` and `decoupled` variants; mask-only adaptation of a pretrained LM): the
-  response in order, then a copy of it as blocks of masks that draft from in-order prefixes;
+- draft_inputs (the `joint` variant): the response in order, then a copy of it as blocks of masks
+  that draft from in-order prefixes; draft_masks, the same masks as a feed on top of the in-order
+  example's cache (the `decoupled` and `mask-only` variants: the in-order part then runs once
+  without a graph, and only the masks are back-propagated);
 - hybrid_inputs (the `hybrid` variant): the response in order, then the paper's layout of it.
 
 The draft layout, per example, fed in this order (one row of the batch):
@@ -30,7 +32,8 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-from refusion.training.objectives import IGNORE, Batch, TrainInputs, ar_inputs, label_prompt_end, refusion_inputs
+from refusion.training.objectives import (IGNORE, Batch, TrainInputs, ar_inputs, label_prompt_end,
+                                         refusion_inputs)
 
 
 def draft_inputs(batch: Batch, mask_id: int, gen: torch.Generator, slot_sizes: tuple[int, ...] = (4, 8, 16, 32)

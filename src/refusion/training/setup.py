@@ -25,7 +25,8 @@ from torch.nn.parallel import DistributedDataParallel
 from refusion.model.checkpoint import STATE_FILE, add_mask_token, load_model
 from refusion.model.config import ModelConfig
 from refusion.model.lora import apply_lora
-from refusion.model.mask_adapter import add_mask_adapter
+from refusion.bundled import resolve_model
+from refusion.model.mask_adapter import ADAPTER_WEIGHTS, adapter_parameters, add_mask_adapter, is_adapter_name
 from refusion.model.tokenizer import Tokenizer
 from refusion.model.transformer import Transformer
 from refusion.runtime import resolve_device
@@ -75,9 +76,9 @@ def setup(cfg: TrainConfig, resume: bool = True) -> Run:
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     for note in getattr(cfg, "notes", []):
         log(note)
-    if world > 1 and parse_variant(cfg.variant).name == "decoupled":
-        raise ValueError("the decoupled variant trains on one process (its two backward passes are not "
-                         "wired through DDP yet): run it without torchrun")
+    if world > 1 and parse_variant(cfg.variant).mask_path:
+        raise ValueError(f"the {cfg.variant} variant trains on one process (its passes are not wired through "
+                         "DDP yet): run it without torchrun")
     device = _process_group(cfg, world)
     micro = cfg.micro_batch_size or max(cfg.batch_size // world, 1)
     if cfg.batch_size % (world * micro):
@@ -139,10 +140,10 @@ def _checkpoint_to_resume(cfg: TrainConfig, out: Path, resume: bool) -> Path | N
 
 def _tokenizer(cfg: TrainConfig, out: Path, ckpt: Path | None, rank: int, world: int,
                records: Callable[[], list[dict]]) -> Tokenizer:
-    if ckpt is not None:
+    if ckpt is not None and not mask_only(cfg):  # a mask-only checkpoint holds the adapters alone
         return Tokenizer.from_dir(ckpt)
     if cfg.init is not None:
-        return Tokenizer.from_dir(cfg.init)
+        return Tokenizer.from_dir(resolve_model(cfg.init))
     if cfg.tokenizer is not None:
         return Tokenizer.from_dir(cfg.tokenizer)
     # train a BPE on the data; rank 0 writes it and every process reads the same file
@@ -162,12 +163,13 @@ def _model(cfg: TrainConfig, tok: Tokenizer, ckpt: Path | None, device: torch.de
     """The model to train, on its device (sharded under FSDP), and the token rows it adds."""
     fsdp = cfg.strategy == "fsdp"
     needs_mask = cfg.objective in ("refusion", "mdm") or cfg.mask_token
-    # LoRA resumes from the base weights plus the saved adapters (checkpoints hold merged weights);
-    # FSDP from the starting weights, overwritten by the checkpoint's shards once sharded
-    start = cfg.init if (cfg.lora or fsdp) else (ckpt or cfg.init)
+    # LoRA resumes from the base weights plus the saved adapters (checkpoints hold merged weights),
+    # mask-only from the base plus the saved mask path (checkpoints hold nothing else); FSDP from the
+    # starting weights, overwritten by the checkpoint's shards once sharded
+    start = cfg.init if (cfg.lora or fsdp or mask_only(cfg)) else (ckpt or cfg.init)
     new_tokens: list[int] = []
     if start is not None:
-        model = load_model(start, dtype=torch.float32)
+        model = load_model(resolve_model(start), dtype=torch.float32)
         if needs_mask and model.config.mask_token_id is None:
             mask_id = add_mask_token(model, tok)
             new_tokens = [mask_id]
@@ -184,9 +186,12 @@ def _model(cfg: TrainConfig, tok: Tokenizer, ckpt: Path | None, device: torch.de
                                        or model.config.causal_first_token)
     if cfg.lora and (ckpt is None or fsdp):  # FSDP: the adapters must exist before sharding
         apply_seeded_lora(model, cfg, new_tokens)
-    if parse_variant(cfg.variant).name == "decoupled" and model.config.mask_adapter is None:
+    if parse_variant(cfg.variant).mask_path and model.config.mask_adapter is None:
         add_mask_adapter(model, cfg.mask_adapter or {}, gen=torch.Generator().manual_seed(cfg.seed))
         log(f"added a mask path (rank {model.config.mask_adapter['rank']} adapters on mask rows only)")
+    if mask_only(cfg):  # the base is frozen: no gradient, no optimizer state, no graph for clean rows
+        for name, p in model.named_parameters():
+            p.requires_grad_(is_adapter_name(name))
     model.gradient_checkpointing = cfg.gradient_checkpointing
     if fsdp:
         from refusion.training.fsdp import shard_model
@@ -194,6 +199,10 @@ def _model(cfg: TrainConfig, tok: Tokenizer, ckpt: Path | None, device: torch.de
         # from the CPU: fully_shard moves each unit's slice to the device as it shards it
         return shard_model(model.train(), device, bf16=cfg.dtype == "bfloat16"), new_tokens
     return model.to(device).train(), new_tokens
+
+
+def mask_only(cfg: TrainConfig) -> bool:
+    return cfg.objective == "refusion" and parse_variant(cfg.variant).name == "mask-only"
 
 
 def _new_model(cfg: TrainConfig, tok: Tokenizer, needs_mask: bool) -> Transformer:
@@ -258,6 +267,8 @@ def _resume(run: Run, path: Path) -> None:
         # a process the checkpoint did not have (more processes now) starts from rank 0's states
         rng = load_sharded(path, run.model, run.optimizer) or rng
     else:
+        if mask_only(run.cfg):
+            load_mask_path(run.model, path)
         if run.cfg.lora:
             apply_seeded_lora(run.model, run.cfg, run.new_tokens)
             unknown = sorted(set(s["lora"]) - set(run.model.state_dict()))
@@ -274,3 +285,13 @@ def _resume(run: Run, path: Path) -> None:
     _set_rng_state(rng)
     run.step = s["step"]
     log(f"resumed from {path} at step {run.step}")
+
+
+def load_mask_path(model: Transformer, ckpt: Path) -> None:
+    """The mask path's weights from a mask-only checkpoint (its ADAPTER_WEIGHTS), in place."""
+    from safetensors.torch import load_file
+
+    saved = load_file(str(ckpt / ADAPTER_WEIGHTS))
+    with torch.no_grad():
+        for name, p in adapter_parameters(model):
+            p.copy_(saved[name])

@@ -19,7 +19,7 @@ from torch import Tensor
 from refusion.model.cache import KVCache
 from refusion.model.mask_adapter import is_adapter_name
 from refusion.training.joint_layouts import DraftMasks, draft_inputs, draft_masks, hybrid_inputs
-from refusion.training.objectives import (Batch, TrainInputs, ar_inputs, ar_token_count, build_inputs,
+from refusion.training.objectives import (Batch, TrainInputs, ar_inputs, ar_term, ar_token_count, build_inputs,
                                          compute_loss, make_batch, pad_responses, token_ce)
 from refusion.training.optimizer import lr_at
 from refusion.training.setup import Run
@@ -36,7 +36,7 @@ def train_step(run: Run) -> dict[str, float]:
     mask_id = mask_id if mask_id is not None else -1
     t0 = time.perf_counter()
     drafts = None  # decoupled: the mask pass's layout, beside the ARM's
-    if cfg.objective == "refusion" and variant.name == "decoupled":
+    if cfg.objective == "refusion" and variant.name in ("decoupled", "mask-only"):
         inputs, drafts = ar_inputs(batch), draft_masks(batch, mask_id, run.layout_gen, tuple(cfg.slot_sizes))
     elif cfg.objective == "refusion" and variant.drafts:
         inputs = draft_inputs(batch, mask_id, run.layout_gen, tuple(cfg.slot_sizes))
@@ -53,7 +53,10 @@ def train_step(run: Run) -> dict[str, float]:
     n_ar, B = ar_token_count(inputs), len(idx)
     for g in run.optimizer.param_groups:
         g["lr"] = lr_at(run.step, cfg)
-    totals, tokens = _backward(run, inputs, batch, n_ar, B, drafts)
+    if variant.name == "mask-only":
+        totals, tokens = _mask_only_backward(run, inputs, drafts, batch, n_ar, B)
+    else:
+        totals, tokens = _backward(run, inputs, batch, n_ar, B, drafts)
     grad_norm = _optimizer_step(run, split=drafts is not None)
     run.step += 1
     out = {k: v.float() for k, v in totals.items() if "loss" in k}
@@ -111,6 +114,37 @@ def _backward(run: Run, inputs: TrainInputs, batch: Batch, n_ar: Tensor, B: int,
                 stats.update(_mask_pass(run, sub, drafts.rows(lo, lo + run.micro).to(run.device), sub_batch, B,
                                         autocast))
                 stats["loss"] = stats["loss"] + stats["mdm_loss"]
+        for key, v in stats.items():
+            totals[key] = totals.get(key, 0) + v
+    return totals, tokens
+
+
+def _mask_only_backward(run: Run, inputs: TrainInputs, masks: DraftMasks, batch: Batch, n_ar: Tensor, B: int
+                        ) -> tuple[dict[str, Tensor], int]:
+    """The mask-only variant, per micro-batch: the in-order example runs on the frozen model without a
+    graph, into a cache (its next-token loss, the base's, is only logged); the masks run on top of it
+    and their loss trains the mask path, the only parameters that require gradients."""
+    cfg, model = run.cfg, run.model
+    autocast = torch.autocast(run.device.type, dtype=torch.bfloat16) if cfg.dtype == "bfloat16" else nullcontext()
+    totals: dict[str, Tensor] = {}
+    tokens = 0
+    for lo in range(0, B, run.micro):
+        clean = _rows(inputs, lo, lo + run.micro).to(run.device)
+        sub_masks = masks.rows(lo, lo + run.micro).to(run.device)
+        sub_batch = _batch_rows(batch, lo, lo + run.micro).to(run.device)
+        tokens += int((~clean.pad).sum()) + int(sub_masks.valid.sum())
+        cache = KVCache(model.config.num_layers)
+        with torch.no_grad(), autocast:
+            logits = model(clean.input_ids, clean.position_ids, None, cache=cache)
+            ar, n_ar_sub = ar_term(token_ce(logits, clean.labels), clean, n_ar.to(run.device))
+        del logits
+        with autocast:
+            logits = model(sub_masks.input_ids, sub_masks.position_ids, sub_masks.attn_mask(len(cache)), cache=cache)
+        ce = token_ce(logits, sub_masks.labels)
+        mdm = (ce.sum(1) / sub_batch.response_len.to(ce.device).clamp(min=1)).sum() / B
+        mdm.backward()
+        stats = dict(loss=mdm.detach(), ar_loss=ar, mdm_loss=mdm.detach(), n_ar_tokens=n_ar_sub,
+                     n_masked_tokens=sub_masks.valid.sum())
         for key, v in stats.items():
             totals[key] = totals.get(key, 0) + v
     return totals, tokens

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from refusion.training.checkpointing import export_model, save_checkpoint
+from refusion.training.checkpointing import export_model, final_dir, save_checkpoint
 from refusion.training.config import TrainConfig, load_train_config, to_toml  # noqa: F401 (the API in one place)
 from refusion.training.optimizer import lr_at  # noqa: F401 (refusion.train.lr_at, the old path)
 from refusion.training.run_dir import checkpoints, tensorboard, truncate_metrics
@@ -38,7 +38,7 @@ from refusion.training.step import train_step
 
 
 def train(cfg: TrainConfig, resume: bool = True, progress: bool = True) -> Path:
-    """Train (or resume) a run; returns the final model directory.
+    """Train (or resume) a run; returns the final model directory (a mask-only run: its adapter's).
 
     A run that fails before its first checkpoint (a bad option that only shows at step one, data
     that does not fit) leaves no directory behind if it created the directory: a later attempt
@@ -72,7 +72,7 @@ def fit(run: Run, progress: bool = True) -> Path:
             metrics.add(rec)
             if run.step % cfg.save_every == 0 or run.step == end:
                 save_checkpoint(run)
-    final = run.out / "model"
+    final = final_dir(run)
     if run.rank == 0 and run.step >= cfg.max_steps:
         export_model(run, final)
         log(f"saved {final}")

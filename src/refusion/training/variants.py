@@ -16,6 +16,11 @@ field, `variant`, parsed here without torch so that a config is checked before a
     decoupled     the joint layout split in two: the shared weights get exactly the ARM's gradient, the
                   masks a mask embedding and adapters gated to mask rows (model/mask_adapter.py), which
                   see the shared weights and the clean keys and values detached
+    mask-only     the decoupled variant's mask path alone, on a pretrained causal LM (`init`) whose every
+                  weight is frozen: the draft layout's in-order part runs without gradients (its
+                  next-token loss is logged, not trained) and the masks, fed on top of its keys and
+                  values, train a mask embedding and adapters gated to mask rows. Every answer the base
+                  gives stays the same; checkpoints and the result hold the adapters only
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from dataclasses import dataclass
 
 from refusion.model.config import ConfigError
 
-VARIANTS = ("paper", "boundary", "ar-share", "joint", "hybrid", "decoupled")
+VARIANTS = ("paper", "boundary", "ar-share", "joint", "hybrid", "decoupled", "mask-only")
 
 
 @dataclass(frozen=True)
@@ -41,15 +46,22 @@ class Variant:
     @property
     def drafts(self) -> bool:
         """Whether the layout is the in-order response plus mask blocks (training/joint_layouts.py)."""
-        return self.name in ("joint", "decoupled")
+        return self.name in ("joint", "decoupled", "mask-only")
+
+    @property
+    def mask_path(self) -> bool:
+        """Whether the run trains a mask path gated to mask rows (model/mask_adapter.py)."""
+        return self.name in ("decoupled", "mask-only")
 
 
 def parse_variant(text: str) -> Variant:
-    """'paper', 'boundary', 'ar-share:0.25', 'joint', 'hybrid' or 'decoupled' -> Variant (ConfigError otherwise)."""
+    """'paper', 'boundary', 'ar-share:0.25', 'joint', 'hybrid', 'decoupled' or 'mask-only' -> Variant
+    (ConfigError otherwise)."""
     name, _, arg = text.partition(":")
     if name not in VARIANTS:
         raise ConfigError(f"unknown objective variant {text!r}; choose one of paper, boundary, ar-share:F "
-                          "(F in (0, 1], the share of next-token examples), joint, hybrid, decoupled")
+                          "(F in (0, 1], the share of next-token examples), joint, hybrid, decoupled, "
+                          "mask-only")
     if name == "ar-share":
         try:
             share = float(arg)

