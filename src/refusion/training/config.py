@@ -25,7 +25,7 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 class TrainConfig:
     # what to train
     objective: str = "refusion"  # refusion | ar | mdm
-    variant: str = "paper"  # of the refusion objective: paper, boundary, ar-share:F, joint, hybrid, ... (variants.py)
+    variant: str | None = None  # of the refusion objective (variants.py): None = DEFAULT_VARIANT (hybrid); paper, ...
     mask_adapter: dict | None = None  # decoupled, mask-only: {"rank", "alpha"} of the mask path (default rank 16)
     mask_token: bool = False  # give the model a mask token even where the objective needs none (an ARM
     #                           whose vocabulary, and so whose softmax, matches its ReFusion siblings')
@@ -123,11 +123,11 @@ class TrainConfig:
 
     def _check_variant(self) -> None:
         from refusion.model.mask_adapter import check_adapter_config
-        from refusion.training.variants import parse_variant
+        from refusion.training.variants import variant_of
 
-        v = parse_variant(self.variant)
-        if v.name != "paper" and self.objective != "refusion":
+        if self.variant is not None and self.objective != "refusion":
             raise ConfigError(f"variant {self.variant!r} is a variant of the refusion objective, not of {self.objective!r}")
+        v = variant_of(self)
         if self.mask_adapter is not None:
             if not v.mask_path:
                 raise ConfigError("mask_adapter sizes the decoupled and mask-only variants' mask path; set "

@@ -35,7 +35,7 @@ from refusion.training.data import (BatchOrder, DataError, Example, encode_recor
                                     train_bpe_tokenizer, training_records)
 from refusion.training.optimizer import make_optimizer
 from refusion.training.run_dir import latest_checkpoint, written_by
-from refusion.training.variants import parse_variant
+from refusion.training.variants import variant_of
 
 
 @dataclass
@@ -76,8 +76,8 @@ def setup(cfg: TrainConfig, resume: bool = True) -> Run:
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     for note in getattr(cfg, "notes", []):
         log(note)
-    if world > 1 and parse_variant(cfg.variant).mask_path:
-        raise ValueError(f"the {cfg.variant} variant trains on one process (its passes are not wired through "
+    if world > 1 and variant_of(cfg).mask_path:
+        raise ValueError(f"the {variant_of(cfg).name} variant trains on one process (its passes are not wired through "
                          "DDP yet): run it without torchrun")
     device = _process_group(cfg, world)
     micro = cfg.micro_batch_size or max(cfg.batch_size // world, 1)
@@ -182,11 +182,11 @@ def _model(cfg: TrainConfig, tok: Tokenizer, ckpt: Path | None, device: torch.de
     model.config.bidirectional = cfg.objective == "mdm"
     model.config.training_objective = cfg.objective  # picks the model's default decoder
     # every objective but the paper's trains the prompt's last token to predict the first response token
-    model.config.causal_first_token = (cfg.objective == "ar" or (cfg.objective == "refusion" and cfg.variant != "paper")
+    model.config.causal_first_token = (cfg.objective == "ar" or variant_of(cfg).name != "paper"
                                        or model.config.causal_first_token)
     if cfg.lora and (ckpt is None or fsdp):  # FSDP: the adapters must exist before sharding
         apply_seeded_lora(model, cfg, new_tokens)
-    if parse_variant(cfg.variant).mask_path and model.config.mask_adapter is None:
+    if variant_of(cfg).mask_path and model.config.mask_adapter is None:
         add_mask_adapter(model, cfg.mask_adapter or {}, gen=torch.Generator().manual_seed(cfg.seed))
         log(f"added a mask path (rank {model.config.mask_adapter['rank']} adapters on mask rows only)")
     if mask_only(cfg):  # the base is frozen: no gradient, no optimizer state, no graph for clean rows
@@ -202,7 +202,7 @@ def _model(cfg: TrainConfig, tok: Tokenizer, ckpt: Path | None, device: torch.de
 
 
 def mask_only(cfg: TrainConfig) -> bool:
-    return cfg.objective == "refusion" and parse_variant(cfg.variant).name == "mask-only"
+    return cfg.objective == "refusion" and variant_of(cfg).name == "mask-only"
 
 
 def _new_model(cfg: TrainConfig, tok: Tokenizer, needs_mask: bool) -> Transformer:

@@ -23,7 +23,7 @@ from refusion.training.objectives import (Batch, TrainInputs, ar_inputs, ar_term
                                          compute_loss, make_batch, pad_responses, token_ce)
 from refusion.training.optimizer import lr_at
 from refusion.training.setup import Run
-from refusion.training.variants import parse_variant
+from refusion.training.variants import variant_of
 
 
 def train_step(run: Run) -> dict[str, float]:
@@ -31,7 +31,7 @@ def train_step(run: Run) -> dict[str, float]:
     cfg = run.cfg
     idx = run.order(run.step)
     batch = _global_batch(run, idx)
-    variant = parse_variant(cfg.variant)
+    variant = variant_of(cfg)
     mask_id = run.model.config.mask_token_id
     mask_id = mask_id if mask_id is not None else -1
     t0 = time.perf_counter()

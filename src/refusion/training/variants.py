@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from refusion.model.config import ConfigError
 
+DEFAULT_VARIANT = "hybrid"  # learns next-token skill as fast as an ARM and keeps the paper's objective whole
 VARIANTS = ("paper", "boundary", "ar-share", "joint", "hybrid", "decoupled", "mask-only")
 
 
@@ -74,3 +75,11 @@ def parse_variant(text: str) -> Variant:
     if arg:
         raise ConfigError(f"variant {name!r} takes no argument, got {text!r}")
     return Variant(name)
+
+
+def variant_of(cfg) -> Variant:
+    """The variant a TrainConfig trains: its `variant`, or DEFAULT_VARIANT when unset; the plain layout
+    ("paper", which then means "none") for objectives other than refusion."""
+    if cfg.objective != "refusion":
+        return Variant()
+    return parse_variant(cfg.variant or DEFAULT_VARIANT)
