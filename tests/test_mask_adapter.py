@@ -4,7 +4,6 @@ through both storage forms; the decoupled variant trains the shared weights exac
 
 import json
 import random
-import shutil
 
 import pytest
 import torch
@@ -153,13 +152,12 @@ def test_decoupled_training_leaves_the_shared_weights_exactly_the_arms(tmp_path)
     assert all(torch.equal(sa[k], sd[k]) for k in sa)
     assert set(sd) - set(sa) == {n for n, _ in adapter_parameters(dec)}
     # the mask path did learn: its B matrices left zero
-    assert all(dec.layers[0].mask_adapter.qkv_proj_B.abs().sum() > 0 for _ in [0])
+    assert all(block.mask_adapter.qkv_proj_B.abs().sum() > 0 for block in dec.layers)
     arm_log = [json.loads(x) for x in (tmp_path / "arm" / "metrics.jsonl").read_text().splitlines()]
     dec_log = [json.loads(x) for x in (tmp_path / "dec" / "metrics.jsonl").read_text().splitlines()]
     assert [r["ar_loss"] for r in arm_log] == [r["ar_loss"] for r in dec_log]
     assert [r["grad_norm"] for r in arm_log] == [r["grad_norm"] for r in dec_log]
     assert dec_log[-1]["mdm_loss"] < dec_log[0]["mdm_loss"]
-    shutil.rmtree(tmp_path / "dec" / "model")  # resume from its last checkpoint? none kept: a fresh run
 
 
 def test_masks_on_the_clean_cache_equal_the_packed_draft_layout():

@@ -36,20 +36,27 @@ from refusion.training.objectives import (IGNORE, Batch, TrainInputs, ar_inputs,
                                          refusion_inputs)
 
 
+def draft_blocks(batch: Batch, gen: torch.Generator, slot_sizes: tuple[int, ...]) -> tuple[Tensor, Tensor]:
+    """The draft layout's draws: per example a block size L (from slot_sizes) and a phase in [0, L),
+    as [B, 1] tensors; response index i then lies in the block starting at ((i + phase) // L) * L - phase."""
+    slot_sizes = tuple(slot_sizes)
+    if not slot_sizes or any(int(s) != s or s <= 0 for s in slot_sizes):
+        raise ValueError(f"slot sizes must be a non-empty list of positive integers, got {slot_sizes}")
+    B, dev = batch.response_ids.shape[0], batch.response_ids.device
+    size_idx = torch.randint(len(slot_sizes), (B,), generator=gen, device=gen.device).to(dev)
+    phase_u = torch.rand(B, generator=gen, device=gen.device).to(dev)
+    L = torch.tensor(slot_sizes, dtype=torch.long, device=dev)[size_idx][:, None]
+    return L, (phase_u[:, None] * L).long().clamp(max=L - 1)
+
+
 def draft_inputs(batch: Batch, mask_id: int, gen: torch.Generator, slot_sizes: tuple[int, ...] = (4, 8, 16, 32)
                  ) -> TrainInputs:
     """The draft layout of `batch` (module docstring). mask_rate is 1: the loss's mask term is then
     the mean over examples of each example's mean mask cross-entropy (refusion_loss)."""
-    slot_sizes = tuple(slot_sizes)
-    if not slot_sizes or any(int(s) != s or s <= 0 for s in slot_sizes):
-        raise ValueError(f"slot sizes must be a non-empty list of positive integers, got {slot_sizes}")
+    L, phase = draft_blocks(batch, gen, slot_sizes)
     resp = batch.response_ids
     B, R = resp.shape
     dev = resp.device
-    size_idx = torch.randint(len(slot_sizes), (B,), generator=gen, device=gen.device).to(dev)
-    phase_u = torch.rand(B, generator=gen, device=gen.device).to(dev)
-    L = torch.tensor(slot_sizes, dtype=torch.long, device=dev)[size_idx]  # [B]
-    phase = (phase_u * L).long().clamp(max=L - 1)
 
     pl, rl = batch.prompt_len, batch.response_len
     T = int((pl + 2 * rl).max()) if B else 0  # the one host sync: T sets shapes
@@ -75,7 +82,7 @@ def draft_inputs(batch: Batch, mask_id: int, gen: torch.Generator, slot_sizes: t
 
     # columns a row sees: every column before `visible_end` (causal rows: up to itself; a mask row:
     # the prompt and the response before its block), plus, for a mask row, its block's masks up to it
-    block_start = ((idx + phase[:, None]) // L[:, None] * L[:, None] - phase[:, None]).clamp(min=0)
+    block_start = ((idx + phase) // L * L - phase).clamp(min=0)
     visible_end = torch.where(in_mask, pl_ + block_start, c + 1)
     block = torch.where(in_mask, block_start, -1)
     q, k = c[:, :, None], c[:, None, :]  # [1, T, 1], [1, 1, T]
@@ -84,7 +91,7 @@ def draft_inputs(batch: Batch, mask_id: int, gen: torch.Generator, slot_sizes: t
     attn = attn & ~pad[:, None, :]
     attn.diagonal(dim1=1, dim2=2).fill_(True)
     return TrainInputs(input_ids, position_ids, labels, in_mask, torch.ones(B, device=dev), "custom", attn[:, None],
-                       pad, slot_size=L)
+                       pad, slot_size=L[:, 0])
 
 
 def hybrid_inputs(batch: Batch, mask_id: int, gen: torch.Generator, slot_sizes: tuple[int, ...] = (4, 8, 16, 32),
@@ -170,17 +177,9 @@ def draft_masks(batch: Batch, mask_id: int, gen: torch.Generator, slot_sizes: tu
                 ) -> DraftMasks:
     """The masks of draft_inputs (the same draws, so the same blocks) as a feed after the cache of
     ar_inputs(batch)."""
-    slot_sizes = tuple(slot_sizes)
-    if not slot_sizes or any(int(s) != s or s <= 0 for s in slot_sizes):
-        raise ValueError(f"slot sizes must be a non-empty list of positive integers, got {slot_sizes}")
+    L, phase = draft_blocks(batch, gen, slot_sizes)
     resp = batch.response_ids
-    B, R = resp.shape
-    dev = resp.device
-    size_idx = torch.randint(len(slot_sizes), (B,), generator=gen, device=gen.device).to(dev)
-    phase_u = torch.rand(B, generator=gen, device=gen.device).to(dev)
-    L = torch.tensor(slot_sizes, dtype=torch.long, device=dev)[size_idx][:, None]
-    phase = (phase_u[:, None] * L).long().clamp(max=L - 1)
-    i = torch.arange(R, device=dev)[None, :]
+    i = torch.arange(resp.shape[1], device=resp.device)[None, :]
     valid = i < batch.response_len[:, None]
     block = ((i + phase) // L * L - phase).clamp(min=0)
     pl = batch.prompt_len[:, None]
