@@ -7,6 +7,8 @@
 #   mdm                   the base adapted to masked diffusion (the MDM baseline)
 #   refusion-boundary, refusion-ar-share-25, refusion-joint, refusion-hybrid, refusion-decoupled
 #                         the ReFusion objective's variants (TrainConfig.variant), configs/study/NAME.toml
+#   refusion-hybrid-8k    the bundled model: its recipe (src/refusion/assets/refusion-tiny/recipe.toml, the
+#                         hybrid variant to 8000 steps); RUNS/refusion-hybrid-8k/model is bit-identical to it
 # Each fine-tune is ONE run from the base, on the same data, to a step budget; its checkpoints at
 # UNIT, 2 UNIT, 4 UNIT, ... steps (UNIT = the ARM's original 2000) and at the budget are the points of
 # its curves, each evaluated with the model's decoders on held-out prompts of the four task families,
@@ -18,6 +20,7 @@
 #   bash scripts/study.sh --quick             # a smoke test of every stage: steps 4 and 8, nothing learned
 #   STEPS=8000 bash scripts/study.sh ar       # another budget for ar, refusion and mdm (default 16000)
 #   VARIANT_STEPS=8000 ...                    # another budget for the variants (default 4000)
+#   BUNDLED_STEPS=4000 ...                    # another budget for the bundled recipe (default its max_steps)
 #   UNIT=1000 ...                             # the first curve point, doubled up to the budget (default 2000)
 #   N=200 bash scripts/study.sh               # more test prompts per task (default 100)
 #
@@ -34,7 +37,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 R=${REFUSION:-.venv/bin/refusion}
-ALL="base ar refusion mdm refusion-boundary refusion-ar-share-25 refusion-joint refusion-hybrid refusion-decoupled report"
+ALL="base ar refusion mdm refusion-boundary refusion-ar-share-25 refusion-joint refusion-hybrid refusion-decoupled"
+ALL+=" refusion-hybrid-8k report"
+BUNDLED_RECIPE=src/refusion/assets/refusion-tiny/recipe.toml
 QUICK=0 NAMED=()
 for a in "$@"; do
   case $a in
@@ -50,13 +55,14 @@ for s in $STAGES; do
 done
 if [[ $QUICK == 1 ]]; then
   RUNS=${RUNS:-runs/study-quick} OUT=${OUT:-results/study-quick} N=${N:-4}
-  UNIT=${UNIT:-4} STEPS=${STEPS:-8} VARIANT_STEPS=${VARIANT_STEPS:-8}
+  UNIT=${UNIT:-4} STEPS=${STEPS:-8} VARIANT_STEPS=${VARIANT_STEPS:-8} BUNDLED_STEPS=${BUNDLED_STEPS:-8}
   # a few steps on a few examples, a small tokenizer: exercises every stage end to end
   SHRINK=(--set synthetic_examples=200 --set warmup_steps=2)
   BASE_SHRINK=("${SHRINK[@]}" --set max_steps=8 --set save_every=4 --set corpus_examples=100 --set vocab_size=300)
 else
   RUNS=${RUNS:-runs/study} OUT=${OUT:-results/study} N=${N:-100}
   UNIT=${UNIT:-2000} STEPS=${STEPS:-16000} VARIANT_STEPS=${VARIANT_STEPS:-4000}
+  BUNDLED_STEPS=${BUNDLED_STEPS:-$(sed -n 's/^max_steps = \([0-9]*\).*/\1/p' "$BUNDLED_RECIPE")}
   SHRINK=() BASE_SHRINK=()
 fi
 TASKS=sort,add,repeat,code
@@ -79,8 +85,9 @@ keep_logs() {  # keep_logs NAME: the run's config and metrics beside the results
   cp "$RUNS/$1/metrics.jsonl" "$OUT/logs/$1.metrics.jsonl"
 }
 
-train() {  # train NAME BUDGET: configs/study/NAME.toml from the base, a checkpoint every UNIT steps, all kept
-  local name=$1 budget=$2 dir=$RUNS/$1
+train() {  # train NAME BUDGET [CONFIG]: CONFIG (default configs/study/NAME.toml) from the base, a checkpoint
+  #           every UNIT steps, all kept
+  local name=$1 budget=$2 config=${3:-configs/study/$1.toml} dir=$RUNS/$1
   [[ -f $RUNS/base/model/config.json ]] || die "$name starts from the base: run the base stage first"
   if [[ -f $dir/train_config.json ]]; then  # the schedule spans max_steps: a run cannot change its budget
     local had
@@ -93,7 +100,7 @@ train() {  # train NAME BUDGET: configs/study/NAME.toml from the base, a checkpo
   else
     echo "study: training $name ($budget steps) -> $dir; log $OUT/logs/$name.log"
     SECONDS=0
-    $R train --config "configs/study/$name.toml" --set out_dir="$dir" --set init="$RUNS/base/model" \
+    $R train --config "$config" --set out_dir="$dir" --set init="$RUNS/base/model" \
       --set max_steps="$budget" --set save_every="$UNIT" --set keep_checkpoints=$(((budget + UNIT - 1) / UNIT)) \
       "${SHRINK[@]}" --no-progress >> "$OUT/logs/$name.log" 2>&1 || failed "$name"
     echo "study: $name trained in $((SECONDS / 60)) min"
@@ -158,6 +165,8 @@ for s in $STAGES; do
     ar) train ar "$STEPS"; eval_curve ar "$STEPS" ar_decoders ;;
     refusion) train refusion "$STEPS"; eval_curve refusion "$STEPS" refusion_decoders ;;
     mdm) train mdm "$STEPS"; eval_curve mdm "$STEPS" mdm_decoders ;;
+    refusion-hybrid-8k)
+      train "$s" "$BUNDLED_STEPS" "$BUNDLED_RECIPE"; eval_curve "$s" "$BUNDLED_STEPS" refusion_decoders ;;
     refusion-*) train "$s" "$VARIANT_STEPS"; eval_curve "$s" "$VARIANT_STEPS" refusion_decoders ;;
     report)
       $R report "$OUT" --out "$OUT/report.md" --plot "$OUT/accuracy_vs_tps.png" \
