@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -55,7 +56,7 @@ def test_training_records_mix_the_corpus_into_the_task_data():
 
 # the stages the quick study runs here: all of them
 QUICK_STAGES = ["base", "ar", "refusion", "mdm", "refusion-boundary", "refusion-ar-share-25", "refusion-joint",
-                "refusion-hybrid", "refusion-decoupled", "report"]
+                "refusion-hybrid", "refusion-decoupled", "refusion-hybrid-8k", "report"]
 
 
 def test_study_quick_runs_every_stage_and_writes_the_curves(tmp_path):
@@ -90,6 +91,13 @@ def test_study_quick_runs_every_stage_and_writes_the_curves(tmp_path):
         cfg = json.loads((runs / f"refusion-{v}" / "model" / "config.json").read_text())
         assert cfg["causal_first_token"] and ("mask_adapter" in cfg) == (v == "decoupled")
         assert sorted(p.name for p in (runs / f"refusion-{v}").glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-8"]
+    # the bundled model's stage trains the bundled recipe itself (its budget shrunk), from the study's base
+    recipe = tomllib.loads((ROOT / "src/refusion/assets/refusion-tiny/recipe.toml").read_text())
+    bundled_run = json.loads((runs / "refusion-hybrid-8k" / "train_config.json").read_text())
+    assert bundled_run["init"] == str(runs / "base" / "model") and bundled_run["max_steps"] == 8
+    assert all(bundled_run[k] == v for k, v in recipe.items()
+               if k not in ("init", "max_steps", "save_every", "out_dir", "synthetic_examples", "warmup_steps"))
+    assert sorted(p.name for p in (runs / "refusion-hybrid-8k").glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-8"]
     # the decoupled variant's shared weights are the ARM's, to the bit; its mask path is its own
     from safetensors.torch import load_file
     arm = load_file(runs / "ar" / "model" / "model.safetensors")

@@ -75,8 +75,8 @@ def test_plan_and_infill_decodes_several_tokens_per_forward():
     _, ps = prompts()
     rs = decode(model, ps, "refusion", **REFUSION)
     ar = decode(model, ps, "ar", max_new_tokens=128)
-    assert sum(len(r.tokens) for r in rs) / sum(r.forwards for r in rs) > 1.2  # measured: 1.81
-    assert sum(r.finished for r in rs + ar) >= 12  # most end with EOS within 128 tokens
+    assert sum(len(r.tokens) for r in rs) / sum(r.forwards for r in rs) > 4  # measured: 12.0
+    assert sum(r.finished for r in rs + ar) >= 14  # nearly all end with EOS within 128 tokens (measured: 16)
     assert all(a.forwards == len(a.tokens) for a in ar)  # AR: exactly one forward per token
 
 
@@ -118,7 +118,7 @@ def test_outputs_follow_each_task_format(decoder):
     outs = [tok.decode([t for t in r.tokens if t not in model.config.eos_ids])
             for r in decode(model, ps, decoder, **params)]
     ok = [well_formed(ex, out) for ex, out in zip(exs, outs)]
-    assert sum(ok) >= 10, list(zip([e.id for e in exs], ok))  # measured: ar 15, refusion 13 of 16
+    assert sum(ok) >= 14, list(zip([e.id for e in exs], ok))  # measured: 16 of 16 with each
 
 
 @pytest.mark.parametrize("widths", [dict(), dict(draft_length=32, adaptive=False), dict(draft_length=2)])
@@ -131,4 +131,4 @@ def test_speculative_is_ar_token_for_token_and_faster_per_forward(widths):
     sp = decode(model, ps, "speculative", gen_length=160, **widths)
     assert [r.tokens for r in sp] == [r.tokens for r in ar]
     assert [r.finished for r in sp] == [r.finished for r in ar]
-    assert sum(len(r.tokens) for r in sp) / sum(r.forwards for r in sp) > 1.8  # measured: 2.26 (draft_length 2), 3.35 (default), 4.14 (fixed 32)
+    assert sum(len(r.tokens) for r in sp) / sum(r.forwards for r in sp) > 2.4  # measured: 2.73 (draft_length 2), 5.55 (default), 12.7 (fixed 32)
