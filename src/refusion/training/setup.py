@@ -13,7 +13,7 @@ import functools
 import os
 import random
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +31,7 @@ from refusion.model.tokenizer import Tokenizer
 from refusion.model.transformer import Transformer
 from refusion.runtime import resolve_device
 from refusion.training.config import TrainConfig
+from refusion.training.config_changes import resume_changes, saved_config
 from refusion.training.data import (BatchOrder, DataError, Example, encode_records, filter_by_length,
                                     train_bpe_tokenizer, training_records)
 from refusion.training.optimizer import make_optimizer
@@ -69,8 +70,10 @@ def log(msg: str) -> None:
         print(f"refusion train: {msg}", file=sys.stderr)
 
 
-def setup(cfg: TrainConfig, resume: bool = True) -> Run:
-    """Build (or resume) this process's part of the run `cfg` describes."""
+def setup(cfg: TrainConfig, resume: bool = True, allow_changed: Collection[str] = ()) -> Run:
+    """Build (or resume) this process's part of the run `cfg` describes. A resumed run's configuration
+    may differ from its saved one only in fields config_changes allows (`allow_changed` names those
+    it allows on request)."""
     cfg.validate()
     out = Path(cfg.out_dir)
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
@@ -84,7 +87,7 @@ def setup(cfg: TrainConfig, resume: bool = True) -> Run:
     if cfg.batch_size % (world * micro):
         raise ValueError(f"batch_size {cfg.batch_size} must be a multiple of processes ({world}) x "
                          f"micro_batch_size ({micro})")
-    ckpt = _checkpoint_to_resume(cfg, out, resume)
+    ckpt = _checkpoint_to_resume(cfg, out, resume, allow_changed)
 
     # read once, when first needed: only a tokenizer trained on the data needs them before the examples
     @functools.cache
@@ -126,7 +129,7 @@ def _process_group(cfg: TrainConfig, world: int) -> torch.device:
     return dev
 
 
-def _checkpoint_to_resume(cfg: TrainConfig, out: Path, resume: bool) -> Path | None:
+def _checkpoint_to_resume(cfg: TrainConfig, out: Path, resume: bool, allow_changed: Collection[str]) -> Path | None:
     ckpt = latest_checkpoint(out)
     if ckpt is not None and not resume:
         raise ValueError(f"{out} already holds a run ({ckpt.name}) and resuming is off (--no-resume): "
@@ -135,6 +138,11 @@ def _checkpoint_to_resume(cfg: TrainConfig, out: Path, resume: bool) -> Path | N
         written = written_by(ckpt)
         raise ValueError(f"{ckpt} was written with strategy {written}: resume it with --strategy {written} "
                          "(or choose a new out_dir)")
+    saved = saved_config(out) if ckpt is not None else None
+    if saved is not None:  # (a run directory without one, written by hand, is taken as it is)
+        changes = resume_changes(saved, cfg, allow_changed)
+        if changes:
+            log(f"resuming with a changed configuration: {', '.join(changes)}")
     return ckpt
 
 
@@ -258,7 +266,9 @@ def _older_layout(path: Path, what: str) -> str:
 
 def _resume(run: Run, path: Path) -> None:
     """Continue from checkpoint `path`: weights (where the model was not loaded from it), optimizer,
-    step, layout generator and random number generators, exactly as they were when it was written."""
+    step, layout generator and random number generators, exactly as they were when it was written.
+    AdamW's betas and weight decay are the configuration's (the saved ones, unless a resume changed them)."""
+    hyper = [{k: g[k] for k in ("betas", "weight_decay")} for g in run.optimizer.param_groups]
     s = torch.load(path / STATE_FILE, weights_only=False)
     rng = s["rng"]
     if run.fsdp:
@@ -281,6 +291,8 @@ def _resume(run: Run, path: Path) -> None:
             run.optimizer.load_state_dict(s["optimizer"])
         except ValueError:  # parameter groups of another size: separate q/k/v and gate/up (refusion 0.1)
             raise ValueError(_older_layout(path, "its optimizer state")) from None
+    for g, h in zip(run.optimizer.param_groups, hyper):
+        g.update(h)
     run.layout_gen.set_state(s["layout_gen"])
     _set_rng_state(rng)
     run.step = s["step"]
