@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from refusion.cli.args import positive_int
+from refusion.cli.args import SMALL_MODEL_THREADS, positive_int
 from refusion.training.config import defaults_text
 
 
@@ -43,7 +43,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "objective, variant, lora and strategy never change in a run; stop_after, save_every, "
                         "device, micro_batch_size and the like need no flag")
     t.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
-    t.add_argument("--threads", type=positive_int, help="CPU threads (default: torch's default)")
+    t.add_argument("--threads", type=positive_int, help=f"CPU threads (default: {SMALL_MODEL_THREADS})")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.set_defaults(func=cmd_train)
 
@@ -60,11 +60,10 @@ def cmd_train(args: argparse.Namespace) -> None:
     if args.print_config:
         print(to_toml(cfg), end="")
         return
-    from refusion.runtime import set_threads
     from refusion.training.trainer import train
 
-    set_threads(args.threads)
     allow = [name.strip() for item in args.allow_changed for name in item.split(",") if name.strip()]
-    final = train(cfg, resume=not args.no_resume, progress=not args.no_progress, allow_changed=allow)
+    final = train(cfg, resume=not args.no_resume, progress=not args.no_progress, allow_changed=allow,
+                  threads=args.threads)
     print(final)
 

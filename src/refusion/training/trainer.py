@@ -40,13 +40,14 @@ from refusion.training.setup import Run, log, setup
 from refusion.training.step import train_step
 
 
-def train(cfg: TrainConfig, resume: bool = True, progress: bool = True, allow_changed: Collection[str] = ()) -> Path:
+def train(cfg: TrainConfig, resume: bool = True, progress: bool = True, allow_changed: Collection[str] = (),
+          threads: int | None = None) -> Path:
     """Train (or resume) a run; returns the final model directory (a mask-only run: its adapter's).
 
     The run holds a lock on out_dir while it lasts (under torchrun, rank 0 holds it for all the
     processes): a second training into it fails at once. A resume may change the configuration only
     where refusion.training.config_changes allows, `allow_changed` naming the fields it allows on
-    request.
+    request. `threads`: CPU threads; None: one for a small model, else torch's default.
 
     A run that fails before its first checkpoint (a bad option that only shows at step one, data
     that does not fit) leaves no directory behind if it created the directory: a later attempt
@@ -59,7 +60,7 @@ def train(cfg: TrainConfig, resume: bool = True, progress: bool = True, allow_ch
     rank0 = int(os.environ.get("RANK", "0")) == 0
     with locked(out) if rank0 else contextlib.nullcontext():
         try:
-            return fit(setup(cfg, resume=resume, allow_changed=allow_changed), progress=progress)
+            return fit(setup(cfg, resume=resume, allow_changed=allow_changed, threads=threads), progress=progress)
         except Exception:
             if created and rank0 and not checkpoints(out):
                 shutil.rmtree(out, ignore_errors=True)
@@ -78,6 +79,8 @@ def fit(run: Run, progress: bool = True) -> Path:
         tmp.write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
         tmp.replace(run.out / CONFIG_FILE)
         truncate_metrics(run.out / "metrics.jsonl", run.step)
+        if run.step < end:
+            log(f"training steps {run.step + 1} to {end} of {cfg.max_steps} -> {run.out}")
     with _Metrics(run, progress) as metrics:
         while run.step < end:
             t0 = time.perf_counter()
