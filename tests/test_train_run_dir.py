@@ -139,7 +139,7 @@ def test_resume_checks_the_configuration_through_the_command_line(data_file, tmp
     assert "To accept, pass --allow-changed max_steps,lr;" in p.stderr
     assert (out / "train_config.json").read_text() == saved and (out / "metrics.jsonl").read_text() == metrics
     # accepted on request: the run goes on from step 6 on the new schedule, and records the new configuration
-    p = _cli(*cli_args(data_file, out, "--set=max_steps=10", "--set=lr=1e-3", "--allow-changed=max_steps",
+    p = _cli(*cli_args(data_file, out, "--set=max_steps=10", "--set=lr=1e-3", "--allow-changed=max_steps,stop_after",
                        "--allow-changed", "lr"), timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "resuming with a changed configuration: max_steps 6 -> 10, lr 0.003 -> 0.001" in p.stderr
