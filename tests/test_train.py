@@ -255,6 +255,8 @@ def test_resume_after_kill_is_bit_exact(data_file, tmp_path):
     proc.wait()
     ckpts = sorted(int(p.name.split("-")[1]) for p in run.glob("checkpoint-*"))
     assert ckpts and ckpts[-1] < 20, f"the run was not killed in time (checkpoints {ckpts})"
+    # its lock file still names it, yet blocks nothing: the lock went with the process
+    assert (run / ".lock").read_text().startswith(f"pid {proc.pid} on ")
     # resume to step 20: every logged number equals the uninterrupted run's
     subprocess.run(_cli(*common, f"--out={run}", "--set=stop_after=20"), check=True, capture_output=True)
     assert losses(run) == losses(ref)

@@ -5,15 +5,19 @@ from __future__ import annotations
 import argparse
 import json
 
-from refusion.cli.args import positive_int
+from refusion.cli.args import SMALL_MODEL_THREADS, positive_int
 from refusion.training.config import defaults_text
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     t = sub.add_parser("train", help="train a ReFusion (or AR / MDM baseline) model",
                        description="Train with a config file (TOML or YAML) of TrainConfig fields and overrides.\n"
-                                   "Resumes from the newest checkpoint in out_dir. Under torchrun, data parallel\n"
-                                   "over the processes: whole copies (ddp) or sharded (fsdp).",
+                                   "Resumes from the newest checkpoint in out_dir, with the configuration it was\n"
+                                   "trained with (out_dir/train_config.json): other values of the fields that\n"
+                                   "set the model are refused, those that change how it trains need\n"
+                                   "--allow-changed. One training at a time uses an out_dir (out_dir/.lock).\n"
+                                   "Under torchrun, data parallel over the processes: whole copies (ddp) or\n"
+                                   "sharded (fsdp).",
                        epilog="Every TrainConfig field (refusion/training/config.py) can be set in the config file\n"
                               "or with --set; --print-config prints them all, resolved, as TOML. Defaults:\n\n"
                               + defaults_text())
@@ -32,8 +36,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--no-resume", action="store_true",
                    help="never continue a run: stop with an error if out_dir already has checkpoints "
                         "(nothing is deleted; choose a new --out to start over)")
+    t.add_argument("--allow-changed", action="append", default=[], metavar="FIELD[,FIELD]",
+                   help="resume although these fields differ from the run's saved configuration, e.g. "
+                        "--allow-changed max_steps,lr: fields that change how the run trains from the resumed step "
+                        "on (refusing one names it and says what it does). The model's shape, init, tokenizer, "
+                        "objective, variant, lora and strategy never change in a run; stop_after, save_every, "
+                        "device, micro_batch_size and the like need no flag")
     t.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
-    t.add_argument("--threads", type=positive_int, help="CPU threads (default: torch's default)")
+    t.add_argument("--threads", type=positive_int, help=f"CPU threads (default: {SMALL_MODEL_THREADS})")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.set_defaults(func=cmd_train)
 
@@ -50,10 +60,10 @@ def cmd_train(args: argparse.Namespace) -> None:
     if args.print_config:
         print(to_toml(cfg), end="")
         return
-    from refusion.runtime import set_threads
     from refusion.training.trainer import train
 
-    set_threads(args.threads)
-    final = train(cfg, resume=not args.no_resume, progress=not args.no_progress)
+    allow = [name.strip() for item in args.allow_changed for name in item.split(",") if name.strip()]
+    final = train(cfg, resume=not args.no_resume, progress=not args.no_progress, allow_changed=allow,
+                  threads=args.threads)
     print(final)
 

@@ -11,5 +11,6 @@
     trainer.py             train() = fit(setup(cfg)): the loop, metrics.jsonl, exact resume
     fsdp.py                FSDP2 wrapping
     sharded_checkpoint.py  torch.distributed.checkpoint save / resume / export
-    run_dir.py             run directories
+    run_dir.py             a run directory: its lock, checkpoints, metrics
+    config_changes.py      what a resumed run may change in its configuration
 """

@@ -18,6 +18,7 @@ from refusion.model.config import OBJECTIVES, ConfigError, ModelConfig
 SAVE_DTYPES = ("float32", "bfloat16", "float16")
 STRATEGIES = ("ddp", "fsdp")
 LORA_KEYS = {"r", "alpha", "dropout", "target_modules"}
+MAX_SEED = 2**63 - 1
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -120,6 +121,8 @@ class TrainConfig:
             raise ConfigError(f"betas must be two numbers in [0, 1), got {self.betas}")
         if self.warmup_steps < 0:
             raise ConfigError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not 0 <= self.seed <= MAX_SEED:  # torch's generators take at most 64 bits, signed in places
+            raise ConfigError(f"seed must be an integer in [0, 2**63 - 1], got {self.seed}")
 
     def _check_variant(self) -> None:
         from refusion.model.mask_adapter import check_adapter_config

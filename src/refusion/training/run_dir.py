@@ -1,6 +1,8 @@
-"""A training run's output directory on disk: its checkpoints (the newest complete one, pruning,
-which strategy wrote one), metrics.jsonl and TensorBoard logs.
+"""A training run's output directory on disk: its lock, its checkpoints (the newest complete one,
+pruning, which strategy wrote one), metrics.jsonl and TensorBoard logs.
 
+    OUT/.lock           held by the training that uses OUT (names its process)
+    OUT/train_config.json  the configuration the checkpoints were trained with
     OUT/checkpoint-N/   complete checkpoints (written elsewhere and renamed into place)
     OUT/metrics.jsonl   one JSON line per step
     OUT/tensorboard/    when TensorBoard is installed
@@ -9,11 +11,56 @@ which strategy wrote one), metrics.jsonl and TensorBoard logs.
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import json
+import os
 import shutil
+import socket
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from refusion.model.checkpoint import SHARDED_DIR, STATE_FILE
+
+LOCK_FILE = ".lock"
+
+
+@contextlib.contextmanager
+def locked(out: Path) -> Iterator[None]:
+    """Hold an exclusive lock on run directory `out` (created if need be) while the block runs: a
+    second training into `out` fails at once, naming the process that holds it.
+
+    The lock is the operating system's (flock on OUT/.lock), which it releases when the process ends
+    however it ends (an exception, a crash, SIGKILL): a lock never outlives its run, and the file it
+    leaves behind blocks nothing (a directory of an older run, which has none, gets one).
+    Where the file system or the platform has no such locks, the run goes on unlocked, with a warning.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # not a POSIX system
+        fcntl = None
+    with open(out / LOCK_FILE, "a+") as f:  # a+: created when missing, never truncated before it is ours
+        try:
+            if fcntl is None:
+                raise OSError("this platform has no flock")
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "a process that has not written its name yet"
+            raise ValueError(f"{out} is in use by another training ({holder}): wait for it to end, or choose "
+                             "another --out") from None
+        except OSError as e:  # a file system without locks (some network mounts)
+            print(f"refusion train: warning: cannot lock {out} ({e.strerror or e}): make sure no other training "
+                  "uses it", file=sys.stderr)
+        else:
+            f.seek(0)
+            f.truncate()
+            since = datetime.datetime.now().isoformat(sep=" ", timespec="seconds")
+            f.write(f"pid {os.getpid()} on {socket.gethostname()}, since {since}\n")
+            f.flush()
+        yield
 
 
 def checkpoints(out: Path) -> list[Path]:

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import functools
 import os
+import platform
 import random
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,8 +30,9 @@ from refusion.bundled import resolve_model
 from refusion.model.mask_adapter import ADAPTER_WEIGHTS, adapter_parameters, add_mask_adapter, is_adapter_name
 from refusion.model.tokenizer import Tokenizer
 from refusion.model.transformer import Transformer
-from refusion.runtime import resolve_device
+from refusion.runtime import count_parameters, resolve_device, set_threads
 from refusion.training.config import TrainConfig
+from refusion.training.config_changes import resume_changes, saved_config
 from refusion.training.data import (BatchOrder, DataError, Example, encode_records, filter_by_length,
                                     train_bpe_tokenizer, training_records)
 from refusion.training.optimizer import make_optimizer
@@ -69,8 +71,12 @@ def log(msg: str) -> None:
         print(f"refusion train: {msg}", file=sys.stderr)
 
 
-def setup(cfg: TrainConfig, resume: bool = True) -> Run:
-    """Build (or resume) this process's part of the run `cfg` describes."""
+def setup(cfg: TrainConfig, resume: bool = True, allow_changed: Collection[str] = (),
+          threads: int | None = None) -> Run:
+    """Build (or resume) this process's part of the run `cfg` describes. A resumed run's configuration
+    may differ from its saved one only in fields config_changes allows (`allow_changed` names those
+    it allows on request). `threads`: CPU threads; None applies runtime.set_threads' rule (one for a
+    small model)."""
     cfg.validate()
     out = Path(cfg.out_dir)
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
@@ -80,15 +86,23 @@ def setup(cfg: TrainConfig, resume: bool = True) -> Run:
         raise ValueError(f"the {variant_of(cfg).name} variant trains on one process (its passes are not wired through "
                          "DDP yet): run it without torchrun")
     device = _process_group(cfg, world)
+    if cfg.dtype == "bfloat16" and device.type == "cpu" and cpu_bf16_is_emulated():
+        log("warning: dtype bfloat16 on this CPU (no AVX512-BF16 or AMX instructions) is emulated and many times "
+            "slower than float32; training goes on in bfloat16 as asked: set dtype = \"float32\" (--set "
+            "dtype='\"float32\"') to train at full speed")
     micro = cfg.micro_batch_size or max(cfg.batch_size // world, 1)
     if cfg.batch_size % (world * micro):
         raise ValueError(f"batch_size {cfg.batch_size} must be a multiple of processes ({world}) x "
                          f"micro_batch_size ({micro})")
-    ckpt = _checkpoint_to_resume(cfg, out, resume)
+    ckpt = _checkpoint_to_resume(cfg, out, resume, allow_changed)
 
     # read once, when first needed: only a tokenizer trained on the data needs them before the examples
     @functools.cache
     def records() -> list[dict]:
+        if cfg.data == "synthetic" or cfg.data.startswith("tasks:"):
+            log(f"generating {cfg.synthetic_examples} examples of {cfg.data}")
+        else:
+            log(f"reading {cfg.data}")
         recs = training_records(cfg.data, cfg.synthetic_examples, cfg.seed, cfg.corpus, cfg.corpus_examples)
         if cfg.corpus is not None:
             log(f"data: {cfg.data} + {cfg.corpus_examples} passages of {cfg.corpus}: {len(recs)} records")
@@ -96,6 +110,10 @@ def setup(cfg: TrainConfig, resume: bool = True) -> Run:
 
     tokenizer = _tokenizer(cfg, out, ckpt, rank, world, records)
     model, new_tokens = _model(cfg, tokenizer, ckpt, device)
+    n_params = count_parameters(model)
+    n_threads = set_threads(threads, n_params)
+    log(f"{n_params:,} parameters" + (f", {n_threads} CPU thread{'s' if n_threads > 1 else ''}"
+                                       if device.type == "cpu" else f" on {device}"))
     examples = _examples(cfg, records(), tokenizer)
     if len(examples) < cfg.batch_size:
         raise DataError(f"only {len(examples)} examples after filtering, fewer than batch_size {cfg.batch_size}")
@@ -126,7 +144,16 @@ def _process_group(cfg: TrainConfig, world: int) -> torch.device:
     return dev
 
 
-def _checkpoint_to_resume(cfg: TrainConfig, out: Path, resume: bool) -> Path | None:
+def cpu_bf16_is_emulated() -> bool:
+    """True on an x86 CPU without AVX512-BF16 or AMX, where torch emulates bfloat16 matrix products
+    (many times slower than float32); False elsewhere, or where torch cannot tell."""
+    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+        return False
+    probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    return all(p is not None for p in probes) and not any(p() for p in probes)
+
+
+def _checkpoint_to_resume(cfg: TrainConfig, out: Path, resume: bool, allow_changed: Collection[str]) -> Path | None:
     ckpt = latest_checkpoint(out)
     if ckpt is not None and not resume:
         raise ValueError(f"{out} already holds a run ({ckpt.name}) and resuming is off (--no-resume): "
@@ -135,6 +162,11 @@ def _checkpoint_to_resume(cfg: TrainConfig, out: Path, resume: bool) -> Path | N
         written = written_by(ckpt)
         raise ValueError(f"{ckpt} was written with strategy {written}: resume it with --strategy {written} "
                          "(or choose a new out_dir)")
+    saved = saved_config(out) if ckpt is not None else None
+    if saved is not None:  # (a run directory without one, written by hand, is taken as it is)
+        changes = resume_changes(saved, cfg, allow_changed)
+        if changes:
+            log(f"resuming with a changed configuration: {', '.join(changes)}")
     return ckpt
 
 
@@ -150,6 +182,7 @@ def _tokenizer(cfg: TrainConfig, out: Path, ckpt: Path | None, rank: int, world:
     tok_dir = out / "tokenizer"
     if rank == 0 and not (tok_dir / "tokenizer.json").exists():
         texts = [t for r in records() for t in (r["query"], r["response"])]
+        log(f"training a BPE tokenizer on {len(texts) // 2} records")
         tok = train_bpe_tokenizer(texts, cfg.vocab_size)
         tok_dir.mkdir(parents=True, exist_ok=True)
         tok.save(tok_dir)
@@ -169,12 +202,14 @@ def _model(cfg: TrainConfig, tok: Tokenizer, ckpt: Path | None, device: torch.de
     start = cfg.init if (cfg.lora or fsdp or mask_only(cfg)) else (ckpt or cfg.init)
     new_tokens: list[int] = []
     if start is not None:
+        log(f"loading {start}")
         model = load_model(resolve_model(start), dtype=torch.float32)
         if needs_mask and model.config.mask_token_id is None:
             mask_id = add_mask_token(model, tok)
             new_tokens = [mask_id]
             log(f"added the mask token to {cfg.init} (id {mask_id})")
     else:
+        log("building a new model")
         model = _new_model(cfg, tok, needs_mask)
     if cfg.max_length > model.config.max_position_embeddings:
         raise ValueError(f"max_length {cfg.max_length} exceeds {start or 'the model'}'s max_position_embeddings "
@@ -225,6 +260,7 @@ def apply_seeded_lora(model: Transformer, cfg: TrainConfig, new_tokens: list[int
 
 
 def _examples(cfg: TrainConfig, records: list[dict], tok: Tokenizer) -> list[Example]:
+    log(f"tokenizing {len(records)} records")
     kept, dropped = filter_by_length(encode_records(records, tok), cfg.max_length)
     n_tok = sum(len(e) for e in kept)
     log(f"{len(kept)} examples ({n_tok} tokens); dropped {dropped} longer than {cfg.max_length} tokens")
@@ -258,7 +294,10 @@ def _older_layout(path: Path, what: str) -> str:
 
 def _resume(run: Run, path: Path) -> None:
     """Continue from checkpoint `path`: weights (where the model was not loaded from it), optimizer,
-    step, layout generator and random number generators, exactly as they were when it was written."""
+    step, layout generator and random number generators, exactly as they were when it was written.
+    AdamW's betas and weight decay are the configuration's (the saved ones, unless a resume changed them)."""
+    log(f"resuming from {path}")
+    hyper = [{k: g[k] for k in ("betas", "weight_decay")} for g in run.optimizer.param_groups]
     s = torch.load(path / STATE_FILE, weights_only=False)
     rng = s["rng"]
     if run.fsdp:
@@ -281,10 +320,11 @@ def _resume(run: Run, path: Path) -> None:
             run.optimizer.load_state_dict(s["optimizer"])
         except ValueError:  # parameter groups of another size: separate q/k/v and gate/up (refusion 0.1)
             raise ValueError(_older_layout(path, "its optimizer state")) from None
+    for g, h in zip(run.optimizer.param_groups, hyper):
+        g.update(h)
     run.layout_gen.set_state(s["layout_gen"])
     _set_rng_state(rng)
     run.step = s["step"]
-    log(f"resumed from {path} at step {run.step}")
 
 
 def load_mask_path(model: Transformer, ckpt: Path) -> None:

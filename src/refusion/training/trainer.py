@@ -20,11 +20,13 @@ processes (refusion.training.fsdp) and writes sharded checkpoints
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import shutil
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 import torch.distributed as dist
@@ -32,26 +34,37 @@ import torch.distributed as dist
 from refusion.training.checkpointing import export_model, final_dir, save_checkpoint
 from refusion.training.config import TrainConfig, load_train_config, to_toml  # noqa: F401 (the API in one place)
 from refusion.training.optimizer import lr_at  # noqa: F401 (refusion.train.lr_at, the old path)
-from refusion.training.run_dir import checkpoints, tensorboard, truncate_metrics
+from refusion.training.config_changes import CONFIG_FILE, check_allow_changed
+from refusion.training.run_dir import checkpoints, locked, tensorboard, truncate_metrics
 from refusion.training.setup import Run, log, setup
 from refusion.training.step import train_step
 
 
-def train(cfg: TrainConfig, resume: bool = True, progress: bool = True) -> Path:
+def train(cfg: TrainConfig, resume: bool = True, progress: bool = True, allow_changed: Collection[str] = (),
+          threads: int | None = None) -> Path:
     """Train (or resume) a run; returns the final model directory (a mask-only run: its adapter's).
+
+    The run holds a lock on out_dir while it lasts (under torchrun, rank 0 holds it for all the
+    processes): a second training into it fails at once. A resume may change the configuration only
+    where refusion.training.config_changes allows, `allow_changed` naming the fields it allows on
+    request. `threads`: CPU threads; None: one for a small model, else torch's default.
 
     A run that fails before its first checkpoint (a bad option that only shows at step one, data
     that does not fit) leaves no directory behind if it created the directory: a later attempt
     with the same out_dir then starts clean instead of meeting a half-made run.
     """
+    cfg.validate()
+    check_allow_changed(allow_changed)
     out = Path(cfg.out_dir)
     created = not out.exists()
-    try:
-        return fit(setup(cfg, resume=resume), progress=progress)
-    except Exception:
-        if created and int(os.environ.get("RANK", "0")) == 0 and not checkpoints(out):
-            shutil.rmtree(out, ignore_errors=True)
-        raise
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    with locked(out) if rank0 else contextlib.nullcontext():
+        try:
+            return fit(setup(cfg, resume=resume, allow_changed=allow_changed, threads=threads), progress=progress)
+        except Exception:
+            if created and rank0 and not checkpoints(out):
+                shutil.rmtree(out, ignore_errors=True)
+            raise
 
 
 def fit(run: Run, progress: bool = True) -> Path:
@@ -59,11 +72,16 @@ def fit(run: Run, progress: bool = True) -> Path:
     checkpoint when stopped early)."""
     cfg = run.cfg
     run.out.mkdir(parents=True, exist_ok=True)
+    end = min(cfg.max_steps, cfg.stop_after or cfg.max_steps)
     if run.rank == 0:
-        (run.out / "train_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+        # what the next resume compares its configuration with; replaced whole, never half-written
+        tmp = run.out / f".{CONFIG_FILE}.tmp"
+        tmp.write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+        tmp.replace(run.out / CONFIG_FILE)
         truncate_metrics(run.out / "metrics.jsonl", run.step)
+        if run.step < end:
+            log(f"training steps {run.step + 1} to {end} of {cfg.max_steps} -> {run.out}")
     with _Metrics(run, progress) as metrics:
-        end = min(cfg.max_steps, cfg.stop_after or cfg.max_steps)
         while run.step < end:
             t0 = time.perf_counter()
             rec = train_step(run)

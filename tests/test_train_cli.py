@@ -1,0 +1,78 @@
+"""`refusion train` as a user meets it: a line for each setup stage, one CPU thread for a small model,
+a warning where bfloat16 would be emulated, a seed torch can take."""
+
+import json
+import platform
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from refusion.model.checkpoint import load_model
+from refusion.model.config import ConfigError
+from refusion.runtime import count_parameters
+from refusion.training.config import TrainConfig
+from refusion.training.setup import cpu_bf16_is_emulated
+
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2}
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "add.jsonl"
+    path.write_text("\n".join(json.dumps({"query": f"What is {a} plus {a}?", "response": f"{2 * a}."})
+                              for a in range(40)))
+    return path
+
+
+def _train(data_file, out, *extra: str) -> subprocess.CompletedProcess:
+    argv = ["train", f"--data={data_file}", "--set=vocab_size=300", f"--set=model={json.dumps(TINY)}",
+            "--set=batch_size=8", "--max-steps=1", f"--out={out}", "--no-progress", *extra]
+    p = subprocess.run([sys.executable, "-m", "refusion.cli", *argv], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return p
+
+
+def test_setup_stages_one_thread_for_a_small_model_and_the_bfloat16_warning(data_file, tmp_path):
+    p = _train(data_file, tmp_path / "a", "--set=dtype=\"bfloat16\"")
+    lines = [ln.removeprefix("refusion train: ") for ln in p.stderr.splitlines()]
+    n = count_parameters(load_model(tmp_path / "a" / "model"))
+    stages = [f"reading {data_file}", "training a BPE tokenizer on 40 records", "building a new model",
+              f"{n:,} parameters, 1 CPU thread", "tokenizing 40 records",
+              f"training steps 1 to 1 of 1 -> {tmp_path / 'a'}"]
+    assert [ln for ln in lines if ln in stages] == stages  # each once, in the order they run
+    warning = ("warning: dtype bfloat16 on this CPU (no AVX512-BF16 or AMX instructions) is emulated and many times "
+               "slower than float32; training goes on in bfloat16 as asked: set dtype = \"float32\" (--set "
+               "dtype='\"float32\"') to train at full speed")
+    assert (warning in lines) == cpu_bf16_is_emulated()
+    assert json.loads((tmp_path / "a" / "train_config.json").read_text())["dtype"] == "bfloat16"  # kept, as asked
+    # --threads overrides the rule; float32 has nothing to warn about
+    p = _train(data_file, tmp_path / "b", "--threads=2")
+    assert f"refusion train: {n:,} parameters, 2 CPU threads" in p.stderr.splitlines()
+    assert "bfloat16" not in p.stderr
+
+
+@pytest.mark.parametrize("machine, avx512_bf16, amx, emulated", [
+    ("x86_64", False, False, True),
+    ("x86_64", True, False, False),
+    ("AMD64", False, True, False),
+    ("aarch64", False, False, False),  # another architecture: not known to emulate, no warning
+])
+def test_which_cpus_emulate_bfloat16(monkeypatch, machine, avx512_bf16, amx, emulated):
+    monkeypatch.setattr(platform, "machine", lambda: machine)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    assert cpu_bf16_is_emulated() == emulated
+    monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported")  # a torch that cannot tell: no warning
+    assert not cpu_bf16_is_emulated()
+
+
+def test_the_seed_is_one_torch_can_take():
+    assert TrainConfig(seed=2**63 - 1).validate().seed == 2**63 - 1
+    for bad in (2**63, -1):
+        with pytest.raises(ConfigError, match=rf"^seed must be an integer in \[0, 2\*\*63 - 1\], got {bad}$"):
+            TrainConfig(seed=bad).validate()
+    p = subprocess.run([sys.executable, "-m", "refusion.cli", "train", f"--set=seed={2**70}"], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2 and p.stderr == f"refusion: error: seed must be an integer in [0, 2**63 - 1], got {2**70}\n"
