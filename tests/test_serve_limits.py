@@ -1,12 +1,19 @@
 """The server's limits over real HTTP: what one request may cost (the context, the per-request token
-limit, max_tokens in whole blocks), on uvicorn servers on 127.0.0.1 serving the bundled model,
-through the official `openai` client or httpx.
+limit, max_tokens in whole blocks), and what one connection may hold (header and keep-alive
+timeouts, HTTP/0.9), on uvicorn servers on 127.0.0.1 serving the bundled model.
+
+Requests go through the official `openai` client or httpx; the connection cases through raw
+sockets, since no HTTP client sends a request line a byte at a time. Timeouts are set short here
+(seconds), so these cases take seconds.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
+import select
+import socket
+import time
 
 import pytest
 
@@ -24,11 +31,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 NAME = "refusion-tiny"
 CONTEXT = CFG.max_position_embeddings
 TIGHT = 450  # the per-request token limit of the `tight` server
+TIMEOUT = 2.0  # header and keep-alive timeouts of both servers, in seconds
 
 
 def start(**cfg) -> LiveServer:
     model, tok = bundled()
-    return LiveServer(Server(model, tok, ServeConfig(model_name=NAME, **cfg)))
+    return LiveServer(Server(model, tok, ServeConfig(model_name=NAME, header_timeout=TIMEOUT,
+                                                     keep_alive_timeout=TIMEOUT, **cfg)))
 
 
 @pytest.fixture(scope="module")
@@ -219,3 +228,97 @@ def test_rounding_up_past_the_context_speaks_of_max_tokens(live):
     prompt = ids("hi")[:1] * (CONTEXT - 40)  # prompt + max_tokens fill the context; whole blocks would not
     err = refusal(client_of(live), prompt, {"max_tokens": 40, "decoder": "mdm", "block_length": 32})
     assert err["param"] == "max_tokens" and "decodes max_tokens 40 in whole blocks, 64 tokens" in err["message"], err
+
+
+# ---- connections ----------------------------------------------------------------------------------
+
+
+def connect(srv: LiveServer) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", srv.port), timeout=30)  # a hang fails the test
+
+
+def read_to_close(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection."""
+    out = b""
+    while chunk := sock.recv(65536):
+        out += chunk
+    return out
+
+
+def read_response(sock: socket.socket) -> tuple[int, bytes]:
+    """One response (with a Content-Length) from a kept-alive connection: (status, body)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"the connection closed mid-response: {data!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    n = int(next(v for k, _, v in (h.partition(":") for h in lines[1:]) if k.lower() == "content-length"))
+    while len(body) < n:
+        body += sock.recv(65536)
+    assert len(body) == n, "more bytes than the response's length"
+    return int(lines[0].split()[1]), body
+
+
+HEALTH = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+def test_a_connection_that_sends_nothing_is_closed(live):
+    with connect(live) as s:
+        assert read_to_close(s) == b""
+    assert httpx.get(live.url + "/health").status_code == 200
+
+
+def test_headers_a_byte_at_a_time_get_408_and_a_close(live):
+    with connect(live) as s:
+        s.sendall(HEALTH)  # a first request on the connection is served; the next one dribbles
+        assert read_response(s)[0] == 200
+        s.sendall(b"GET /health HTTP/1.1\r\n")
+        for byte in b"X-Slow: " + b"a" * 200:  # never ends in time
+            if select.select([s], [], [], 0.25)[0]:  # the server answered (and closes)
+                break
+            s.sendall(bytes([byte]))
+        got = read_to_close(s)
+    status_line, _, rest = got.partition(b"\r\n")
+    assert status_line == b"HTTP/1.1 408 Request Timeout", got
+    assert json.loads(rest.partition(b"\r\n\r\n")[2])["error"]["message"] == \
+        f"request headers not received within {TIMEOUT:g} s"
+
+
+def test_http_0_9_is_answered_at_once(live):
+    """A request line with no version would wait for a blank line; it is a 400 at once (not the
+    header timeout's 408)."""
+    with connect(live) as s:
+        s.sendall(b"GET /\r\n")
+        got = read_to_close(s)
+    assert got.startswith(b"HTTP/1.1 400 Bad Request\r\n"), got
+    assert "HTTP/0.9 is not supported" in json.loads(got.partition(b"\r\n\r\n")[2])["error"]["message"]
+
+
+def test_an_idle_kept_alive_connection_is_closed(live):
+    with connect(live) as s:
+        s.sendall(HEALTH)
+        assert read_response(s)[0] == 200
+        assert read_to_close(s) == b""
+
+
+def test_slow_bodies_kept_alive_and_pipelined_requests_are_served(live):
+    """The header timeout stops once the headers are in: a body that takes longer than it (but not
+    the body timeout) is answered; so are requests after a pause on a kept-alive connection, and
+    two requests sent in one write."""
+    body = json.dumps({"model": NAME, "prompt": "hi", "max_tokens": 4}).encode()
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body))
+    with connect(live) as s:
+        s.sendall(head)
+        for i in range(0, len(body), 4):  # over about 1.5 header timeouts
+            time.sleep(1.5 * TIMEOUT / (len(body) / 4))
+            s.sendall(body[i: i + 4])
+        status, answer = read_response(s)
+        assert status == 200 and json.loads(answer)["object"] == "text_completion"
+        time.sleep(TIMEOUT / 4)
+        s.sendall(HEALTH)
+        assert read_response(s)[0] == 200
+        s.sendall(HEALTH + HEALTH)
+        assert [read_response(s)[0] for _ in range(2)] == [200, 200]

@@ -61,6 +61,8 @@ class ServeConfig:
     max_request_tokens: int | None = None  # tokens one request may hold (budget.py); None: twice the context
     max_body_bytes: int = 1 << 20
     body_timeout: float = 10.0  # seconds to receive a whole body (slow senders are cut off: 408)
+    header_timeout: float = 10.0  # seconds to receive a request line and headers (connection.py)
+    keep_alive_timeout: float = 5.0  # seconds an idle connection stays open between requests
     max_queue: int = 256  # requests waiting for the engine before 429
     max_running: int = 64  # sequences in the continuous batch
     static_batch: int = 16  # jobs in one decode() group for the other decoders
