@@ -2,9 +2,10 @@
 
 A generation request goes: body (size and time limits) -> JSON (UTF-8, strict) -> schema ->
 prompt ids (template, length limits) -> decoder choice (validated) -> its cost (budget.py: the
-context and the per-request token limit) -> a Job in the engine's queue (429 when full). The engine's events come back through an asyncio queue per request; a task that
-watches the connection puts a "gone" marker in the same queue when the client disconnects, so the
-request is cancelled within one engine step whether it streams or not.
+context and the per-request token limit) -> a Job in the engine's queue (429 when full). The
+engine's events come back through an asyncio queue per request; a task that watches the connection
+puts a "gone" marker in the same queue when the client disconnects, so the request is cancelled
+within one engine step whether it streams or not.
 
 Streams are OpenAI's SSE chunks with one extension field, `refusion`, on every chunk (see the
 README, "Serving"): the commits as they land ({positions, tokens, pieces, step}), which may be out
@@ -510,8 +511,7 @@ def _cut(res: DecodeResult, n: int) -> DecodeResult:
     n there is no EOS before the cut, so a cut result did not finish."""
     if len(res.tokens) <= n:
         return res
-    return replace(res, tokens=res.tokens[:n], positions=res.positions[:n], steps=res.steps[:n],
-                               finished=False)
+    return replace(res, tokens=res.tokens[:n], positions=res.positions[:n], steps=res.steps[:n], finished=False)
 
 
 def _too_large(limit: int) -> RequestError:

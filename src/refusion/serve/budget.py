@@ -14,8 +14,8 @@ model has positions (draft_length / mask_length), and a request whose tokens exc
 `max_request_tokens`. Its default, twice the model's context, admits every request that fits the
 context with a step at most as wide as the context, so a server started without the flag refuses
 nothing it answered before; with the flag, an operator trades the widest requests for memory.
-In the continuous batch every row is as long as the longest row plus the widest step, so the batch
-holds at most max_running rows of twice the limit.
+In the continuous batch every row is as long as the longest prompt + gen_length plus the widest
+step, so the engine admits a job there only while that stays within the limit too (engine.py).
 """
 
 from __future__ import annotations
@@ -47,8 +47,10 @@ def check(prompt_len: int, choice: DecoderChoice, context: int, limit: int) -> N
         L = choice.gen_length
         parts = f"prompt {prompt_len} + max_tokens {L}" if L == choice.cut else (
             f"prompt {prompt_len} + max_tokens {choice.cut} rounded up to whole blocks, {L}")
-        if width:
+        if choice.spec is not None and (choice.spec.draft_length or choice.spec.mask_length):
             parts += f" + {width + 1} for one step's drafts and masks ({_width_terms(choice)} + 1)"
+        elif width:  # greedy ar in the continuous batch: the newest token and the next column
+            parts += f" + {width + 1} for one step"
         param = _width_field(choice) if width > L else "max_tokens"
         raise RequestError(400, f"this request needs {need} tokens ({parts}); this server admits at most {limit} "
                                 f"tokens per request", param, code="request_too_large")
