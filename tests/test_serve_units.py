@@ -119,7 +119,8 @@ def test_decoder_refusals_speak_of_max_tokens():
     # mdm decodes max_tokens 50 as two blocks of 32: the message says so, and names the field
     with pytest.raises(RequestError) as e:
         choose(parse_completion({"prompt": "x", "decoder": "mdm", "steps": 100}), CFG, 50)
-    assert e.value.message == "steps 100 exceeds max_tokens 50, rounded up to whole blocks, 64: every step must commit a token"
+    assert e.value.message == ("steps 100 exceeds max_tokens 50, rounded up to whole blocks, 64: every step must "
+                               "commit a token")
     assert e.value.param == "steps"
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from refusion.cli.args import MODEL_HELP, positive_int, resolve_model_dir
 
