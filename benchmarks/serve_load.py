@@ -280,7 +280,7 @@ def hostile_kinds(model: str, max_tokens_cap: int) -> dict[str, list[bytes]]:
         "n_not_1": [http(path, chat("hi", **ok, n=3))],
         "too_many_stops": [http(path, chat("hi", **ok, stop=["a", "b", "c", "d", "e"]))],
         "unknown_decoder": [http(path, chat("hi", **ok, decoder="beam-search"))],
-        "bad_decoder_params": [http(path, chat("hi", **ok, decoder="refusion", slot_size=7))],
+        "bad_decoder_params": [http(path, chat("hi", **ok, decoder="refusion", slot_size=0))],
         "bad_message": [http(path, json.dumps({**ok, "messages": [{"role": "wizard", "content": 5}]}).encode())],
         "bad_content_length": [http(path, b"{}").replace(b"Content-Length: 2", b"Content-Length: abc")],
         "wrong_method": [b"GET /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"],

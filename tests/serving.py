@@ -4,7 +4,6 @@ would give from `decode()` alone."""
 from __future__ import annotations
 
 import dataclasses
-import socket
 import threading
 import time
 
@@ -23,19 +22,18 @@ def task_prompts(per_task: int = 2) -> list[str]:
 
 
 class LiveServer:
-    """uvicorn serving `server.app()` on a free loopback port, in a background thread."""
+    """uvicorn serving `server.app()` on a free loopback port, in a background thread, as
+    `refusion serve` runs it (the same socket binding, protocol and timeouts)."""
 
     def __init__(self, server) -> None:
-        import uvicorn
+        from refusion.serve.connection import listen, uvicorn_server
 
         self.server = server
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
+        socks = listen("127.0.0.1", 0)
+        self.port = socks[0].getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.uv = uvicorn.Server(uvicorn.Config(server.app(), log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.uv.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.uv = uvicorn_server(server.app(), server.cfg, log_level="warning")
+        self.thread = threading.Thread(target=self.uv.run, kwargs={"sockets": socks}, daemon=True)
         self.thread.start()
         deadline = time.time() + 30
         while not self.uv.started:

@@ -79,12 +79,13 @@ def test_the_page_shows_the_api_answer(live, page, decoder, settings):
 
 def test_the_page_reports_errors(page):
     page.fill("#prompt", "hi")
-    page.select_option("#decoder", "refusion")
-    page.fill("#max_tokens", "60")  # not a multiple of slot_size 8
-    page.fill("#slot_size", "8")
+    page.select_option("#decoder", "speculative")
+    page.fill("#max_tokens", "60")
+    page.fill("#mask_length", "100000")  # a step wider than the model's context
     page.click("#run")
     page.wait_for_selector("body[data-state=error]", timeout=30_000)
-    assert "multiple of slot_size" in page.inner_text("#error")
+    assert "tokens fed per step exceeds the model's context" in page.inner_text("#error")
+    page.fill("#mask_length", "")
 
 
 def test_the_controls_are_the_decoders_fields_from_the_server(live, page):

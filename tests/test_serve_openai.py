@@ -164,7 +164,7 @@ def test_errors_through_the_openai_client(client):
         (openai.BadRequestError, dict(n=2), "n must be 1"),
         (openai.NotFoundError, dict(model="gpt-4"), "does not exist"),
         (openai.BadRequestError, dict(max_tokens=100000), "exceeds this server's cap"),
-        (openai.BadRequestError, dict(extra_body={"decoder": "refusion", "slot_size": 7}), "multiple of slot_size"),
+        (openai.BadRequestError, dict(extra_body={"decoder": "refusion", "slot_size": 0}), "slot_size must be"),
         (openai.BadRequestError, dict(extra_body={"decoder": "mdm", "slot_size": 8}), "does not take slot_size"),
         (openai.BadRequestError, dict(messages=[{"role": "user", "content": "many " * 1500}]), "maximum context length"),
     ]

@@ -86,7 +86,8 @@ def test_accepted_bodies():
 @pytest.mark.parametrize("fields,fragment", [
     ({"decoder": "beam"}, "unknown decoder 'beam'"),
     ({"decoder": "mdm", "slot_size": 8}, "decoder 'mdm' does not take slot_size"),
-    ({"decoder": "refusion", "slot_size": 7}, "must be a multiple of slot_size"),
+    ({"decoder": "refusion", "slot_size": 0}, "slot_size must be an integer >= 1"),
+    ({"decoder": "mdm", "steps": 100}, "steps 100 exceeds max_tokens 64"),
     ({"decoder": "refusion", "slot_size": 8.5}, "slot_size must be an integer"),
     ({"decoder": "refusion", "recompute_kv": 1}, "recompute_kv must be a boolean"),
     ({"decoder": "refusion", "top_p": 0.5}, "does not sample with top_p"),
@@ -98,6 +99,29 @@ def test_decoder_parameters_validated_like_the_cli(fields, fragment):
     body = {"prompt": "hi", "max_tokens": 64, **fields}
     code, msg = status(choose, parse_completion(body), CFG, 64)
     assert code == 400 and fragment in msg, msg
+
+
+@pytest.mark.parametrize("fields,max_tokens,gen_length", [
+    ({"decoder": "refusion", "slot_size": 7}, 64, 70),
+    ({"decoder": "refusion", "slot_size": 8, "serial_blocks": 2}, 40, 48),
+    ({"decoder": "refusion-l2r"}, 64, 64),
+    ({"decoder": "mdm", "block_length": 32}, 50, 64),
+    ({"decoder": "mdm-threshold", "block_length": 16}, 1, 16),
+    ({"decoder": "speculative"}, 50, 50),
+    ({"decoder": "ar"}, 7, 7),
+])
+def test_max_tokens_rounded_up_to_whole_blocks(fields, max_tokens, gen_length):
+    c = choose(parse_completion({"prompt": "x", **fields}), CFG, max_tokens)
+    assert (c.gen_length, c.cut) == (gen_length, max_tokens)
+
+
+def test_decoder_refusals_speak_of_max_tokens():
+    # mdm decodes max_tokens 50 as two blocks of 32: the message says so, and names the field
+    with pytest.raises(RequestError) as e:
+        choose(parse_completion({"prompt": "x", "decoder": "mdm", "steps": 100}), CFG, 50)
+    assert e.value.message == ("steps 100 exceeds max_tokens 50, rounded up to whole blocks, 64: every step must "
+                               "commit a token")
+    assert e.value.param == "steps"
 
 
 def test_decoder_choice():

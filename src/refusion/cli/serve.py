@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from refusion.cli.args import MODEL_HELP, positive_int, resolve_model_dir
 
@@ -54,9 +53,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     lim.add_argument("--max-tokens-cap", type=positive_int, default=1024,
                      help="largest max_tokens a request may ask for (also bounded by the model's context)")
     lim.add_argument("--default-max-tokens", type=positive_int, default=128, help="max_tokens when a request gives none")
+    lim.add_argument("--max-request-tokens", type=positive_int,
+                     help="the most tokens one request may hold in the cache: prompt + max_tokens (rounded up to "
+                          "whole blocks) + one step's draft and masks (speculative: 2 + draft_length + "
+                          "mask_length); checked before the request is admitted (default: twice the model's context, "
+                          "max_position_embeddings, which admits every request that fits the context); the continuous "
+                          "batch keeps each of its rows within it too (a request waits until it fits). A step wider "
+                          "than the context is refused whatever this is")
     lim.add_argument("--max-body-bytes", type=positive_int, default=1 << 20, help="largest request body; more is a 413")
     lim.add_argument("--body-timeout", type=_seconds, default=10.0,
                      help="seconds to receive a whole request body; slower is a 408")
+    lim.add_argument("--header-timeout", type=_seconds, default=10.0,
+                     help="seconds to receive a request line and its headers, from the connection's opening or the "
+                          "request's first byte; slower is a 408 and the connection is closed")
+    lim.add_argument("--keep-alive-timeout", type=_seconds, default=5.0,
+                     help="seconds an idle connection stays open after a response")
     lim.add_argument("--max-queue", type=positive_int, default=256,
                      help="requests waiting for the engine; one more is a 429 with Retry-After")
     eng = s.add_argument_group("engine")
@@ -79,9 +90,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     try:
-        import uvicorn
-
         from refusion.serve.app import ServeConfig, build
+        from refusion.serve.connection import listen, uvicorn_server
     except ImportError as e:
         raise ValueError(f"refusion serve needs the serve extra ({e.name} is missing): "
                          "pip install 'refusion[serve]'") from None
@@ -89,14 +99,17 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     model_dir = resolve_model_dir(args)
     device = resolve_device(args.device)
+    socks = listen(args.host, args.port)  # a port in use fails here, before the model loads
     aliases = [str(model_dir)] + ([args.model] if args.model and args.model != str(model_dir) else [])
     cfg = ServeConfig(model_name=args.served_model_name or model_dir.name, max_tokens_cap=args.max_tokens_cap,
                       default_max_tokens=args.default_max_tokens, max_body_bytes=args.max_body_bytes,
                       body_timeout=args.body_timeout, max_queue=args.max_queue, max_running=args.max_running,
-                      static_batch=args.static_batch, aliases=aliases)
+                      static_batch=args.static_batch, aliases=aliases, max_request_tokens=args.max_request_tokens,
+                      header_timeout=args.header_timeout, keep_alive_timeout=args.keep_alive_timeout)
     server = build(model_dir, cfg, dtype=args.dtype, device=device, compile=args.compile)
     set_threads(args.threads, count_parameters(server.model))
-    print(f"refusion: serving {cfg.model_name} on http://{args.host}:{args.port}/ "
-          f"(OpenAI API under /v1, metrics at /metrics)", file=sys.stderr)
-    uvicorn.run(server.app(), host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=5)
+    port = socks[0].getsockname()[1]  # the one bound: --port 0 lets the system choose
+    where = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"refusion: serving {cfg.model_name} on http://{where}:{port}/ (OpenAI API under /v1, metrics at "
+          f"/metrics; at most {server.max_request_tokens} tokens per request)", file=sys.stderr)
+    uvicorn_server(server.app(), cfg, args.log_level).run(sockets=socks)

@@ -1,10 +1,11 @@
 """The HTTP layer: OpenAI-compatible routes on Starlette, talking to the engine thread.
 
 A generation request goes: body (size and time limits) -> JSON (UTF-8, strict) -> schema ->
-prompt ids (template, length limits) -> decoder choice (validated) -> a Job in the engine's queue
-(429 when full). The engine's events come back through an asyncio queue per request; a task that
-watches the connection puts a "gone" marker in the same queue when the client disconnects, so the
-request is cancelled within one engine step whether it streams or not.
+prompt ids (template, length limits) -> decoder choice (validated) -> its cost (budget.py: the
+context and the per-request token limit) -> a Job in the engine's queue (429 when full). The
+engine's events come back through an asyncio queue per request; a task that watches the connection
+puts a "gone" marker in the same queue when the client disconnects, so the request is cancelled
+within one engine step whether it streams or not.
 
 Streams are OpenAI's SSE chunks with one extension field, `refusion`, on every chunk (see the
 README, "Serving"): the commits as they land ({positions, tokens, pieces, step}), which may be out
@@ -23,7 +24,7 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ from starlette.routing import Route
 from refusion.decoding.common import DecodeResult
 from refusion.model.transformer import Transformer
 from refusion.model.tokenizer import Tokenizer
+from refusion.serve import budget
 from refusion.serve.engine import Engine, Event, Job, QueueFull
 from refusion.serve.metrics import Metrics
 from refusion.decoding import default_decoder, registry
@@ -57,8 +59,11 @@ class ServeConfig:
     model_name: str = "refusion"
     max_tokens_cap: int = 1024  # the most max_tokens a request may ask for (also bounded by the context)
     default_max_tokens: int = 128
+    max_request_tokens: int | None = None  # tokens one request may hold (budget.py); None: twice the context
     max_body_bytes: int = 1 << 20
     body_timeout: float = 10.0  # seconds to receive a whole body (slow senders are cut off: 408)
+    header_timeout: float = 10.0  # seconds to receive a request line and headers (connection.py)
+    keep_alive_timeout: float = 5.0  # seconds an idle connection stays open between requests
     max_queue: int = 256  # requests waiting for the engine before 429
     max_running: int = 64  # sequences in the continuous batch
     static_batch: int = 16  # jobs in one decode() group for the other decoders
@@ -69,9 +74,10 @@ class Server:
     def __init__(self, model: Transformer, tok: Tokenizer, cfg: ServeConfig, engine: Engine | None = None) -> None:
         self.model, self.tok, self.cfg = model, tok, cfg
         self.context = model.config.max_position_embeddings
+        self.max_request_tokens = cfg.max_request_tokens or 2 * self.context
         self.eos_ids = sorted(set(model.config.eos_ids) | ({tok.eos_id} if tok.eos_id is not None else set()))
         self.engine = engine or Engine(model, self.eos_ids, max_running=cfg.max_running, max_queue=cfg.max_queue,
-                                       static_batch=cfg.static_batch)
+                                       static_batch=cfg.static_batch, max_row_tokens=self.max_request_tokens)
         self.metrics = Metrics(lambda: self.engine.queue_depth, lambda: self.engine.running,
                                model.compiled.stats if model.compiled is not None else None)
         self.engine.on_step = self.metrics.on_step
@@ -149,6 +155,7 @@ class Server:
     async def models(self, request: Request) -> Response:
         card = {"id": self.cfg.model_name, "object": "model", "created": self.created, "owned_by": "refusion",
                 "max_model_len": self.context, "max_tokens_cap": self._cap(),
+                "max_request_tokens": self.max_request_tokens,
                 "decoders": list(registry.available(self.model.config)),
                 "default_decoder": default_decoder(self.model.config)}
         return JSONResponse({"object": "list", "data": [card]})
@@ -249,7 +256,14 @@ class Server:
             raise RequestError(400, f"this model's maximum context length is {self.context} tokens; the prompt has "
                                     f"{len(prompt)} and max_tokens asks for {max_tokens}", "prompt",
                                code="context_length_exceeded")
-        return req, prompt, choose(req, self.model.config, max_tokens)
+        choice = choose(req, self.model.config, max_tokens)
+        if choice.gen_length != max_tokens and len(prompt) + choice.gen_length > self.context:
+            raise RequestError(400, f"this model's maximum context length is {self.context} tokens; decoder "
+                                    f"{choice.decoder!r} decodes max_tokens {max_tokens} in whole blocks, "
+                                    f"{choice.gen_length} tokens, and the prompt has {len(prompt)}: lower max_tokens",
+                               "max_tokens", code="context_length_exceeded")
+        budget.check(len(prompt), choice, self.context, self.max_request_tokens)
+        return req, prompt, choice
 
     def _prompt_ids(self, req: CompletionRequest | ChatRequest) -> list[int]:
         try:
@@ -326,6 +340,9 @@ class _Run:
                         yield "error", ev.message
                         return
                     if ev.kind == "commit":
+                        ev = self._within(ev)
+                        if not ev.positions:
+                            continue
                         if self.first_token is None:
                             self.first_token = time.perf_counter()
                             server.metrics.ttft.observe(self.first_token - self.arrived)
@@ -335,7 +352,7 @@ class _Run:
                         if self.text.stopped:
                             server.engine.cancel(job)  # the answer is complete: free the sequence now
                     elif ev.kind == "done":
-                        res = ev.result
+                        res = _cut(ev.result, self.choice.cut)
                         if not self.text.stopped and not ev.cancelled:
                             delta += self.text.add(res.positions, res.tokens) + self.text.finish()
                         if commits or delta:
@@ -351,6 +368,15 @@ class _Run:
                 self.watcher.cancel()
             if job is not None and not job.closed:
                 server.engine.cancel(job)
+
+    def _within(self, ev: Event) -> Event:
+        """A commit event without the positions past max_tokens (a decoder that works in whole
+        blocks decodes up to the end of the last one)."""
+        end = len(self.prompt) + self.choice.cut
+        if all(q < end for q in ev.positions):
+            return ev
+        keep = [i for i, q in enumerate(ev.positions) if q < end]
+        return Event("commit", [ev.positions[i] for i in keep], [ev.tokens[i] for i in keep], step=ev.step)
 
     # ---- non-streaming ------------------------------------------------------------------------
 
@@ -478,6 +504,14 @@ class _CountRequests:
             self.metrics.requests.labels(endpoint, str(status[0] or 499)).inc()
             if scope["method"] != "GET":  # health checks and scrapes alone never trigger the idle trim
                 self.metrics.served += 1
+
+
+def _cut(res: DecodeResult, n: int) -> DecodeResult:
+    """The result's first n tokens (its tokens are in position order, from the prompt's end); past
+    n there is no EOS before the cut, so a cut result did not finish."""
+    if len(res.tokens) <= n:
+        return res
+    return replace(res, tokens=res.tokens[:n], positions=res.positions[:n], steps=res.steps[:n], finished=False)
 
 
 def _too_large(limit: int) -> RequestError:

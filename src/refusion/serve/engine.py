@@ -7,7 +7,10 @@ Requests from the HTTP layer are `Job`s. The loop takes new jobs between steps:
   `SpeculativeBatch` (continuous batching): each `step()` is one forward
   for every running sequence; a job that arrives joins at the next step, a finished one leaves in
   the step that finishes it, a cancelled one (client gone, stop string found) is dropped before the
-  next step, its cache freed at once.
+  next step, its cache freed at once. Every row of the batch's cache is as long as the longest
+  prompt + gen_length in it plus the widest step (budget.py), so a job joins only while that stays
+  within `max_row_tokens`; one that does not waits, and the jobs behind it wait too (first come,
+  first served), until the batch has drained enough.
 - the other jobs (refusion, refusion-l2r, sampled ar, mdm, mdm-threshold, any other registered
   decoder) have no step-wise interface; they run through `decode()` in static groups of waiting jobs
   with the same decoder and parameters, each group in its own turn between two speculative steps. A
@@ -77,10 +80,11 @@ class QueueFull(Exception):
 class Engine:
     def __init__(self, model: Transformer, eos_ids: list[int] | None = None, max_running: int = 64,
                  max_queue: int = 256, static_batch: int = 16, on_step: Callable[[int, float], None] | None = None,
-                 batch_factory: Callable[..., Any] = SpeculativeBatch) -> None:
+                 batch_factory: Callable[..., Any] = SpeculativeBatch, max_row_tokens: int | None = None) -> None:
         self.model = model
         self.eos_ids = list(eos_ids if eos_ids is not None else model.config.eos_ids)
         self.max_running, self.max_queue, self.static_batch = max_running, max_queue, static_batch
+        self.max_row_tokens = max_row_tokens  # None: no limit on the batch's rows
         self.on_step = on_step  # metrics hook: (sequences in the step, seconds)
         self.batch_factory = batch_factory
         self.batch = self._new_batch()
@@ -159,15 +163,22 @@ class Engine:
         """Under the lock: speculative jobs that fit in the batch, and one static group (or none)."""
         admitted, rest = [], deque()
         static: list[Job] = []
+        longest = max((_extent(j) for j in self.live.values()), default=0)
+        widest = max((j.choice.spec.max_width for j in self.live.values()), default=0)
+        full = False  # a speculative job had to wait: the ones behind it wait too
         while self.waiting:
             job = self.waiting.popleft()
             if job.cancelled:
                 self._emit(job, Event("done", result=DecodeResult(prompt=job.prompt), cancelled=True))
             elif job.choice.spec is not None:
-                if len(self.live) + len(admitted) < self.max_running:
-                    admitted.append(job)
-                else:
+                grown = max(longest, _extent(job)), max(widest, job.choice.spec.max_width)
+                full = full or len(self.live) + len(admitted) >= self.max_running or (
+                    self.max_row_tokens is not None and sum(grown) + 1 > self.max_row_tokens)
+                if full:
                     rest.append(job)
+                else:
+                    admitted.append(job)
+                    longest, widest = grown
             elif not static:
                 static.append(job)
             elif len(static) < self.static_batch and _same_group(static[0], job):
@@ -329,6 +340,11 @@ class _NoBatch:
 
 class _Abandon(Exception):
     """Raised inside decode()'s callback to drop a static group whose clients have all gone."""
+
+
+def _extent(job: Job) -> int:
+    """Positions the job's answer may reach: prompt + gen_length."""
+    return len(job.prompt) + job.choice.gen_length
 
 
 def _same_group(a: Job, b: Job) -> bool:

@@ -5,10 +5,17 @@ field added to a decoder (or a decoder registered) is accepted by the server wit
 file; values are checked by `decoding.make_params`, the one place every caller (CLI, decode(),
 lm-eval, this server) validates them, so a request gets the same one-line message the CLI would
 print. Whether a job joins the engine's continuous batch is the decoder record's `batch`.
+
+max_tokens is the API's word for gen_length. A decoder that decodes in whole blocks or slots
+(`Decoder.gen_unit`: mdm's block_length, refusion's slot_size x serial_blocks) gets gen_length
+rounded up to a whole number of them, and the answer is cut at max_tokens (app.py), as lm-eval's
+adapter does with max_gen_toks; so any max_tokens works with any block size, and the answer is
+exactly the first max_tokens tokens of that decode.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,12 +27,14 @@ from refusion.serve.schemas import OPENAI_SET, GenerationRequest, RequestError
 @dataclass
 class DecoderChoice:
     """decoder: a registered name. params: the keyword arguments decode() takes for it
-    (gen_length included). spec: set when the job runs in the engine's continuous batch (a
-    SpeculativeBatch), with the validated SpeculativeParams it is added with."""
+    (gen_length included: max_tokens rounded up to the decoder's unit). spec: set when the job runs
+    in the engine's continuous batch (a SpeculativeBatch), with the validated SpeculativeParams it
+    is added with. max_tokens: where the answer is cut (gen_length when None)."""
 
     decoder: str
     params: dict[str, Any]
     spec: SpeculativeParams | None = None
+    max_tokens: int | None = None
 
     @property
     def temperature(self) -> float:
@@ -34,6 +43,11 @@ class DecoderChoice:
     @property
     def gen_length(self) -> int:
         return int(self.params["gen_length"])
+
+    @property
+    def cut(self) -> int:
+        """The most answer tokens the client gets."""
+        return self.max_tokens if self.max_tokens is not None else self.gen_length
 
 
 def choose(req: GenerationRequest, config: ModelConfig, max_tokens: int) -> DecoderChoice:
@@ -61,12 +75,27 @@ def choose(req: GenerationRequest, config: ModelConfig, max_tokens: int) -> Deco
         params["temperature"] = req.temperature
     if req.top_p is not None and req.top_p < 1.0 and "top_p" in allowed:  # 1.0 is OpenAI's default: a no-op
         params["top_p"] = req.top_p
+    unit = record.gen_unit(registry.settings(decoder, **params))
+    if unit >= 1:  # (a unit < 1 comes from a bad parameter, which make_params names)
+        params["gen_length"] = -(-max_tokens // unit) * unit
     try:
         p = make_params(decoder, **params)
     except (ValueError, TypeError) as e:
-        raise RequestError(400, str(e)) from None
+        raise _refusal(str(e), params, max_tokens) from None
     spec = record.batch(p, config) if record.batch is not None else None
-    return DecoderChoice(decoder, params, spec)
+    return DecoderChoice(decoder, params, spec, max_tokens)
+
+
+def _refusal(message: str, params: dict[str, Any], max_tokens: int) -> RequestError:
+    """A decoder's validation message in the API's words (max_tokens, not gen_length), with the
+    request field it names as the error's param."""
+    rounded = params["gen_length"]
+    said = "max_tokens" if rounded == max_tokens else f"max_tokens {max_tokens}, rounded up to whole blocks,"
+    message = re.sub(r"\bgen_length\b", said, message)
+    named = [k for k in params if k != "gen_length" and re.search(rf"\b{k}\b", message)]
+    param = min(named, key=lambda k: message.index(k)) if named else (
+        "max_tokens" if "max_tokens" in message else None)
+    return RequestError(400, message, param)
 
 
 def _check_type(name: str, v: Any, typ: type) -> None:
