@@ -96,6 +96,9 @@ CASES = [
     (SP + ["--accept-prob", "0"], "accept_prob must be > 0"),
     (SP + ["--draft-length", "-1"], "draft_length must be an integer >= 0 (0: plain AR), got -1"),
     (SP + ["--mask-length", "-2"], "mask_length must be an integer >= 0, got -2"),
+    (SP + ["--draft-length", "1000000000"],
+     "draft_length 1000000000 exceeds 256, the most draft tokens a step may verify; lower draft_length"),
+    (SP + ["--mask-length", "1000000"], "mask_length 1000000 exceeds 256, the most masks a step may feed"),
     (SP + ["--top-p", "0.5"], "top_k and top_p apply only when sampling"),
     (SP + ["--temperature", "1", "--top-p", "0"], "top_p must lie in (0, 1], got 0.0"),
     (AR + ["--slot-size", "4"], "--slot-size does not apply to decoder 'ar'"),
@@ -117,6 +120,14 @@ CASES = [
     (G + ["hello", "--decoder", "mdm-threshold", "--threshold", "2"], "threshold must lie in [0, 1], got 2.0"),
     (G + ["hello", "--decoder", "mdm", "--gen-length", "32", "--block-length", "8", "--steps", "7"], "steps 7"),
     (G + ["hello", "--threads", "0"], "argument --threads: must be >= 1, got 0"),
+    # seeds: what torch's generators take
+    (AR + ["--seed", str(2**70)], f"argument --seed: a seed is an integer in [0, 2**63 - 1], got {2**70}"),
+    (AR + ["--seed", "-1"], "argument --seed: a seed is an integer in [0, 2**63 - 1], got -1"),
+    (["eval", "--model", "{m}", "--task", "arith", "--seed", str(2**63)], "argument --seed: a seed is an integer"),
+    (["eval", "--model", "{m}", "--task", "arith", "--n", "3", "--seed", str(2**63 - 2), "--gen-length", "8"],
+     f"seed {2**63 - 2} is too large for 3 examples"),
+    (["self-generate", "--prompts", "stdlib", "--out", "{dir}/sg.jsonl", "--seed", str(2**64)],
+     "argument --seed: a seed is an integer"),
     (G + ["hello", "--gen-length", "abc"], "argument --gen-length: invalid int value: 'abc'"),
     (G + ["hello", "--decoder", "beam"], "argument --decoder: invalid choice: 'beam'"),
     # generate: devices
@@ -275,6 +286,8 @@ def _cli(*argv: str, **kw) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("argv, message", [
     (["generate", "--model", "{m}", "hello", "--gen-length", "1000000000"], "gen_length 1000000000 exceeds"),
+    (["generate", "--model", "{m}", "hello", "--draft-length", "1000000000"], "draft_length 1000000000 exceeds 256"),
+    (["generate", "--model", "{m}", "hello", "--seed", "1180591620717411303424"], "argument --seed"),
     (["generate", "--model", "{badtok}", "hello"], "is not a readable Hugging Face tokenizer file"),
     (["generate", "--model", "{m}", "hello", "--device", "foo"], "device 'foo'"),
     (["train", "--config", "{broken.yaml}"], "invalid YAML"),

@@ -46,6 +46,19 @@ def positive_int(text: str) -> int:
     return v
 
 
+def seed_int(text: str) -> int:
+    """argparse type: a seed torch's generators take, an integer in [0, 2**63 - 1]."""
+    from refusion.decoding.params import MAX_SEED
+
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if not 0 <= v <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"a seed is an integer in [0, 2**63 - 1], got {v}")
+    return v
+
+
 def check_out_dir(path: str, overwrite: bool) -> None:
     """Before any slow work: an output directory that holds something is only replaced on request."""
     p = Path(path)

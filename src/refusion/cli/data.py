@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from refusion.cli.args import MODEL_HELP, positive_int
+from refusion.cli.args import MODEL_HELP, positive_int, seed_int
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -25,7 +25,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "stdlib-functions, stdlib, jsonl:FILE")
     g.add_argument("--n", type=positive_int, help="prompts per source (a seeded sample; default: all, "
                    "1000 for stdlib)")
-    g.add_argument("--seed", type=int, default=0, help="of the sample of prompts")
+    g.add_argument("--seed", type=seed_int, default=0, help="of the sample of prompts")
     g.add_argument("--max-tokens", type=positive_int, default=256, help="longest response (tokens)")
     g.add_argument("--batch-size", type=positive_int, default=8, help="prompts decoded together")
     g.add_argument("--out", required=True, help="JSONL file, appended to: prompts already in it are skipped")

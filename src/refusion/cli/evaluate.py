@@ -52,7 +52,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     config = load_config(model_dir)
     decoder = choose_decoder(args, config)
     params = decoder_params(args, decoder)
-    make_params(decoder, **params)
+    make_params(decoder, config, **params)
     cfg = EvalConfig(decoder=decoder, params=params, n=args.n, split=args.split, batch_size=args.batch_size,
                      seed=args.seed, system=args.system, tag=args.tag).validate()
     run_eval(model_dir, tasks, cfg, args.out, label=args.label, overwrite=args.overwrite, dtype=args.dtype,

@@ -73,7 +73,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     prompt = _prompt(args, tok, model_dir)
     decoder = choose_decoder(args, config)
     params = decoder_params(args, decoder)
-    gen_length = make_params(decoder, **params).gen_length
+    gen_length = make_params(decoder, config, **params).gen_length
     check_prompts(config, [prompt], gen_length)
     model = load_model(model_dir, dtype=args.dtype, device=device, compile=args.compile)
     set_threads(args.threads, count_parameters(model))
