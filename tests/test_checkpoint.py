@@ -84,6 +84,31 @@ def test_save_is_atomic_and_refuses_to_clobber(tmp_path):
     assert (tmp_path / "ck" / "model.safetensors").read_bytes() != before
 
 
+@pytest.mark.parametrize("value, what", [(float("nan"), "NaN"), (float("inf"), "inf"), (-float("inf"), "inf")])
+def test_non_finite_weights_are_refused_when_loaded_naming_the_tensor(tmp_path, value, what):
+    cfg = ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2, num_kv_heads=1)
+    m = Transformer(cfg).init_weights(seed=0)
+    save_model(m, tmp_path / "ok")
+    load_model(tmp_path / "ok")  # finite: loads
+    with torch.no_grad():
+        m.layers[1].self_attn.qkv_proj.weight[-1, 2] = value  # the last rows of the fused q/k/v: v_proj's
+        m.norm.weight[0] = value  # a later tensor: the first is named
+    save_model(m, tmp_path / "bad")
+    with pytest.raises(CheckpointError, match=f"model.layers.1.self_attn.v_proj.weight holds {what} values"):
+        load_model(tmp_path / "bad")
+
+
+def test_weights_past_float16s_range_are_refused_in_float16(tmp_path):
+    cfg = ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1)
+    m = Transformer(cfg).init_weights(seed=0)
+    with torch.no_grad():
+        m.embed_tokens.weight[0, 0] = 1e6  # finite in float32, inf in float16
+    save_model(m, tmp_path / "big")
+    load_model(tmp_path / "big")
+    with pytest.raises(CheckpointError, match="model.embed_tokens.weight holds inf values"):
+        load_model(tmp_path / "big", dtype="float16")
+
+
 def test_add_mask_token_grows_vocab_and_keeps_old_logits(tmp_path):
     tok_dir = tmp_path / "tok"
     write_qwen3_tokenizer(tok_dir, extra_tokens=())

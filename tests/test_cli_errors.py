@@ -36,6 +36,10 @@ def files(tmp_path_factory) -> dict[str, str]:
     save_model(Transformer(ModelConfig(mask_token_id=tok.mask_id, **cfg)).init_weights(seed=0), d / "m", tok)
     # a causal model without a mask token, its tokenizer without <|mask|> as a token of the model
     save_model(Transformer(ModelConfig(**cfg)).init_weights(seed=0), d / "causal", tok)
+    nan = Transformer(ModelConfig(mask_token_id=tok.mask_id, **cfg)).init_weights(seed=0)
+    with torch.no_grad():
+        nan.layers[0].mlp.down_proj.weight[3, 5] = float("nan")
+    save_model(nan, d / "nan", tok)
     shutil.copytree(d / "m", d / "badtok")
     (d / "badtok" / "tokenizer.json").write_text("this is not a tokenizer {")
     shutil.copytree(d / "m", d / "badindex")
@@ -61,7 +65,7 @@ def files(tmp_path_factory) -> dict[str, str]:
     (res / "m__arith__ar.jsonl").write_text('{"id": 1}\n{"id": 2}\n')
     (d / "binary.json").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00")
     (d / "afile").write_text("x")
-    return {k: str(d / k) for k in ("m", "causal", "badtok", "badindex", "badconfig", "strconfig", "full", "four.toml",
+    return {k: str(d / k) for k in ("m", "causal", "nan", "badtok", "badindex", "badconfig", "strconfig", "full", "four.toml",
                                       "broken.toml", "broken.yaml", "list.yaml", "config.txt", "datadir",
                                       "binary.jsonl", "results", "binary.json", "afile")} | {"dir": str(d)}
 
@@ -149,6 +153,8 @@ CASES = [
     (["generate", "--model", "{dir}/missing", "hello"], "missing does not exist"),
     (["generate", "--model", "{badtok}", "hello"], "badtok/tokenizer.json is not a readable Hugging Face tokenizer"),
     (["generate", "--model", "{badindex}", "--prompt-ids", "1,2"], "badindex/model.safetensors.index.json is not valid JSON"),
+    (["generate", "--model", "{nan}", "hello"], "model.layers.0.mlp.down_proj.weight holds NaN values"),
+    (["eval", "--model", "{nan}", "--task", "arith", "--n", "1"], "model.layers.0.mlp.down_proj.weight holds NaN"),
     (["info", README], "README.md is a file"),
     (["info", "{dir}/missing"], "does not exist"),
     (["info", "{badconfig}"], "badconfig/config.json is not valid JSON"),

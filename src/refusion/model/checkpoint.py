@@ -12,6 +12,7 @@ them.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -162,7 +163,9 @@ def load_model(path: str | Path, dtype: torch.dtype | str | None = None, device:
         sd.pop("lm_head.weight", None)
         expected.pop("lm_head.weight", None)
     _check_weights(path, sd, expected)
-    model.load_state_dict(from_hf({k: sd[k].to(dtype) for k in expected}, cfg), strict=False, assign=True)
+    weights = {k: sd[k].to(dtype) for k in expected}
+    check_finite(weights, path)
+    model.load_state_dict(from_hf(weights, cfg), strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.reset_rope()  # buffers are not in the file and were built on "meta"
@@ -183,6 +186,20 @@ def _check_weights(path: str | Path, sd: dict[str, torch.Tensor], expected: dict
     for k, v in expected.items():
         if sd[k].shape != v.shape:
             raise CheckpointError(f"{path}: {k} has shape {tuple(sd[k].shape)}, config.json implies {tuple(v.shape)}")
+
+
+def check_finite(weights: dict[str, torch.Tensor], path: str | Path) -> None:
+    """Every weight a finite number: a NaN or an inf (a diverged run, a broken file, a value past
+    float16's range) decodes to garbage or to nothing, with no error. One reduction per tensor
+    (aminmax propagates NaN), no copy."""
+    for name, t in weights.items():
+        if not t.is_floating_point() or t.numel() == 0:
+            continue
+        lo, hi = (float(x) for x in torch.aminmax(t))
+        if not (math.isfinite(lo) and math.isfinite(hi)):
+            what = "NaN" if math.isnan(lo) else "inf"
+            raise CheckpointError(f"{path}: {name} holds {what} values (the first tensor that does); the weights "
+                                  "are broken (a diverged training run?) and would decode to garbage")
 
 
 def _atomic_dir(path: Path, overwrite: bool):
