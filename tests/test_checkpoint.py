@@ -133,6 +133,25 @@ def test_add_mask_token_grows_vocab_and_keeps_old_logits(tmp_path):
     assert load_model(tmp_path / "ck", require_mask=True).config.mask_token_id == n
 
 
+def test_add_mask_token_refuses_the_models_own_special_ids(tmp_path):
+    from refusion.model.checkpoint import check_mask_token
+    from refusion.training.data import train_bpe_tokenizer
+
+    tok = train_bpe_tokenizer(["the cat sat on the mat"] * 10, vocab_size=270)
+    word = tok.token_id("a")
+    for field in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        cfg = ModelConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                          num_kv_heads=1, **{field: word})  # an ordinary word the config gives a role
+        with pytest.raises(CheckpointError, match=f"'a' is the {field[:-9]} token \\(id {word}\\)"):
+            check_mask_token(cfg, tok, "a", force=True)
+    cfg = ModelConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                      num_kv_heads=1, eos_token_id=tok.eos_id)
+    check_mask_token(cfg, tok, "a", force=True)  # forced, an ordinary word with no role is taken
+    check_mask_token(cfg, tok)  # the tokenizer's own unused <|mask|> is fine
+    m = Transformer(cfg).init_weights(seed=0)
+    assert add_mask_token(m, tok) == tok.mask_id and m.config.causal_first_token
+
+
 def test_add_mask_token_uses_a_padded_row_when_there_is_one(tmp_path):
     tok_dir = tmp_path / "tok"
     write_qwen3_tokenizer(tok_dir, extra_tokens=("<|beginoftext|>",))

@@ -285,9 +285,11 @@ def save_model(model: Transformer, path: str | Path, tokenizer: Tokenizer | None
 def check_mask_token(model_config: ModelConfig, tokenizer: Tokenizer, token: str = MASK_TOKEN,
                      force: bool = False) -> None:
     """Refuse what add_mask_token should not do: an empty token, a model that has a mask token
-    already, and (unless forced) a token that is already an ordinary word of the vocabulary, which
-    would stop meaning that word. An existing *special* token that nothing uses is fine: the
-    published ReFusion tokenizer carries <|mask|> that way."""
+    already, a token that is already a special token of the tokenizer or the model (EOS, BOS, pad,
+    unk, a chat marker: the mask would take its place, and EOS would stop ending answers), and
+    (unless forced) an ordinary word of the vocabulary, which would stop meaning that word. The
+    tokenizer's own mask token (its config's mask_token, or <|mask|>) is fine where nothing uses it
+    yet: the published ReFusion tokenizer carries <|mask|> that way."""
     if not token or token.strip() != token:
         raise CheckpointError(f"the mask token must be a non-empty string without surrounding spaces, got {token!r}")
     tid = tokenizer.token_id(token)
@@ -295,17 +297,31 @@ def check_mask_token(model_config: ModelConfig, tokenizer: Tokenizer, token: str
         if tid == model_config.mask_token_id:
             return  # already this model's mask token: adding it again changes nothing
         raise CheckpointError(f"the model already has a mask token (mask_token_id {model_config.mask_token_id})")
-    if tid is not None and not force:
-        added = tokenizer.tok.get_added_tokens_decoder().get(tid)
-        if added is None or not added.special:
-            raise CheckpointError(f"{token!r} is already token {tid} of the vocabulary (an ordinary word); making it "
-                                  "the mask would change what it means: choose a new token, e.g. <|mask|>, or force it")
+    if tid is None:
+        return
+    roles = tokenizer.special_roles()
+    for role, ids in (("pad", [model_config.pad_token_id]), ("bos", [model_config.bos_token_id]),
+                      ("eos", model_config.eos_ids)):
+        roles.update({i: role for i in ids if i is not None})
+    role = roles.get(tid)
+    if role is not None and role != "special":
+        raise CheckpointError(f"{token!r} is the {role} token (id {tid}); the mask must be a token of its own: "
+                              "choose a new one, e.g. <|mask|>")
+    if role == "special" and tid != tokenizer.mask_id:
+        raise CheckpointError(f"{token!r} is already a special token of the tokenizer (id {tid}); the mask must be "
+                              "a token of its own: choose a new one, e.g. <|mask|>")
+    if role is None and not force:
+        raise CheckpointError(f"{token!r} is already token {tid} of the vocabulary (an ordinary word); making it "
+                              "the mask would change what it means: choose a new token, e.g. <|mask|>, or force it")
 
 
 def add_mask_token(model: Transformer, tokenizer: Tokenizer, token: str = MASK_TOKEN, force: bool = False) -> int:
     """Give a causal LM a mask token: add it to the tokenizer, grow the embeddings if needed,
-    initialise its row(s) to the mean embedding (a neutral start), record mask_token_id.
-    Refused as check_mask_token says (force: allow an existing ordinary token)."""
+    initialise its row(s) to the mean embedding (a neutral start), record mask_token_id, and
+    causal_first_token: a model never trained with the mask takes its first response token from the
+    prompt's last token, as it always did, not from the untrained mask (training that teaches the
+    mask to predict it sets the flag again). Refused as check_mask_token says (force: allow an
+    existing ordinary token)."""
     cfg = model.config
     check_mask_token(cfg, tokenizer, token, force)
     if cfg.mask_token_id is not None:
@@ -338,4 +354,5 @@ def add_mask_token(model: Transformer, tokenizer: Tokenizer, token: str = MASK_T
             if not cfg.tie_word_embeddings:
                 model.lm_head.weight[mask_id] = model.lm_head.weight[:n_text].mean(0)
     cfg.mask_token_id = mask_id
+    cfg.causal_first_token = True
     return mask_id
