@@ -1,6 +1,7 @@
 """Hugging Face directories: the published ReFusion layout, round-trips, mask token, bad input."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -183,7 +184,10 @@ def _broken(tmp_path, refusion_layout_dir, edit):
     (lambda d: (d / "config.json").write_text(json.dumps(
         {k: v for k, v in json.loads((d / "config.json").read_text()).items() if k != "mask_token_id"})),
      "no mask_token_id"),
-])
+] + [(lambda d, k=k, v=v: (d / "config.json").write_text(json.dumps({**json.loads((d / "config.json").read_text()), k: v})),
+      f"{k} must be a token id.* " + re.escape(f"in [0, 151936), got {v}"))
+     for k, v in [("eos_token_id", -7), ("eos_token_id", [151645, 151936]), ("bos_token_id", 200000),
+                  ("pad_token_id", -1), ("mask_token_id", 151936)]])
 def test_bad_checkpoints_give_one_line_errors(tmp_path, refusion_layout_dir, edit, message):
     d = _broken(tmp_path, refusion_layout_dir, edit)
     with pytest.raises(CheckpointError, match=message) as e:

@@ -50,6 +50,8 @@ def files(tmp_path_factory) -> dict[str, str]:
     shutil.copytree(d / "m", d / "strconfig")
     c = json.loads((d / "m" / "config.json").read_text())
     (d / "strconfig" / "config.json").write_text(json.dumps(dict(c, hidden_size="abc")))
+    shutil.copytree(d / "m", d / "badeos")
+    (d / "badeos" / "config.json").write_text(json.dumps(dict(c, eos_token_id=-7)))
     (d / "full").mkdir()
     (d / "full" / "x").write_text("x")
     (d / "four.toml").write_text('batch_size = "four"\n')
@@ -65,7 +67,7 @@ def files(tmp_path_factory) -> dict[str, str]:
     (res / "m__arith__ar.jsonl").write_text('{"id": 1}\n{"id": 2}\n')
     (d / "binary.json").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00")
     (d / "afile").write_text("x")
-    return {k: str(d / k) for k in ("m", "causal", "nan", "badtok", "badindex", "badconfig", "strconfig", "full", "four.toml",
+    return {k: str(d / k) for k in ("m", "causal", "nan", "badtok", "badindex", "badconfig", "strconfig", "badeos", "full", "four.toml",
                                       "broken.toml", "broken.yaml", "list.yaml", "config.txt", "datadir",
                                       "binary.jsonl", "results", "binary.json", "afile")} | {"dir": str(d)}
 
@@ -159,6 +161,8 @@ CASES = [
     (["info", "{dir}/missing"], "does not exist"),
     (["info", "{badconfig}"], "badconfig/config.json is not valid JSON"),
     (["info", "{strconfig}"], "hidden_size must be an integer >= 1, got 'abc'"),
+    (["generate", "--model", "{badeos}", "hello"], "badeos/config.json: eos_token_id must be a token id or a list of "
+                                                  "token ids in [0, 280), got -7"),
     (["add-mask-token", "{causal}", "{dir}/out1", "--token", ""], "the mask token must be a non-empty string"),
     (["add-mask-token", "{causal}", "{dir}/out2", "--token", "a"], "'a' is already token"),
     (["add-mask-token", "{causal}", "{dir}/out9", "--token", "<|im_end|>"],
