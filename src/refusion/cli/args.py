@@ -73,7 +73,8 @@ MODEL_HELP = ("a model directory, a mask adapter directory (its base with it att
 
 
 def resolve_model_dir(args: argparse.Namespace) -> Path:
-    """--model (a directory or a name, refusion.bundled.resolve_model), or the bundled model when none is named."""
+    """--model (a directory or a name, refusion.bundled.resolve_model), or the bundled model when none is
+    named (an empty name is an error)."""
     from refusion.bundled import resolve_model
 
     return resolve_model(args.model)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -27,12 +28,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _parse_ids(text: str) -> list[int]:
-    try:
-        ids = [int(x) for x in text.replace(" ", "").split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--prompt-ids takes comma-separated integers, got {text!r}") from None
-    if not ids:
+    """Token ids "1,2,3" (spaces around an id allowed); an empty item is a typo, not something to skip.
+    Ids past the model's vocabulary are refused with the model's config, before its weights load."""
+    items = [x.strip() for x in text.split(",")]
+    if items == [""]:
         raise argparse.ArgumentTypeError("--prompt-ids is empty")
+    if "" in items:
+        raise argparse.ArgumentTypeError(f"--prompt-ids has an empty item (item {items.index('') + 1} of {text!r}); "
+                                         "give comma-separated token ids, e.g. 1,2,3")
+    bad = next((x for x in items if not re.fullmatch(r"-?[0-9]+", x)), None)
+    if bad is not None:
+        raise argparse.ArgumentTypeError(f"--prompt-ids takes comma-separated integers, got {text!r} ({bad!r} is not one)")
+    ids = [int(x) for x in items]
+    if min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"--prompt-ids takes token ids, which are >= 0, got {min(ids)}")
     return ids
 
 
