@@ -144,6 +144,10 @@ CASES = [
     # generate: prompts
     (G + ["hello", "--prompt-ids", "1,2"], "give a prompt (text) or --prompt-ids, not both"),
     (G + ["--prompt-ids", "1,2", "--raw"], "--raw and --system apply to a text prompt"),
+    # bytes that are not UTF-8 (Python hands them over as lone surrogates)
+    (G + ["caf\udce9 au lait"], "argument prompt: not UTF-8 text (byte 0xe9 at character 3); pass UTF-8 text"),
+    (G + ["hello", "--system", "\udcff"], "argument --system: not UTF-8 text (byte 0xff at character 0)"),
+    (["eval", "--model", "{m}", "--task", "arith", "--tag", "x\udc80"], "argument --tag: not UTF-8 text (byte 0x80"),
     (G + ["hello", "--raw", "--system", "be brief"], "--system goes into the chat template"),
     (G + ["", "--raw"], "the prompt is empty"),
     (G + ["--prompt-ids", "3,99999"], "prompt token id 99999 is outside the vocabulary"),
@@ -330,6 +334,23 @@ def test_in_a_real_process(argv, message, files):
     assert p.returncode == 2 and p.stdout == ""
     assert p.stderr.splitlines() == [p.stderr.strip()] and p.stderr.startswith("refusion: error: ")
     assert message in p.stderr and "Traceback" not in p.stderr
+
+
+def test_a_prompt_of_bytes_that_are_not_utf8_is_one_line(files):
+    p = subprocess.run([sys.executable, "-m", "refusion.cli", "generate", "--model", files["m"], b"caf\xe9 au lait"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and p.stdout == "" and "Traceback" not in p.stderr
+    assert p.stderr.splitlines() == ["refusion: error: argument prompt: not UTF-8 text (byte 0xe9 at character 3); "
+                                     "pass UTF-8 text (is the terminal's encoding UTF-8?) (see: refusion generate --help)"]
+
+
+def test_the_tokenizer_names_text_that_is_not_unicode(files):
+    from refusion.model.tokenizer import Tokenizer, TokenizerError
+
+    tok = Tokenizer.from_dir(files["m"])
+    with pytest.raises(TokenizerError, match="the text is not valid Unicode"):
+        tok.chat_prompt_ids("caf\udce9")
+    assert tok.encode("café") == tok.encode("caf\u00e9")
 
 
 def test_a_reader_that_leaves_early_is_not_an_error():

@@ -46,6 +46,19 @@ def positive_int(text: str) -> int:
     return v
 
 
+def utf8_text(text: str) -> str:
+    """argparse type: text that is UTF-8. Python hands bytes that are not (a terminal in another
+    encoding, a file name) over as lone surrogates, which no tokenizer takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        c = ord(text[e.start])
+        what = f"byte 0x{c - 0xDC00:02x}" if 0xDC80 <= c <= 0xDCFF else f"character U+{c:04X}"
+        raise argparse.ArgumentTypeError(f"not UTF-8 text ({what} at character {e.start}); pass UTF-8 text (is the "
+                                         "terminal's encoding UTF-8?)") from None
+    return text
+
+
 def seed_int(text: str) -> int:
     """argparse type: a seed torch's generators take, an integer in [0, 2**63 - 1]."""
     from refusion.decoding.params import MAX_SEED

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from refusion.cli.args import MODEL_HELP, add_runtime_flags, positive_int, resolve_model_dir
+from refusion.cli.args import MODEL_HELP, add_runtime_flags, positive_int, resolve_model_dir, utf8_text
 from refusion.cli.decoder_flags import add_decoder_flags, choose_decoder, decoder_params
 
 
@@ -18,10 +18,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--n", type=positive_int, help="number of samples, drawn with --seed (default: the whole split)")
     e.add_argument("--split", default="test", help="train or test (benchmarks have only test)")
     e.add_argument("--batch-size", type=positive_int, default=1, help="prompts decoded together")
-    e.add_argument("--system", help="system message for the chat template")
-    e.add_argument("--label", help="model name in the results (default: the run directory's name); NAME@STEP "
+    e.add_argument("--system", type=utf8_text, help="system message for the chat template")
+    e.add_argument("--label", type=utf8_text, help="model name in the results (default: the run directory's name); NAME@STEP "
                                    "makes it a point of NAME's curve over training steps in `refusion report`")
-    e.add_argument("--tag", help="suffix for the decoder name, to tell parameter settings apart")
+    e.add_argument("--tag", type=utf8_text, help="suffix for the decoder name, to tell parameter settings apart")
     e.add_argument("--out", default="results", help="directory for <model>__<task>__<decoder>.json/.jsonl")
     e.add_argument("--overwrite", action="store_true", help="replace results that exist")
     add_runtime_flags(e)

@@ -8,17 +8,17 @@ import re
 import sys
 from pathlib import Path
 
-from refusion.cli.args import MODEL_HELP, add_runtime_flags, resolve_model_dir
+from refusion.cli.args import MODEL_HELP, add_runtime_flags, resolve_model_dir, utf8_text
 from refusion.cli.decoder_flags import add_decoder_flags, choose_decoder, decoder_params
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     g = sub.add_parser("generate", help="generate a response to a prompt", description="Generate a response to a "
                        "prompt, showing the slots being filled on a terminal.")
-    g.add_argument("prompt", nargs="?", help="prompt text (the chat template is applied unless --raw)")
+    g.add_argument("prompt", nargs="?", type=utf8_text, help="prompt text (the chat template is applied unless --raw)")
     g.add_argument("--model", help=MODEL_HELP)
     g.add_argument("--prompt-ids", type=_parse_ids, help="exact prompt token ids, e.g. 1,2,3 (instead of text)")
-    g.add_argument("--system", help="system message for the chat template")
+    g.add_argument("--system", type=utf8_text, help="system message for the chat template")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     add_decoder_flags(g)
     add_runtime_flags(g)

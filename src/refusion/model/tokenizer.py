@@ -117,7 +117,13 @@ class Tokenizer:
     # ---- text -----------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:
+            if isinstance(text, str):  # the library's own message: "TextInputSequence must be str"
+                raise TokenizerError("the text is not valid Unicode (it holds lone surrogates, as undecodable bytes "
+                                     "become in Python); pass UTF-8 text") from None
+            raise
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
