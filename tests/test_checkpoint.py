@@ -110,6 +110,36 @@ def test_weights_past_float16s_range_are_refused_in_float16(tmp_path):
         load_model(tmp_path / "big", dtype="float16")
 
 
+@pytest.mark.parametrize("shape", [
+    dict(),  # qwen3: q/k norms, tied
+    dict(model_type="qwen2", qk_norm=False, qkv_bias=True, tie_word_embeddings=False),
+    dict(model_type="llama", qk_norm=False, qkv_bias=True, o_bias=True, head_dim=12, num_kv_heads=1),
+    dict(mask_token_id=39, mask_adapter={"rank": 3}),
+])
+def test_parameter_count_from_the_config_is_the_models(shape):
+    from refusion.model.size import parameter_count
+    from refusion.runtime import count_parameters
+
+    cfg = ModelConfig(**{**dict(vocab_size=40, hidden_size=16, intermediate_size=24, num_layers=2, num_heads=4,
+                                num_kv_heads=2), **shape})
+    with torch.device("meta"):
+        assert parameter_count(cfg) == count_parameters(Transformer(cfg))
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(hidden_size=10**12, intermediate_size=10**12), "parameters at 4 bytes"),
+    (dict(max_position_embeddings=10**12), "1,000,000,000,000 positions of RoPE table"),
+])
+def test_a_model_larger_than_the_machine_is_refused_before_allocating(tmp_path, change, message):
+    cfg = ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1)
+    save_model(Transformer(cfg).init_weights(seed=0), tmp_path / "m")
+    c = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**c, **change}))
+    with pytest.raises(CheckpointError, match=f"the model {tmp_path}/m/config.json describes needs about .*{message}.* "
+                                              "more than this machine's .* of memory"):
+        load_model(tmp_path / "m")
+
+
 def test_add_mask_token_grows_vocab_and_keeps_old_logits(tmp_path):
     tok_dir = tmp_path / "tok"
     write_qwen3_tokenizer(tok_dir, extra_tokens=())

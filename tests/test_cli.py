@@ -147,6 +147,20 @@ def test_after_add_mask_token_ar_and_speculative_answer_as_the_base_did(tmp_path
     assert from_mask != want
 
 
+def test_info_counts_the_parameters_of_a_config_too_large_to_build(model_dir, tmp_path, capsys):
+    import shutil
+
+    assert main(["info", str(model_dir)]) == 0
+    small = json.loads(capsys.readouterr().out)["parameters"]
+    shutil.copytree(model_dir, tmp_path / "huge")
+    c = json.loads((tmp_path / "huge" / "config.json").read_text())
+    (tmp_path / "huge" / "config.json").write_text(json.dumps({**c, "num_hidden_layers": 10**12}))
+    assert main(["info", str(tmp_path / "huge")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    per_layer = (small - 24 * 32 - 32) // 2  # (2 layers, tied 24 x 32 embeddings, the final norm)
+    assert out["parameters"] == 24 * 32 + 32 + 10**12 * per_layer and out["num_layers"] == 10**12
+
+
 def test_add_mask_token_takes_an_ordinary_word_only_when_forced(tmp_path, capsys):
     from refusion.model.checkpoint import load_model
     from refusion.training.data import train_bpe_tokenizer

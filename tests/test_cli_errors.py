@@ -50,6 +50,8 @@ def files(tmp_path_factory) -> dict[str, str]:
     shutil.copytree(d / "m", d / "strconfig")
     c = json.loads((d / "m" / "config.json").read_text())
     (d / "strconfig" / "config.json").write_text(json.dumps(dict(c, hidden_size="abc")))
+    shutil.copytree(d / "m", d / "huge")
+    (d / "huge" / "config.json").write_text(json.dumps(dict(c, hidden_size=10**12, intermediate_size=10**12)))
     shutil.copytree(d / "m", d / "badeos")
     (d / "badeos" / "config.json").write_text(json.dumps(dict(c, eos_token_id=-7)))
     (d / "full").mkdir()
@@ -67,7 +69,7 @@ def files(tmp_path_factory) -> dict[str, str]:
     (res / "m__arith__ar.jsonl").write_text('{"id": 1}\n{"id": 2}\n')
     (d / "binary.json").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00")
     (d / "afile").write_text("x")
-    return {k: str(d / k) for k in ("m", "causal", "nan", "badtok", "badindex", "badconfig", "strconfig", "badeos", "full", "four.toml",
+    return {k: str(d / k) for k in ("m", "causal", "nan", "badtok", "badindex", "badconfig", "strconfig", "badeos", "huge", "full", "four.toml",
                                       "broken.toml", "broken.yaml", "list.yaml", "config.txt", "datadir",
                                       "binary.jsonl", "results", "binary.json", "afile")} | {"dir": str(d)}
 
@@ -172,6 +174,8 @@ CASES = [
     (["generate", "--model", "{badindex}", "--prompt-ids", "1,2"], "badindex/model.safetensors.index.json is not valid JSON"),
     (["generate", "--model", "{nan}", "hello"], "model.layers.0.mlp.down_proj.weight holds NaN values"),
     (["eval", "--model", "{nan}", "--task", "arith", "--n", "1"], "model.layers.0.mlp.down_proj.weight holds NaN"),
+    (["generate", "--model", "{huge}", "hello"], "huge/config.json describes needs about"),
+    (["eval", "--model", "{huge}", "--task", "arith", "--n", "1"], "more than this machine's"),
     (["info", README], "README.md is a file"),
     (["info", "{dir}/missing"], "does not exist"),
     (["info", "{badconfig}"], "badconfig/config.json is not valid JSON"),

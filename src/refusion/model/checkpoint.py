@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from refusion.model.compiled import enable_compile
 from refusion.model.config import ConfigError, ModelConfig
+from refusion.model.size import check_memory
 from refusion.model.transformer import Transformer, fused_parts
 from refusion.model.tokenizer import MASK_TOKEN, Tokenizer
 
@@ -155,6 +156,10 @@ def load_model(path: str | Path, dtype: torch.dtype | str | None = None, device:
                               "(convert one with `refusion add-mask-token` or train one)")
     dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
     dtype = dtype or DTYPES.get(cfg.torch_dtype.removeprefix("torch."), torch.float32)
+    try:  # before the meta model: shapes past torch's sizes would end there in an overflow
+        check_memory(cfg, dtype.itemsize, f"the model {path / 'config.json'} describes")
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
     sd = load_state_dict(path)
     with torch.device("meta"):
         model = Transformer(cfg)
