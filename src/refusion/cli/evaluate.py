@@ -32,9 +32,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     rp = sub.add_parser("report", help="markdown table and accuracy-vs-speed plot from eval results")
     rp.add_argument("paths", nargs="+", help="result directories or summary .json files")
     rp.add_argument("--out", help="write the markdown here too")
-    rp.add_argument("--plot", help="write the accuracy-vs-TPS plot here (PNG; needs matplotlib)")
-    rp.add_argument("--curves-plot", help="write the accuracy-against-training-steps plot here (PNG; needs "
-                                          "matplotlib and results labelled NAME@STEP, e.g. eval --label run@4000)")
+    rp.add_argument("--plot", help="write the accuracy-vs-TPS plot here (PNG; a directory: DIR/accuracy_vs_tps.png; "
+                                   "needs matplotlib)")
+    rp.add_argument("--curves-plot", help="write the accuracy-against-training-steps plot here (PNG; a directory: "
+                                          "DIR/accuracy_vs_steps.png; needs matplotlib and results labelled NAME@STEP, "
+                                          "e.g. eval --label run@4000)")
     rp.set_defaults(func=cmd_report)
 
 
