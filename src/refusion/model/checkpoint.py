@@ -157,7 +157,7 @@ def load_model(path: str | Path, dtype: torch.dtype | str | None = None, device:
     dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
     dtype = dtype or DTYPES.get(cfg.torch_dtype.removeprefix("torch."), torch.float32)
     try:  # before the meta model: shapes past torch's sizes would end there in an overflow
-        check_memory(cfg, dtype.itemsize, f"the model {path / 'config.json'} describes")
+        check_memory(cfg, dtype.itemsize, f"the model {Path(path) / 'config.json'} describes")
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
     sd = load_state_dict(path)
