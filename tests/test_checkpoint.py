@@ -1,6 +1,7 @@
 """Hugging Face directories: the published ReFusion layout, round-trips, mask token, bad input."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -84,6 +85,61 @@ def test_save_is_atomic_and_refuses_to_clobber(tmp_path):
     assert (tmp_path / "ck" / "model.safetensors").read_bytes() != before
 
 
+@pytest.mark.parametrize("value, what", [(float("nan"), "NaN"), (float("inf"), "inf"), (-float("inf"), "inf")])
+def test_non_finite_weights_are_refused_when_loaded_naming_the_tensor(tmp_path, value, what):
+    cfg = ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2, num_kv_heads=1)
+    m = Transformer(cfg).init_weights(seed=0)
+    save_model(m, tmp_path / "ok")
+    load_model(tmp_path / "ok")  # finite: loads
+    with torch.no_grad():
+        m.layers[1].self_attn.qkv_proj.weight[-1, 2] = value  # the last rows of the fused q/k/v: v_proj's
+        m.norm.weight[0] = value  # a later tensor: the first is named
+    save_model(m, tmp_path / "bad")
+    with pytest.raises(CheckpointError, match=f"model.layers.1.self_attn.v_proj.weight holds {what} values"):
+        load_model(tmp_path / "bad")
+
+
+def test_weights_past_float16s_range_are_refused_in_float16(tmp_path):
+    cfg = ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1)
+    m = Transformer(cfg).init_weights(seed=0)
+    with torch.no_grad():
+        m.embed_tokens.weight[0, 0] = 1e6  # finite in float32, inf in float16
+    save_model(m, tmp_path / "big")
+    load_model(tmp_path / "big")
+    with pytest.raises(CheckpointError, match="model.embed_tokens.weight holds inf values"):
+        load_model(tmp_path / "big", dtype="float16")
+
+
+@pytest.mark.parametrize("shape", [
+    dict(),  # qwen3: q/k norms, tied
+    dict(model_type="qwen2", qk_norm=False, qkv_bias=True, tie_word_embeddings=False),
+    dict(model_type="llama", qk_norm=False, qkv_bias=True, o_bias=True, head_dim=12, num_kv_heads=1),
+    dict(mask_token_id=39, mask_adapter={"rank": 3}),
+])
+def test_parameter_count_from_the_config_is_the_models(shape):
+    from refusion.model.size import parameter_count
+    from refusion.runtime import count_parameters
+
+    cfg = ModelConfig(**{**dict(vocab_size=40, hidden_size=16, intermediate_size=24, num_layers=2, num_heads=4,
+                                num_kv_heads=2), **shape})
+    with torch.device("meta"):
+        assert parameter_count(cfg) == count_parameters(Transformer(cfg))
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(hidden_size=10**12, intermediate_size=10**12), "parameters at 4 bytes"),
+    (dict(max_position_embeddings=10**12), "1,000,000,000,000 positions of RoPE table"),
+])
+def test_a_model_larger_than_the_machine_is_refused_before_allocating(tmp_path, change, message):
+    cfg = ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1)
+    save_model(Transformer(cfg).init_weights(seed=0), tmp_path / "m")
+    c = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**c, **change}))
+    with pytest.raises(CheckpointError, match=f"the model {tmp_path}/m/config.json describes needs about .*{message}.* "
+                                              "more than this machine's .* of memory"):
+        load_model(str(tmp_path / "m"))  # (a path as a string, as most callers give it)
+
+
 def test_add_mask_token_grows_vocab_and_keeps_old_logits(tmp_path):
     tok_dir = tmp_path / "tok"
     write_qwen3_tokenizer(tok_dir, extra_tokens=())
@@ -106,6 +162,25 @@ def test_add_mask_token_grows_vocab_and_keeps_old_logits(tmp_path):
     assert add_mask_token(m, tok) == n and m.config.vocab_size == n + 1
     save_model(m, tmp_path / "ck", tokenizer=tok)
     assert load_model(tmp_path / "ck", require_mask=True).config.mask_token_id == n
+
+
+def test_add_mask_token_refuses_the_models_own_special_ids(tmp_path):
+    from refusion.model.checkpoint import check_mask_token
+    from refusion.training.data import train_bpe_tokenizer
+
+    tok = train_bpe_tokenizer(["the cat sat on the mat"] * 10, vocab_size=270)
+    word = tok.token_id("a")
+    for field in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        cfg = ModelConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                          num_kv_heads=1, **{field: word})  # an ordinary word the config gives a role
+        with pytest.raises(CheckpointError, match=f"'a' is the {field[:-9]} token \\(id {word}\\)"):
+            check_mask_token(cfg, tok, "a", force=True)
+    cfg = ModelConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                      num_kv_heads=1, eos_token_id=tok.eos_id)
+    check_mask_token(cfg, tok, "a", force=True)  # forced, an ordinary word with no role is taken
+    check_mask_token(cfg, tok)  # the tokenizer's own unused <|mask|> is fine
+    m = Transformer(cfg).init_weights(seed=0)
+    assert add_mask_token(m, tok) == tok.mask_id and m.config.causal_first_token
 
 
 def test_add_mask_token_uses_a_padded_row_when_there_is_one(tmp_path):
@@ -139,7 +214,10 @@ def _broken(tmp_path, refusion_layout_dir, edit):
     (lambda d: (d / "config.json").write_text(json.dumps(
         {k: v for k, v in json.loads((d / "config.json").read_text()).items() if k != "mask_token_id"})),
      "no mask_token_id"),
-])
+] + [(lambda d, k=k, v=v: (d / "config.json").write_text(json.dumps({**json.loads((d / "config.json").read_text()), k: v})),
+      f"{k} must be a token id.* " + re.escape(f"in [0, 151936), got {v}"))
+     for k, v in [("eos_token_id", -7), ("eos_token_id", [151645, 151936]), ("bos_token_id", 200000),
+                  ("pad_token_id", -1), ("mask_token_id", 151936)]])
 def test_bad_checkpoints_give_one_line_errors(tmp_path, refusion_layout_dir, edit, message):
     d = _broken(tmp_path, refusion_layout_dir, edit)
     with pytest.raises(CheckpointError, match=message) as e:

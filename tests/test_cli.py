@@ -122,6 +122,45 @@ def test_every_flag_has_help_with_its_default():
     assert "0 = greedy (default: 0.0)" in sub.choices["generate"].format_help()
 
 
+def test_after_add_mask_token_ar_and_speculative_answer_as_the_base_did(tmp_path, capsys):
+    from refusion.model.checkpoint import load_config, load_model
+    from refusion.model.tokenizer import Tokenizer
+    from tiny_causal_lm import make_causal_lm
+
+    base = make_causal_lm(tmp_path / "base", std=0.3)
+    masked = tmp_path / "masked"
+    assert main(["add-mask-token", str(base), str(masked)]) == 0
+    assert load_config(masked).causal_first_token and not load_config(base).causal_first_token
+
+    def tokens(model, decoder):
+        capsys.readouterr()
+        assert main(["generate", "--model", str(model), "What is 3 plus 4?", "--decoder", decoder,
+                     "--gen-length", "24", "--json"]) == 0
+        return json.loads(capsys.readouterr().out)["tokens"]
+
+    want = tokens(base, "ar")
+    assert tokens(masked, "ar") == want
+    assert tokens(masked, "speculative") == want
+    # not vacuous: the first token read from the untrained mask (what ar did before) is another answer
+    prompt = Tokenizer.from_dir(masked).chat_prompt_ids("What is 3 plus 4?")
+    from_mask = decode(load_model(masked), [prompt], "ar", gen_length=24, first_from_mask=True)[0].tokens
+    assert from_mask != want
+
+
+def test_info_counts_the_parameters_of_a_config_too_large_to_build(model_dir, tmp_path, capsys):
+    import shutil
+
+    assert main(["info", str(model_dir)]) == 0
+    small = json.loads(capsys.readouterr().out)["parameters"]
+    shutil.copytree(model_dir, tmp_path / "huge")
+    c = json.loads((tmp_path / "huge" / "config.json").read_text())
+    (tmp_path / "huge" / "config.json").write_text(json.dumps({**c, "num_hidden_layers": 10**12}))
+    assert main(["info", str(tmp_path / "huge")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    per_layer = (small - 24 * 32 - 32) // 2  # (2 layers, tied 24 x 32 embeddings, the final norm)
+    assert out["parameters"] == 24 * 32 + 32 + 10**12 * per_layer and out["num_layers"] == 10**12
+
+
 def test_add_mask_token_takes_an_ordinary_word_only_when_forced(tmp_path, capsys):
     from refusion.model.checkpoint import load_model
     from refusion.training.data import train_bpe_tokenizer

@@ -36,6 +36,10 @@ def files(tmp_path_factory) -> dict[str, str]:
     save_model(Transformer(ModelConfig(mask_token_id=tok.mask_id, **cfg)).init_weights(seed=0), d / "m", tok)
     # a causal model without a mask token, its tokenizer without <|mask|> as a token of the model
     save_model(Transformer(ModelConfig(**cfg)).init_weights(seed=0), d / "causal", tok)
+    nan = Transformer(ModelConfig(mask_token_id=tok.mask_id, **cfg)).init_weights(seed=0)
+    with torch.no_grad():
+        nan.layers[0].mlp.down_proj.weight[3, 5] = float("nan")
+    save_model(nan, d / "nan", tok)
     shutil.copytree(d / "m", d / "badtok")
     (d / "badtok" / "tokenizer.json").write_text("this is not a tokenizer {")
     shutil.copytree(d / "m", d / "badindex")
@@ -46,6 +50,10 @@ def files(tmp_path_factory) -> dict[str, str]:
     shutil.copytree(d / "m", d / "strconfig")
     c = json.loads((d / "m" / "config.json").read_text())
     (d / "strconfig" / "config.json").write_text(json.dumps(dict(c, hidden_size="abc")))
+    shutil.copytree(d / "m", d / "huge")
+    (d / "huge" / "config.json").write_text(json.dumps(dict(c, hidden_size=10**12, intermediate_size=10**12)))
+    shutil.copytree(d / "m", d / "badeos")
+    (d / "badeos" / "config.json").write_text(json.dumps(dict(c, eos_token_id=-7)))
     (d / "full").mkdir()
     (d / "full" / "x").write_text("x")
     (d / "four.toml").write_text('batch_size = "four"\n')
@@ -61,7 +69,7 @@ def files(tmp_path_factory) -> dict[str, str]:
     (res / "m__arith__ar.jsonl").write_text('{"id": 1}\n{"id": 2}\n')
     (d / "binary.json").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00")
     (d / "afile").write_text("x")
-    return {k: str(d / k) for k in ("m", "causal", "badtok", "badindex", "badconfig", "strconfig", "full", "four.toml",
+    return {k: str(d / k) for k in ("m", "causal", "nan", "badtok", "badindex", "badconfig", "strconfig", "badeos", "huge", "full", "four.toml",
                                       "broken.toml", "broken.yaml", "list.yaml", "config.txt", "datadir",
                                       "binary.jsonl", "results", "binary.json", "afile")} | {"dir": str(d)}
 
@@ -96,6 +104,9 @@ CASES = [
     (SP + ["--accept-prob", "0"], "accept_prob must be > 0"),
     (SP + ["--draft-length", "-1"], "draft_length must be an integer >= 0 (0: plain AR), got -1"),
     (SP + ["--mask-length", "-2"], "mask_length must be an integer >= 0, got -2"),
+    (SP + ["--draft-length", "1000000000"],
+     "draft_length 1000000000 exceeds 256, the most draft tokens a step may verify; lower draft_length"),
+    (SP + ["--mask-length", "1000000"], "mask_length 1000000 exceeds 256, the most masks a step may feed"),
     (SP + ["--top-p", "0.5"], "top_k and top_p apply only when sampling"),
     (SP + ["--temperature", "1", "--top-p", "0"], "top_p must lie in (0, 1], got 0.0"),
     (AR + ["--slot-size", "4"], "--slot-size does not apply to decoder 'ar'"),
@@ -117,6 +128,14 @@ CASES = [
     (G + ["hello", "--decoder", "mdm-threshold", "--threshold", "2"], "threshold must lie in [0, 1], got 2.0"),
     (G + ["hello", "--decoder", "mdm", "--gen-length", "32", "--block-length", "8", "--steps", "7"], "steps 7"),
     (G + ["hello", "--threads", "0"], "argument --threads: must be >= 1, got 0"),
+    # seeds: what torch's generators take
+    (AR + ["--seed", str(2**70)], f"argument --seed: a seed is an integer in [0, 2**63 - 1], got {2**70}"),
+    (AR + ["--seed", "-1"], "argument --seed: a seed is an integer in [0, 2**63 - 1], got -1"),
+    (["eval", "--model", "{m}", "--task", "arith", "--seed", str(2**63)], "argument --seed: a seed is an integer"),
+    (["eval", "--model", "{m}", "--task", "arith", "--n", "3", "--seed", str(2**63 - 2), "--gen-length", "8"],
+     f"seed {2**63 - 2} is too large for 3 examples"),
+    (["self-generate", "--prompts", "stdlib", "--out", "{dir}/sg.jsonl", "--seed", str(2**64)],
+     "argument --seed: a seed is an integer"),
     (G + ["hello", "--gen-length", "abc"], "argument --gen-length: invalid int value: 'abc'"),
     (G + ["hello", "--decoder", "beam"], "argument --decoder: invalid choice: 'beam'"),
     # generate: devices
@@ -127,10 +146,25 @@ CASES = [
     # generate: prompts
     (G + ["hello", "--prompt-ids", "1,2"], "give a prompt (text) or --prompt-ids, not both"),
     (G + ["--prompt-ids", "1,2", "--raw"], "--raw and --system apply to a text prompt"),
+    # bytes that are not UTF-8 (Python hands them over as lone surrogates)
+    (G + ["caf\udce9 au lait"], "argument prompt: not UTF-8 text (byte 0xe9 at character 3); pass UTF-8 text"),
+    (G + ["hello", "--system", "\udcff"], "argument --system: not UTF-8 text (byte 0xff at character 0)"),
+    (["eval", "--model", "{m}", "--task", "arith", "--tag", "x\udc80"], "argument --tag: not UTF-8 text (byte 0x80"),
     (G + ["hello", "--raw", "--system", "be brief"], "--system goes into the chat template"),
     (G + ["", "--raw"], "the prompt is empty"),
     (G + ["--prompt-ids", "3,99999"], "prompt token id 99999 is outside the vocabulary"),
     (G + ["--prompt-ids", "1,x"], "--prompt-ids takes comma-separated integers, got '1,x'"),
+    (G + ["--prompt-ids", "1,,2"], "--prompt-ids has an empty item (item 2 of '1,,2'); give comma-separated token ids"),
+    (G + ["--prompt-ids", "1,2,"], "--prompt-ids has an empty item (item 3 of '1,2,')"),
+    (G + ["--prompt-ids", ""], "--prompt-ids is empty"),
+    (G + ["--prompt-ids", "1 2,3"], "got '1 2,3' ('1 2' is not one)"),
+    (G + ["--prompt-ids", "1,+2"], "('+2' is not one)"),
+    (G + ["--prompt-ids", "4,-3"], "--prompt-ids takes token ids, which are >= 0, got -3"),
+    (G + ["--prompt-ids", "4,280"], "prompt token id 280 is outside the vocabulary [0, 280)"),
+    (["generate", "--model", "", "hello"], "the model name is empty: give a model directory or a name"),
+    (["eval", "--model", " ", "--task", "arith"], "the model name is empty"),
+    (["info", ""], "the model name is empty"),
+    (["self-generate", "--model", "", "--prompts", "stdlib", "--out", "{dir}/sg.jsonl"], "the model name is empty"),
     (G, "give a prompt (text) or --prompt-ids"),
     (["generate", "--model", "{causal}", "hello", "--decoder", "refusion"], "needs a model with mask_token_id"),
     # model directories
@@ -138,12 +172,24 @@ CASES = [
     (["generate", "--model", "{dir}/missing", "hello"], "missing does not exist"),
     (["generate", "--model", "{badtok}", "hello"], "badtok/tokenizer.json is not a readable Hugging Face tokenizer"),
     (["generate", "--model", "{badindex}", "--prompt-ids", "1,2"], "badindex/model.safetensors.index.json is not valid JSON"),
+    (["generate", "--model", "{nan}", "hello"], "model.layers.0.mlp.down_proj.weight holds NaN values"),
+    (["eval", "--model", "{nan}", "--task", "arith", "--n", "1"], "model.layers.0.mlp.down_proj.weight holds NaN"),
+    (["generate", "--model", "{huge}", "hello"], "huge/config.json describes needs about"),
+    (["eval", "--model", "{huge}", "--task", "arith", "--n", "1"], "more than this machine's"),
     (["info", README], "README.md is a file"),
     (["info", "{dir}/missing"], "does not exist"),
     (["info", "{badconfig}"], "badconfig/config.json is not valid JSON"),
     (["info", "{strconfig}"], "hidden_size must be an integer >= 1, got 'abc'"),
+    (["generate", "--model", "{badeos}", "hello"], "badeos/config.json: eos_token_id must be a token id or a list of "
+                                                  "token ids in [0, 280), got -7"),
     (["add-mask-token", "{causal}", "{dir}/out1", "--token", ""], "the mask token must be a non-empty string"),
     (["add-mask-token", "{causal}", "{dir}/out2", "--token", "a"], "'a' is already token"),
+    (["add-mask-token", "{causal}", "{dir}/out9", "--token", "<|im_end|>"],
+     "'<|im_end|>' is the eos token (id 2); the mask must be a token of its own: choose a new one, e.g. <|mask|>"),
+    (["add-mask-token", "{causal}", "{dir}/out9", "--token", "<|im_end|>", "--force"], "'<|im_end|>' is the eos token"),
+    (["add-mask-token", "{causal}", "{dir}/out9", "--token", "<|endoftext|>"], "'<|endoftext|>' is the pad token (id 0)"),
+    (["add-mask-token", "{causal}", "{dir}/out9", "--token", "<|im_start|>"],
+     "'<|im_start|>' is already a special token of the tokenizer (id 1); the mask must be a token of its own"),
     (["add-mask-token", "{causal}", "{full}"], "full exists and is not empty; choose another directory or pass --overwrite"),
     (["add-mask-token", README, "{dir}/out3"], "README.md is a file"),
     (["import-gguf", README, "{dir}/out4"], "README.md is not a GGUF file"),
@@ -202,6 +248,11 @@ CASES = [
     (["eval", "--model", "{m}", "--task", "arith,foo", "--out", "{dir}/never"], "unknown task 'foo'"),
     (["eval", "--model", "{m}", "--task", "arith,,code"], "--task takes distinct comma-separated task names"),
     (["eval", "--model", "{m}", "--task", "arith", "--split", "dev"], "task 'arith' has no split 'dev'"),
+    (["eval", "--model", "{m}", "--task", "code", "--n", "1000000000"],
+     "task 'code' supplies at most 600 distinct test examples; n 1000000000 asks for more: ask for at most 600"),
+    (["eval", "--model", "{m}", "--task", "sort,add", "--n", "4001"], "task 'add' supplies at most 4000 distinct test"),
+    (["eval", "--model", "{m}", "--task", "repeat", "--split", "train", "--n", "1000000001"],
+     "task 'repeat' supplies at most 1000000 train examples"),
     (["eval", "--model", "{m}", "--task", "arith", "--out", "{afile}"], "afile is a file, not a directory"),
     (["eval", "--model", "{m}", "--task", "arith", "--decoder", "refusion", "--top-p", "0.5"],
      "--top-p does not apply to decoder 'refusion'"),
@@ -275,6 +326,8 @@ def _cli(*argv: str, **kw) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("argv, message", [
     (["generate", "--model", "{m}", "hello", "--gen-length", "1000000000"], "gen_length 1000000000 exceeds"),
+    (["generate", "--model", "{m}", "hello", "--draft-length", "1000000000"], "draft_length 1000000000 exceeds 256"),
+    (["generate", "--model", "{m}", "hello", "--seed", "1180591620717411303424"], "argument --seed"),
     (["generate", "--model", "{badtok}", "hello"], "is not a readable Hugging Face tokenizer file"),
     (["generate", "--model", "{m}", "hello", "--device", "foo"], "device 'foo'"),
     (["train", "--config", "{broken.yaml}"], "invalid YAML"),
@@ -285,6 +338,23 @@ def test_in_a_real_process(argv, message, files):
     assert p.returncode == 2 and p.stdout == ""
     assert p.stderr.splitlines() == [p.stderr.strip()] and p.stderr.startswith("refusion: error: ")
     assert message in p.stderr and "Traceback" not in p.stderr
+
+
+def test_a_prompt_of_bytes_that_are_not_utf8_is_one_line(files):
+    p = subprocess.run([sys.executable, "-m", "refusion.cli", "generate", "--model", files["m"], b"caf\xe9 au lait"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and p.stdout == "" and "Traceback" not in p.stderr
+    assert p.stderr.splitlines() == ["refusion: error: argument prompt: not UTF-8 text (byte 0xe9 at character 3); "
+                                     "pass UTF-8 text (is the terminal's encoding UTF-8?) (see: refusion generate --help)"]
+
+
+def test_the_tokenizer_names_text_that_is_not_unicode(files):
+    from refusion.model.tokenizer import Tokenizer, TokenizerError
+
+    tok = Tokenizer.from_dir(files["m"])
+    with pytest.raises(TokenizerError, match="the text is not valid Unicode"):
+        tok.chat_prompt_ids("caf\udce9")
+    assert tok.encode("café") == tok.encode("caf\u00e9")
 
 
 def test_a_reader_that_leaves_early_is_not_an_error():

@@ -87,6 +87,50 @@ def test_sizes_beyond_the_model_are_refused_before_any_allocation():
             decode(model, [[5] * 60], decoder, **PARAMS[decoder])
 
 
+def test_widths_are_bounded_by_a_cap_and_by_the_model_context():
+    from refusion.decoding.params import MAX_DRAFT, MAX_GEN_LENGTH
+
+    for name in ("draft_length", "mask_length"):
+        with pytest.raises(ValueError, match=f"{name} 1000000000 exceeds {MAX_DRAFT}"):
+            make_params("speculative", **{name: 10**9})
+    for decoder in DECODERS:
+        with pytest.raises(ValueError, match=f"gen_length {MAX_GEN_LENGTH + 1} exceeds {MAX_GEN_LENGTH}"):
+            make_params(decoder, gen_length=MAX_GEN_LENGTH + 1)
+    model = tiny()  # 64 positions: a width within the cap but past the model's context
+    with pytest.raises(ValueError, match=r"draft_length 100 exceeds the model's context \(max_position_embeddings 64\)"):
+        decode(model, PROMPTS, "speculative", gen_length=16, draft_length=100)
+    with pytest.raises(ValueError, match="mask_length 65 exceeds the model's context"):
+        make_params("speculative", model.config, mask_length=65)
+    from refusion.decoding import SpeculativeBatch, SpeculativeParams, generate_speculative
+
+    with pytest.raises(ValueError, match="draft_length 100 exceeds the model's context"):
+        generate_speculative(model, PROMPTS, SpeculativeParams(gen_length=16, draft_length=100))
+    with pytest.raises(ValueError, match="draft_length 100 exceeds the model's context"):
+        SpeculativeBatch(model).add(PROMPTS[0], SpeculativeParams(gen_length=16, draft_length=100))
+    make_params("speculative", model.config, draft_length=64, mask_length=64)  # up to the context: fine
+
+
+@pytest.mark.parametrize("decoder", ["ar", "speculative"])
+def test_a_tiny_top_p_keeps_the_most_likely_token_so_it_samples_greedily(decoder):
+    model = tiny()
+    greedy = [r.tokens for r in decode(model, PROMPTS, decoder, eos_ids=[], **PARAMS[decoder])]
+    for top_p in (1e-300, 1e-50, 1e-9):  # the first two round to 0 in float32
+        got = decode(model, PROMPTS, decoder, eos_ids=[], temperature=1.0, top_p=top_p, seed=3, **PARAMS[decoder])
+        assert [r.tokens for r in got] == greedy
+
+
+def test_seeds_out_of_range_are_refused():
+    model = tiny()
+    for seed in (2**63, 2**70, -1, True):
+        with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 2\*\*63 - 1\]"):
+            decode(model, PROMPTS, "ar", seed=seed, **PARAMS["ar"])
+    from refusion.decoding.sampling import generator
+
+    with pytest.raises(ValueError, match="seed must be an integer"):
+        generator(2**64)
+    decode(model, PROMPTS, "ar", seed=2**63 - 1, temperature=1.0, **PARAMS["ar"])  # the largest is fine
+
+
 def test_default_decoder():
     base = dict(vocab_size=24, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2)
     assert default_decoder(ModelConfig(**base)) == "ar"

@@ -233,6 +233,20 @@ PLAIN_REPORT = """\
 """
 
 
+def test_report_plots_into_a_directory_under_their_names(tmp_path, capsys):
+    out = _write(PLAIN[:2] + CURVES, tmp_path / "res")
+    plots = tmp_path / "plots"
+    plots.mkdir()
+    assert main(["report", str(out), "--plot", str(plots), "--curves-plot", str(plots)]) == 0
+    assert sorted(p.name for p in plots.iterdir()) == ["accuracy_vs_steps.png", "accuracy_vs_tps.png"]
+    assert not (tmp_path / "plots.png").exists()
+    assert all(p.read_bytes().startswith(b"\x89PNG") for p in plots.iterdir())
+    capsys.readouterr()
+    assert main(["report", str(out), "--out", str(plots)]) == 2  # markdown needs a file name
+    assert capsys.readouterr().err == (f"refusion: error: --out {plots} is a directory; name the markdown file, "
+                                       f"e.g. {plots / 'report.md'}\n")
+
+
 def test_curve_labels_name_a_run_and_a_step():
     assert curve_point("refusion-ar-share-25@4000") == ("refusion-ar-share-25", 4000)
     assert curve_point("a@b@16000") == ("a@b", 16000)

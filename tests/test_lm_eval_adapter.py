@@ -160,6 +160,20 @@ def test_bad_model_args_are_refused():
         ReFusionLM(decoder="mdm", slot_size=8)
     with pytest.raises(ValueError, match="unknown decoder"):
         ReFusionLM(decoder="beam")
+    with pytest.raises(ValueError, match="seed must be an integer"):
+        ReFusionLM(seed=2**70)
+    with pytest.raises(ValueError, match="the model name is empty"):
+        ReFusionLM(pretrained="")
+
+
+def test_bad_model_args_are_one_line_from_the_command_line(tmp_path):
+    write_tasks(tmp_path)
+    r = subprocess.run([sys.executable, "-m", "refusion.evaluation.lm_eval", "--model", "refusion", "--model_args",
+                        "decoder=beam", "--tasks", "refusion_mc", "--include_path", str(tmp_path), "--device", "cpu"],
+                       capture_output=True, text=True, env=subprocess_env(), timeout=300, cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.splitlines()[-1] == ("refusion: error: --model_args: unknown decoder 'beam'; choose one of "
+                                         "speculative, refusion, refusion-l2r, ar, mdm, mdm-threshold")
 
 
 def test_the_pth_hook_registers_the_model_in_a_fresh_interpreter(tmp_path):

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from refusion.decoding.sampling import gumbel_argmax, sample, sampling_probs
+from refusion.decoding.sampling import gumbel_argmax, nucleus_cut, sample, sampling_probs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -76,3 +76,15 @@ def test_gumbel_argmax_is_a_seeded_draw_from_the_tempered_softmax():
     assert torch.allclose(counts, torch.tensor([0.6, 0.3, 0.1]), atol=0.015)
     again = gumbel_argmax(logits, 1.0, torch.Generator().manual_seed(0))
     assert torch.equal(again, gumbel_argmax(logits, 1.0, torch.Generator().manual_seed(0)))
+
+
+def test_a_top_p_that_rounds_to_zero_keeps_the_most_likely_token():
+    logits = torch.randn(5, 40, generator=torch.Generator().manual_seed(0))  # no ties: one most likely token
+    srt = logits.sort(-1, descending=True).values
+    for top_p in (1e-300, torch.tensor([1e-300] * 5)[:, None]):
+        cut = nucleus_cut(srt, top_p)
+        assert not cut[:, 0].any() and cut[:, 1:].all()
+    g = torch.Generator().manual_seed(0)
+    assert torch.equal(sample(logits, 1.0, None, 1e-300, g), logits.argmax(-1))
+    probs = sampling_probs(logits[:, None], torch.ones(5), torch.zeros(5, dtype=torch.long), torch.full((5,), 1e-300))
+    assert torch.equal(probs[:, 0], torch.nn.functional.one_hot(logits.argmax(-1), 40).float())

@@ -24,6 +24,24 @@ def test_train_and_test_never_overlap(name):
     assert len(set(test)) == len(test) and not train & set(test)
 
 
+def test_a_generated_split_refuses_more_examples_than_it_supplies_before_generating_any():
+    from refusion.tasks import get_task
+    from refusion.tasks import synthetic, words
+    from refusion.tasks.common import MAX_GENERATED
+
+    sizes = {**synthetic.TEST_SIZES, **words.TEST_SIZES}
+    assert set(sizes) == set(synthetic.TASKS) | set(words.TASKS)
+    for name, size in sizes.items():
+        with pytest.raises(ValueError, match=f"task '{name}' supplies at most {size} distinct test examples; "
+                                             f"n {size + 1} asks for more"):
+            get_task(name).load("test", n=size + 1)
+        with pytest.raises(ValueError, match=f"at most {MAX_GENERATED} train examples"):
+            get_task(name).load("train", n=10**12)  # (would take days and terabytes to generate)
+    # the smallest family supplies the size it declares
+    exs = load("code", "test", synthetic.TEST_SIZES["code"])
+    assert len({e.prompt for e in exs}) == synthetic.TEST_SIZES["code"]
+
+
 @pytest.mark.parametrize("name", ["arith", "choice", "table"])
 def test_gold_targets_score_correct(name):
     exs = load(name, "test", 200)

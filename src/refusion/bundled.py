@@ -45,8 +45,11 @@ def is_model_name(text: str) -> bool:
 
 def resolve_model(name: str | Path | None) -> Path:
     """The model directory `name` means (module docstring); a ValueError says what is wrong."""
-    if not name:  # (None, or an empty --model)
+    if name is None:
         return default_model_dir()
+    if not str(name).strip():  # a typo or an unset variable ("--model $M"), not a request for the default
+        raise ValueError(f"the model name is empty: give a model directory or a name ({', '.join(model_names())}), "
+                         "or none at all for the bundled model")
     path = Path(name)
     if not path.exists():
         if str(name) == BUNDLED.name and (BUNDLED / "config.json").exists():

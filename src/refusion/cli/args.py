@@ -46,6 +46,32 @@ def positive_int(text: str) -> int:
     return v
 
 
+def utf8_text(text: str) -> str:
+    """argparse type: text that is UTF-8. Python hands bytes that are not (a terminal in another
+    encoding, a file name) over as lone surrogates, which no tokenizer takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        c = ord(text[e.start])
+        what = f"byte 0x{c - 0xDC00:02x}" if 0xDC80 <= c <= 0xDCFF else f"character U+{c:04X}"
+        raise argparse.ArgumentTypeError(f"not UTF-8 text ({what} at character {e.start}); pass UTF-8 text (is the "
+                                         "terminal's encoding UTF-8?)") from None
+    return text
+
+
+def seed_int(text: str) -> int:
+    """argparse type: a seed torch's generators take, an integer in [0, 2**63 - 1]."""
+    from refusion.decoding.params import MAX_SEED
+
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if not 0 <= v <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"a seed is an integer in [0, 2**63 - 1], got {v}")
+    return v
+
+
 def check_out_dir(path: str, overwrite: bool) -> None:
     """Before any slow work: an output directory that holds something is only replaced on request."""
     p = Path(path)
@@ -60,7 +86,8 @@ MODEL_HELP = ("a model directory, a mask adapter directory (its base with it att
 
 
 def resolve_model_dir(args: argparse.Namespace) -> Path:
-    """--model (a directory or a name, refusion.bundled.resolve_model), or the bundled model when none is named."""
+    """--model (a directory or a name, refusion.bundled.resolve_model), or the bundled model when none is
+    named (an empty name is an error)."""
     from refusion.bundled import resolve_model
 
     return resolve_model(args.model)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from refusion.cli.args import MODEL_HELP, positive_int
+from refusion.cli.args import MODEL_HELP, positive_int, resolve_model_dir, seed_int
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -25,7 +25,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "stdlib-functions, stdlib, jsonl:FILE")
     g.add_argument("--n", type=positive_int, help="prompts per source (a seeded sample; default: all, "
                    "1000 for stdlib)")
-    g.add_argument("--seed", type=int, default=0, help="of the sample of prompts")
+    g.add_argument("--seed", type=seed_int, default=0, help="of the sample of prompts")
     g.add_argument("--max-tokens", type=positive_int, default=256, help="longest response (tokens)")
     g.add_argument("--batch-size", type=positive_int, default=8, help="prompts decoded together")
     g.add_argument("--out", required=True, help="JSONL file, appended to: prompts already in it are skipped")
@@ -58,14 +58,13 @@ def cmd_data(args: argparse.Namespace) -> None:
 
 
 def cmd_self_generate(args: argparse.Namespace) -> None:
-    from refusion.bundled import resolve_model
     from refusion.model.checkpoint import load_model
     from refusion.model.tokenizer import Tokenizer
     from refusion.runtime import set_threads
     from refusion.training.self_generate import load_prompts, self_generate
 
     prompts = load_prompts(args.prompts, args.n, args.seed)  # bad sources fail before the model loads
-    model_dir = resolve_model(args.model)
+    model_dir = resolve_model_dir(args)
     model, tok = load_model(model_dir), Tokenizer.from_dir(model_dir)
     set_threads(args.threads)
     c = self_generate(model, tok, prompts, args.out, args.max_tokens, args.batch_size, progress=not args.no_progress)

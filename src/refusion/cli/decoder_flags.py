@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from refusion.cli.args import warn
+from refusion.cli.args import seed_int, warn
 from refusion.decoding import registry
 
 
@@ -34,7 +34,7 @@ def add_decoder_flags(g: argparse.ArgumentParser) -> None:
         if key not in groups:
             groups[key] = g.add_argument_group(_group_title(key))
         _add_flag(groups[key], first[field], decoders)
-    g.add_argument("--seed", type=int, default=0, help="for sampling (and, in eval, the sample of examples)")
+    g.add_argument("--seed", type=seed_int, default=0, help="for sampling (and, in eval, the sample of examples)")
 
 
 def _add_flag(g, o: registry.Option, decoders: list[str]) -> None:

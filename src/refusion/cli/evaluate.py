@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from refusion.cli.args import MODEL_HELP, add_runtime_flags, positive_int, resolve_model_dir
+from refusion.cli.args import MODEL_HELP, add_runtime_flags, positive_int, resolve_model_dir, utf8_text
 from refusion.cli.decoder_flags import add_decoder_flags, choose_decoder, decoder_params
 
 
@@ -18,10 +18,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--n", type=positive_int, help="number of samples, drawn with --seed (default: the whole split)")
     e.add_argument("--split", default="test", help="train or test (benchmarks have only test)")
     e.add_argument("--batch-size", type=positive_int, default=1, help="prompts decoded together")
-    e.add_argument("--system", help="system message for the chat template")
-    e.add_argument("--label", help="model name in the results (default: the run directory's name); NAME@STEP "
+    e.add_argument("--system", type=utf8_text, help="system message for the chat template")
+    e.add_argument("--label", type=utf8_text, help="model name in the results (default: the run directory's name); NAME@STEP "
                                    "makes it a point of NAME's curve over training steps in `refusion report`")
-    e.add_argument("--tag", help="suffix for the decoder name, to tell parameter settings apart")
+    e.add_argument("--tag", type=utf8_text, help="suffix for the decoder name, to tell parameter settings apart")
     e.add_argument("--out", default="results", help="directory for <model>__<task>__<decoder>.json/.jsonl")
     e.add_argument("--overwrite", action="store_true", help="replace results that exist")
     add_runtime_flags(e)
@@ -32,9 +32,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     rp = sub.add_parser("report", help="markdown table and accuracy-vs-speed plot from eval results")
     rp.add_argument("paths", nargs="+", help="result directories or summary .json files")
     rp.add_argument("--out", help="write the markdown here too")
-    rp.add_argument("--plot", help="write the accuracy-vs-TPS plot here (PNG; needs matplotlib)")
-    rp.add_argument("--curves-plot", help="write the accuracy-against-training-steps plot here (PNG; needs "
-                                          "matplotlib and results labelled NAME@STEP, e.g. eval --label run@4000)")
+    rp.add_argument("--plot", help="write the accuracy-vs-TPS plot here (PNG; a directory: DIR/accuracy_vs_tps.png; "
+                                   "needs matplotlib)")
+    rp.add_argument("--curves-plot", help="write the accuracy-against-training-steps plot here (PNG; a directory: "
+                                          "DIR/accuracy_vs_steps.png; needs matplotlib and results labelled NAME@STEP, "
+                                          "e.g. eval --label run@4000)")
     rp.set_defaults(func=cmd_report)
 
 
@@ -52,7 +54,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     config = load_config(model_dir)
     decoder = choose_decoder(args, config)
     params = decoder_params(args, decoder)
-    make_params(decoder, **params)
+    make_params(decoder, config, **params)
     cfg = EvalConfig(decoder=decoder, params=params, n=args.n, split=args.split, batch_size=args.batch_size,
                      seed=args.seed, system=args.system, tag=args.tag).validate()
     run_eval(model_dir, tasks, cfg, args.out, label=args.label, overwrite=args.overwrite, dtype=args.dtype,

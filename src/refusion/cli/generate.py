@@ -4,20 +4,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
-from refusion.cli.args import MODEL_HELP, add_runtime_flags, resolve_model_dir
+from refusion.cli.args import MODEL_HELP, add_runtime_flags, resolve_model_dir, utf8_text
 from refusion.cli.decoder_flags import add_decoder_flags, choose_decoder, decoder_params
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     g = sub.add_parser("generate", help="generate a response to a prompt", description="Generate a response to a "
                        "prompt, showing the slots being filled on a terminal.")
-    g.add_argument("prompt", nargs="?", help="prompt text (the chat template is applied unless --raw)")
+    g.add_argument("prompt", nargs="?", type=utf8_text, help="prompt text (the chat template is applied unless --raw)")
     g.add_argument("--model", help=MODEL_HELP)
     g.add_argument("--prompt-ids", type=_parse_ids, help="exact prompt token ids, e.g. 1,2,3 (instead of text)")
-    g.add_argument("--system", help="system message for the chat template")
+    g.add_argument("--system", type=utf8_text, help="system message for the chat template")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     add_decoder_flags(g)
     add_runtime_flags(g)
@@ -27,12 +28,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _parse_ids(text: str) -> list[int]:
-    try:
-        ids = [int(x) for x in text.replace(" ", "").split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--prompt-ids takes comma-separated integers, got {text!r}") from None
-    if not ids:
+    """Token ids "1,2,3" (spaces around an id allowed); an empty item is a typo, not something to skip.
+    Ids past the model's vocabulary are refused with the model's config, before its weights load."""
+    items = [x.strip() for x in text.split(",")]
+    if items == [""]:
         raise argparse.ArgumentTypeError("--prompt-ids is empty")
+    if "" in items:
+        raise argparse.ArgumentTypeError(f"--prompt-ids has an empty item (item {items.index('') + 1} of {text!r}); "
+                                         "give comma-separated token ids, e.g. 1,2,3")
+    bad = next((x for x in items if not re.fullmatch(r"-?[0-9]+", x)), None)
+    if bad is not None:
+        raise argparse.ArgumentTypeError(f"--prompt-ids takes comma-separated integers, got {text!r} ({bad!r} is not one)")
+    ids = [int(x) for x in items]
+    if min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"--prompt-ids takes token ids, which are >= 0, got {min(ids)}")
     return ids
 
 
@@ -73,7 +82,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     prompt = _prompt(args, tok, model_dir)
     decoder = choose_decoder(args, config)
     params = decoder_params(args, decoder)
-    gen_length = make_params(decoder, **params).gen_length
+    gen_length = make_params(decoder, config, **params).gen_length
     check_prompts(config, [prompt], gen_length)
     model = load_model(model_dir, dtype=args.dtype, device=device, compile=args.compile)
     set_threads(args.threads, count_parameters(model))

@@ -74,16 +74,12 @@ def cmd_export(args: argparse.Namespace) -> None:
 
 
 def cmd_info(args: argparse.Namespace) -> None:
-    import torch
-
-    from refusion.model.checkpoint import load_config
     from refusion.decoding import default_decoder
-    from refusion.model.transformer import Transformer
-    from refusion.runtime import count_parameters
+    from refusion.model.checkpoint import load_config
+    from refusion.model.size import parameter_count
 
     path = resolve_model_dir(args)
     cfg = load_config(path)
-    with torch.device("meta"):  # shapes only: no memory, no weights read
-        n = count_parameters(Transformer(cfg))
+    n = parameter_count(cfg)  # from the shapes: no memory, no weights read
     print(json.dumps({"path": str(path), "parameters": n, "default_decoder": default_decoder(cfg),
                       **cfg.to_dict()}, indent=2))

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from refusion.decoding import params as _builtin  # noqa: F401  (registers the built-in decoders)
-from refusion.decoding.params import ARParams, MDMParams, ReFusionParams, SpeculativeParams
+from refusion.decoding.params import ARParams, MDMParams, ReFusionParams, SpeculativeParams, check_seed
 from refusion.decoding.registry import Decoder, default_decoder, get, make_params, mismatch, register, unregister
 
 if TYPE_CHECKING:
@@ -44,7 +44,8 @@ def decode(model: Transformer, prompts: list[list[int]], decoder: str = "specula
     the commits give when sorted by position and cut after the first EOS, so a streaming client
     should do the same.
     """
-    p = make_params(decoder, **params)
+    p = make_params(decoder, model.config, **params)
+    check_seed(seed)
     return get(decoder).runner()(model, prompts, p, eos_ids=eos_ids, seed=seed, on_commit=on_commit)
 
 

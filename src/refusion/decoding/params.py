@@ -14,10 +14,29 @@ from refusion.decoding.registry import Decoder, option, register
 
 # ---- checks shared by the Params' validate() (and so by the CLI, the server and lm-eval) ---------
 
+# Bounds that hold whatever the model, so that a huge value is refused before anything is allocated;
+# the model's context bounds these widths further (check_prompts, SpeculativeParams.check_model).
+MAX_GEN_LENGTH = 1 << 17  # the longest context of the model families refusion loads (Llama 3.1: 128K)
+MAX_DRAFT = 256  # draft tokens (or masks) one speculative step feeds: far beyond any run of acceptances
+MAX_SEED = 2**63 - 1  # torch's generators take seeds in [0, 2**63)
+
 
 def check_positive(name: str, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def check_gen_length(value: int) -> None:
+    check_positive("gen_length", value)
+    if value > MAX_GEN_LENGTH:
+        raise ValueError(f"gen_length {value} exceeds {MAX_GEN_LENGTH}, the most tokens a decoder generates in one "
+                         "call; lower gen_length")
+
+
+def check_seed(seed: int | None) -> None:
+    """None (unseeded) or an integer in [0, 2**63 - 1]."""
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED):
+        raise ValueError(f"seed must be an integer in [0, 2**63 - 1], got {seed!r}")
 
 
 def check_probability(name: str, value: float) -> None:
@@ -103,16 +122,33 @@ class SpeculativeParams:
         self.validate()
 
     def validate(self) -> None:
-        check_positive("gen_length", self.gen_length)
-        if not (isinstance(self.draft_length, int) and self.draft_length >= 0):
+        check_gen_length(self.gen_length)
+        if isinstance(self.draft_length, bool) or not (isinstance(self.draft_length, int) and self.draft_length >= 0):
             raise ValueError(f"draft_length must be an integer >= 0 (0: plain AR), got {self.draft_length!r}")
-        if self.mask_length is not None and not (isinstance(self.mask_length, int) and self.mask_length >= 0):
+        if self.mask_length is not None and (isinstance(self.mask_length, bool) or
+                                             not (isinstance(self.mask_length, int) and self.mask_length >= 0)):
             raise ValueError(f"mask_length must be an integer >= 0, got {self.mask_length!r}")
+        # (a draft that long is never accepted whole: it would only cost memory and time)
+        if self.draft_length > MAX_DRAFT:
+            raise ValueError(f"draft_length {self.draft_length} exceeds {MAX_DRAFT}, the most draft tokens a step may "
+                             "verify; lower draft_length (default 16)")
+        if self.mask_length is not None and self.mask_length > MAX_DRAFT:
+            raise ValueError(f"mask_length {self.mask_length} exceeds {MAX_DRAFT}, the most masks a step may feed; "
+                             "lower mask_length (default: the draft width + 1)")
         check_sampling(self.temperature, self.top_k, self.top_p)
         if self.accept_prob is not None:
             check_probability("accept_prob", self.accept_prob)
             if self.accept_prob == 0:
                 raise ValueError("accept_prob must be > 0 (0 would accept every draft token)")
+
+    def check_model(self, config) -> None:
+        """The widths within the model's context: no step can draft past the positions it has."""
+        limit = config.max_position_embeddings
+        for name in ("draft_length", "mask_length"):
+            v = getattr(self, name)
+            if v is not None and v > limit:
+                raise ValueError(f"{name} {v} exceeds the model's context (max_position_embeddings {limit}); "
+                                 f"lower {name}")
 
     @property
     def max_width(self) -> int:
@@ -149,7 +185,8 @@ class ReFusionParams:
 
     def validate(self) -> None:
         s, L, B = self.slot_size, self.gen_length, self.serial_blocks
-        for name in ("gen_length", "slot_size", "serial_blocks"):
+        check_gen_length(L)  # slot_size and serial_blocks are bounded by it below
+        for name in ("slot_size", "serial_blocks"):
             check_positive(name, getattr(self, name))
         if s * B > L:
             raise ValueError(f"slot_size x serial_blocks = {s} x {B} = {s * B} exceeds gen_length {L} "
@@ -192,7 +229,7 @@ class ARParams:
         self.validate()
 
     def validate(self) -> None:
-        check_positive("gen_length", self.gen_length)
+        check_gen_length(self.gen_length)
         check_sampling(self.temperature, self.top_k, self.top_p)
 
 
@@ -228,8 +265,8 @@ class MDMParams:
 
     def validate(self) -> None:
         L, b = self.gen_length, self.block_length
-        check_positive("gen_length", L)
-        check_positive("block_length", b)
+        check_gen_length(L)
+        check_positive("block_length", b)  # and a divisor of gen_length, so bounded by it
         if L % b:
             raise ValueError(f"gen_length {L} must be a positive multiple of block_length {b}")
         if self.threshold is not None and self.steps is not None:

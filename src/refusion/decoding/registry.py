@@ -6,8 +6,10 @@ fields of each record's Params dataclass), so a decoder registered anywhere, the
 `decoding/params.py` or a toy one in a test, is reachable from all of them with no other change.
 
 A Params dataclass is frozen and checks itself when it is made (`__post_init__` calls
-`validate()`), so parameters are validated exactly once, however they arrive. Its fields are
-declared with `option()`, which carries what a flag, a request field or a page control shows.
+`validate()`), so parameters are validated exactly once, however they arrive; what they need of a
+model (a width within its context) a Params checks in an optional `check_model(config)`, which
+make_params runs when given the model's config. Its fields are declared with `option()`, which
+carries what a flag, a request field or a page control shows.
 
 This module imports no torch (`refusion --help` builds its flags from it).
 """
@@ -144,9 +146,11 @@ def _fields_of(params: type) -> tuple[Option, ...]:
     return tuple(out)
 
 
-def make_params(decoder: str, **params) -> Any:
+def make_params(decoder: str, config: ModelConfig | None = None, **params) -> Any:
     """`decoder`'s validated Params from keyword arguments: what decode() checks before it touches
-    the model, usable without one. A parameter the decoder does not take is an error."""
+    the model, usable without one. A parameter the decoder does not take is an error. Given the
+    model's config, also what the parameters need of that model: a Params class may define
+    check_model(config) (the speculative widths within the model's context)."""
     d = get(decoder)
     params = dict(params)
     for alias, name in d.aliases.items():
@@ -158,7 +162,10 @@ def make_params(decoder: str, **params) -> Any:
     bad = sorted(set(params) - set(takes))
     if bad:
         raise ValueError(refusal(decoder, bad, takes))
-    return d.params(**{**d.defaults, **params, **d.fixed})
+    p = d.params(**{**d.defaults, **params, **d.fixed})
+    if config is not None and hasattr(p, "check_model"):
+        p.check_model(config)
+    return p
 
 
 def refusal(decoder: str, bad: list[str], takes: list[str]) -> str:

@@ -9,16 +9,22 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from refusion.decoding.params import check_seed
+
 
 def generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    check_seed(seed)  # (torch's own message for a seed out of range is an overflow)
     return torch.Generator(device=device).manual_seed(seed)
 
 
 def nucleus_cut(sorted_logits: Tensor, top_p: float | Tensor) -> Tensor:
     """Over logits sorted in descending order: True where a token lies outside the smallest set
-    whose probability reaches top_p (the set always keeps the most likely token)."""
+    whose probability reaches top_p. The set always keeps the most likely token: a top_p below
+    float32's smallest number rounds to 0, which would otherwise cut every token."""
     sp = sorted_logits.softmax(-1)
-    return sp.cumsum(-1) - sp >= top_p
+    cut = sp.cumsum(-1) - sp >= top_p
+    cut[..., 0] = False
+    return cut
 
 
 def sample(logits: Tensor, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,

@@ -169,6 +169,7 @@ class SpeculativeBatch:
             on_commit: Callable[[list[int], list[int]], None] | None = None) -> int:
         """Queue a sequence; it joins at the next step. on_commit(positions, tokens) streams commits."""
         p = params or SpeculativeParams()
+        p.check_model(self.model.config)
         if not prompt:
             raise ValueError("every prompt needs at least one token")
         if min(prompt) < 0 or max(prompt) >= self.vocab:
@@ -329,6 +330,7 @@ def generate_speculative(model: Transformer, prompts: list[list[int]], params: S
     Sampled sequences draw from generators of their own, each seeded with `seed` (0 when None)."""
     p = params or SpeculativeParams()
     batch = SpeculativeBatch(model, eos_ids)
+    p.check_model(model.config)
     check_prompts(model.config, prompts, p.gen_length)
     sids = [batch.add(q, p, seed=seed, on_commit=None if on_commit is None else
                       (lambda pos, tok, r=r: on_commit(r, pos, tok))) for r, q in enumerate(prompts)]

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from refusion.decoding import decode, make_params
-from refusion.decoding.params import check_prompts
+from refusion.decoding.params import MAX_SEED, check_prompts, check_seed
 from refusion.model.transformer import Transformer
 from refusion.tasks import Example, Score, Task
 from refusion.model.tokenizer import Tokenizer
@@ -44,6 +44,7 @@ class EvalConfig:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        check_seed(self.seed)
         return self
 
 
@@ -81,11 +82,14 @@ def evaluate(model: Transformer, tokenizer: Tokenizer, task: Task, cfg: EvalConf
     """Decode every example (`examples`, or the task's split as cfg says), score the outputs, write
     records (if a path is given), return the summary."""
     cfg.validate()
-    params = make_params(cfg.decoder, **cfg.params)  # bad parameters fail before the first example
+    params = make_params(cfg.decoder, model.config, **cfg.params)  # bad parameters fail before the first example
     if examples is None:
         examples = task.load(cfg.split, n=cfg.n, seed=cfg.seed)
     if not examples:
         raise ValueError(f"task {task.name!r} split {cfg.split!r} has no examples")
+    if cfg.seed + len(examples) > MAX_SEED:  # each batch decodes with seed + its first example's index
+        raise ValueError(f"seed {cfg.seed} is too large for {len(examples)} examples: the seed of each batch, seed + "
+                         f"its first example's index, must stay below 2**63; use a seed up to {MAX_SEED - len(examples)}")
     eos = model.config.eos_ids or ([tokenizer.eos_id] if tokenizer.eos_id is not None else [])
     prompts = [tokenizer.chat_prompt_ids(ex.prompt, system=cfg.system) for ex in examples]
     for ex, p in zip(examples, prompts):  # a prompt too long for the model fails now, not half-way through

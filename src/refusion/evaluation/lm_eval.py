@@ -33,6 +33,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from refusion.decoding import decode, default_decoder, registry
+from refusion.decoding.params import check_seed
 from refusion.model.checkpoint import load_model
 from refusion.model.tokenizer import Tokenizer
 from refusion.model.transformer import Transformer
@@ -100,6 +101,12 @@ def score(model: Transformer, pairs: list[tuple[list[int], list[int]]], batch_si
     return out  # type: ignore[return-value]
 
 
+class ModelArgsError(ValueError):
+    """model_args that refusion refuses (an unknown decoder, a parameter it does not take, a model that
+    is not there): `python -m refusion.evaluation.lm_eval` prints it as one line. (The plain `lm_eval`
+    command prints lm-eval's traceback, which ends with this message.)"""
+
+
 class ReFusionLM(LM):
     """model_args: pretrained (a model directory, or a name refusion.bundled resolves; default: the
     bundled model), decoder (default: speculative on a model with a mask token, else ar), the
@@ -112,30 +119,40 @@ class ReFusionLM(LM):
                  device: str | None = None, dtype: str | None = None, seed: int = 0, gen_length: int | None = None,
                  max_length: int | None = None, max_batch_size: int | None = None, **decoder_params: Any) -> None:
         super().__init__()
-        from refusion.bundled import resolve_model
-
-        self.path = resolve_model(pretrained)
-        # lm-eval's command line asks for "cuda" unless told otherwise; on a CPU-only machine that
-        # would only fail, so fall back to the CPU (as lm-eval's own HF model does)
-        if not device or (str(device).startswith("cuda") and not torch.cuda.is_available()):
-            device = "cpu"
-        self.model = load_model(self.path, dtype=dtype, device=device)
-        self.tok = Tokenizer.from_dir(self.path)
+        try:
+            check_seed(seed)
+            self._load(pretrained, decoder, device, dtype, decoder_params)
+        except ValueError as e:
+            raise ModelArgsError(f"--model_args: {e}") from None
         cfg = self.model.config
-        self.decoder = decoder or default_decoder(cfg)
-        # what the decoder takes, less what each request sets (gen_length, temperature)
-        self.fields = {o.name for o in registry.options(self.decoder, hidden=True)}  # unknown: ValueError
-        allowed = sorted(self.fields - {"gen_length", "temperature"})
-        bad = sorted(set(decoder_params) - set(allowed))
-        if bad:
-            raise ValueError(registry.refusal(self.decoder, bad, allowed))
-        self.params = decoder_params
         self.batch_size = 16 if str(batch_size).startswith("auto") else int(batch_size)
         self.seed, self.fixed_gen_length = seed, gen_length
         self._max_length = max_length or cfg.max_position_embeddings
         self.eos_ids = sorted(set(cfg.eos_ids) | ({self.tok.eos_id} if self.tok.eos_id is not None else set()))
         # the token a document is conditioned on when it has no context (lm-eval's convention)
         self.prefix_id = self.tok.bos_id if self.tok.bos_id is not None else self.eos_ids[0]
+
+    def _load(self, pretrained: str | None, decoder: str | None, device: str | None, dtype: str | None,
+              decoder_params: dict[str, Any]) -> None:
+        from refusion.bundled import resolve_model
+
+        self.path = resolve_model(pretrained)
+        if decoder is not None:  # a name that is no decoder fails before the weights are read
+            registry.get(decoder)
+        # lm-eval's command line asks for "cuda" unless told otherwise; on a CPU-only machine that
+        # would only fail, so fall back to the CPU (as lm-eval's own HF model does)
+        if not device or (str(device).startswith("cuda") and not torch.cuda.is_available()):
+            device = "cpu"
+        self.model = load_model(self.path, dtype=dtype, device=device)
+        self.tok = Tokenizer.from_dir(self.path)
+        self.decoder = decoder or default_decoder(self.model.config)
+        # what the decoder takes, less what each request sets (gen_length, temperature)
+        self.fields = {o.name for o in registry.options(self.decoder, hidden=True)}
+        allowed = sorted(self.fields - {"gen_length", "temperature"})
+        bad = sorted(set(decoder_params) - set(allowed))
+        if bad:
+            raise ValueError(registry.refusal(self.decoder, bad, allowed))
+        self.params = decoder_params
 
     # ---- what lm-eval asks about the model -------------------------------------------------------
 
@@ -261,11 +278,16 @@ def main(argv: list[str] | None = None) -> None:
         hook_path().unlink(missing_ok=True)
         print(f"removed {hook_path()}")
         return
-    import refusion.evaluation.lm_eval  # noqa: F401  (registers --model refusion)
+    # registers --model refusion (run as a script, this file is __main__, not the module lm-eval uses)
+    import refusion.evaluation.lm_eval as adapter
     from lm_eval.__main__ import cli_evaluate
 
     sys.argv = ["lm_eval", *argv]
-    cli_evaluate()
+    try:
+        cli_evaluate()
+    except adapter.ModelArgsError as e:
+        print(f"refusion: error: {' '.join(str(e).split())}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -305,8 +305,22 @@ def plot_curves(points: list[dict], path: str | Path) -> Path:
     return path
 
 
+PLOT_NAME, CURVES_NAME = "accuracy_vs_tps.png", "accuracy_vs_steps.png"  # their names in a directory
+
+
+def plot_file(path: str | Path, name: str) -> Path:
+    """Where a plot asked for at `path` goes: into an existing directory under its usual name (a
+    path without a suffix would otherwise become PATH.png beside the directory), else at `path`."""
+    path = Path(path)
+    return path / name if path.is_dir() else path
+
+
 def report(paths: list[str | Path], out: str | Path | None = None, plot: str | Path | None = None,
            curves_plot: str | Path | None = None) -> str:
+    """The markdown report of the summaries under `paths` (written to `out` too); `plot` and
+    `curves_plot`: files, or directories to write the plots into under PLOT_NAME and CURVES_NAME."""
+    if out is not None and Path(out).is_dir():
+        raise ValueError(f"--out {out} is a directory; name the markdown file, e.g. {Path(out) / 'report.md'}")
     rows = load_summaries(paths)
     avg = averages(rows)
     points = curves(rows, avg)
@@ -321,7 +335,7 @@ def report(paths: list[str | Path], out: str | Path | None = None, plot: str | P
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(text)
     if plot is not None:
-        plot_accuracy_vs_tps(last_steps(avg), plot)
+        plot_accuracy_vs_tps(last_steps(avg), plot_file(plot, PLOT_NAME))
     if curves_plot is not None:
-        plot_curves(points, curves_plot)
+        plot_curves(points, plot_file(curves_plot, CURVES_NAME))
     return text

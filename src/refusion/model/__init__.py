@@ -1,6 +1,7 @@
 """The model: configuration, the transformer, its caches, checkpoints, tokenizer and importers.
 
     config.py       ModelConfig; to and from Hugging Face config.json (Qwen3, Qwen2, Llama)
+    size.py         parameters and memory a config implies, refused past this machine's memory
     transformer.py  the transformer and its one forward
     cache.py        the Cache protocol and the three caches the decoders use
     compiled.py     the opt-in torch.compile'd forward

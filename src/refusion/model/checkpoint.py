@@ -12,6 +12,7 @@ them.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -23,6 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from refusion.model.compiled import enable_compile
 from refusion.model.config import ConfigError, ModelConfig
+from refusion.model.size import check_memory
 from refusion.model.transformer import Transformer, fused_parts
 from refusion.model.tokenizer import MASK_TOKEN, Tokenizer
 
@@ -154,6 +156,10 @@ def load_model(path: str | Path, dtype: torch.dtype | str | None = None, device:
                               "(convert one with `refusion add-mask-token` or train one)")
     dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
     dtype = dtype or DTYPES.get(cfg.torch_dtype.removeprefix("torch."), torch.float32)
+    try:  # before the meta model: shapes past torch's sizes would end there in an overflow
+        check_memory(cfg, dtype.itemsize, f"the model {Path(path) / 'config.json'} describes")
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
     sd = load_state_dict(path)
     with torch.device("meta"):
         model = Transformer(cfg)
@@ -162,7 +168,9 @@ def load_model(path: str | Path, dtype: torch.dtype | str | None = None, device:
         sd.pop("lm_head.weight", None)
         expected.pop("lm_head.weight", None)
     _check_weights(path, sd, expected)
-    model.load_state_dict(from_hf({k: sd[k].to(dtype) for k in expected}, cfg), strict=False, assign=True)
+    weights = {k: sd[k].to(dtype) for k in expected}
+    check_finite(weights, path)
+    model.load_state_dict(from_hf(weights, cfg), strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.reset_rope()  # buffers are not in the file and were built on "meta"
@@ -183,6 +191,20 @@ def _check_weights(path: str | Path, sd: dict[str, torch.Tensor], expected: dict
     for k, v in expected.items():
         if sd[k].shape != v.shape:
             raise CheckpointError(f"{path}: {k} has shape {tuple(sd[k].shape)}, config.json implies {tuple(v.shape)}")
+
+
+def check_finite(weights: dict[str, torch.Tensor], path: str | Path) -> None:
+    """Every weight a finite number: a NaN or an inf (a diverged run, a broken file, a value past
+    float16's range) decodes to garbage or to nothing, with no error. One reduction per tensor
+    (aminmax propagates NaN), no copy."""
+    for name, t in weights.items():
+        if not t.is_floating_point() or t.numel() == 0:
+            continue
+        lo, hi = (float(x) for x in torch.aminmax(t))
+        if not (math.isfinite(lo) and math.isfinite(hi)):
+            what = "NaN" if math.isnan(lo) else "inf"
+            raise CheckpointError(f"{path}: {name} holds {what} values (the first tensor that does); the weights "
+                                  "are broken (a diverged training run?) and would decode to garbage")
 
 
 def _atomic_dir(path: Path, overwrite: bool):
@@ -268,9 +290,11 @@ def save_model(model: Transformer, path: str | Path, tokenizer: Tokenizer | None
 def check_mask_token(model_config: ModelConfig, tokenizer: Tokenizer, token: str = MASK_TOKEN,
                      force: bool = False) -> None:
     """Refuse what add_mask_token should not do: an empty token, a model that has a mask token
-    already, and (unless forced) a token that is already an ordinary word of the vocabulary, which
-    would stop meaning that word. An existing *special* token that nothing uses is fine: the
-    published ReFusion tokenizer carries <|mask|> that way."""
+    already, a token that is already a special token of the tokenizer or the model (EOS, BOS, pad,
+    unk, a chat marker: the mask would take its place, and EOS would stop ending answers), and
+    (unless forced) an ordinary word of the vocabulary, which would stop meaning that word. The
+    tokenizer's own mask token (its config's mask_token, or <|mask|>) is fine where nothing uses it
+    yet: the published ReFusion tokenizer carries <|mask|> that way."""
     if not token or token.strip() != token:
         raise CheckpointError(f"the mask token must be a non-empty string without surrounding spaces, got {token!r}")
     tid = tokenizer.token_id(token)
@@ -278,17 +302,31 @@ def check_mask_token(model_config: ModelConfig, tokenizer: Tokenizer, token: str
         if tid == model_config.mask_token_id:
             return  # already this model's mask token: adding it again changes nothing
         raise CheckpointError(f"the model already has a mask token (mask_token_id {model_config.mask_token_id})")
-    if tid is not None and not force:
-        added = tokenizer.tok.get_added_tokens_decoder().get(tid)
-        if added is None or not added.special:
-            raise CheckpointError(f"{token!r} is already token {tid} of the vocabulary (an ordinary word); making it "
-                                  "the mask would change what it means: choose a new token, e.g. <|mask|>, or force it")
+    if tid is None:
+        return
+    roles = tokenizer.special_roles()
+    for role, ids in (("pad", [model_config.pad_token_id]), ("bos", [model_config.bos_token_id]),
+                      ("eos", model_config.eos_ids)):
+        roles.update({i: role for i in ids if i is not None})
+    role = roles.get(tid)
+    if role is not None and role != "special":
+        raise CheckpointError(f"{token!r} is the {role} token (id {tid}); the mask must be a token of its own: "
+                              "choose a new one, e.g. <|mask|>")
+    if role == "special" and tid != tokenizer.mask_id:
+        raise CheckpointError(f"{token!r} is already a special token of the tokenizer (id {tid}); the mask must be "
+                              "a token of its own: choose a new one, e.g. <|mask|>")
+    if role is None and not force:
+        raise CheckpointError(f"{token!r} is already token {tid} of the vocabulary (an ordinary word); making it "
+                              "the mask would change what it means: choose a new token, e.g. <|mask|>, or force it")
 
 
 def add_mask_token(model: Transformer, tokenizer: Tokenizer, token: str = MASK_TOKEN, force: bool = False) -> int:
     """Give a causal LM a mask token: add it to the tokenizer, grow the embeddings if needed,
-    initialise its row(s) to the mean embedding (a neutral start), record mask_token_id.
-    Refused as check_mask_token says (force: allow an existing ordinary token)."""
+    initialise its row(s) to the mean embedding (a neutral start), record mask_token_id, and
+    causal_first_token: a model never trained with the mask takes its first response token from the
+    prompt's last token, as it always did, not from the untrained mask (training that teaches the
+    mask to predict it sets the flag again). Refused as check_mask_token says (force: allow an
+    existing ordinary token)."""
     cfg = model.config
     check_mask_token(cfg, tokenizer, token, force)
     if cfg.mask_token_id is not None:
@@ -321,4 +359,5 @@ def add_mask_token(model: Transformer, tokenizer: Tokenizer, token: str = MASK_T
             if not cfg.tie_word_embeddings:
                 model.lm_head.weight[mask_id] = model.lm_head.weight[:n_text].mean(0)
     cfg.mask_token_id = mask_id
+    cfg.causal_first_token = True
     return mask_id

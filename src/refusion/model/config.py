@@ -62,9 +62,16 @@ class ModelConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise ConfigError(f"{name} must be a number > 0, got {v!r}")
-        v = self.mask_token_id  # (pad and bos ids are left alone: some published configs carry odd ones)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < self.vocab_size):
-            raise ConfigError(f"mask_token_id must be a token id in [0, {self.vocab_size}), got {v!r}")
+        # a token id outside the vocabulary is never produced or fed: an EOS of -7 would silently never stop
+        V = self.vocab_size
+        for name in ("bos_token_id", "pad_token_id", "mask_token_id", "eos_token_id"):
+            v = getattr(self, name)
+            ids = v if name == "eos_token_id" and isinstance(v, list) else [v]
+            bad = next((i for i in ids if i is not None and (isinstance(i, bool) or not isinstance(i, int)
+                                                             or not 0 <= i < V)), None)
+            if bad is not None or (isinstance(v, list) and None in v):
+                kind = "a token id or a list of token ids" if name == "eos_token_id" else "a token id"
+                raise ConfigError(f"{name} must be {kind} in [0, {V}), got {v!r}")
         if self.head_dim is None:
             if self.hidden_size % self.num_heads:
                 raise ConfigError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}; set head_dim")

@@ -96,6 +96,17 @@ class Tokenizer:
     def mask_id(self) -> int | None:
         return self.tok.token_to_id(_token_str(self.config.get("mask_token")) or MASK_TOKEN)
 
+    def special_roles(self) -> dict[int, str]:
+        """The tokenizer's special tokens by id, each with its role: "eos", "bos", "pad" or "unk"
+        where the config names it so (eos wins where one token has several), else "special" (any
+        other token added as special: chat markers, an unused <|mask|>)."""
+        roles = {tid: "special" for tid, t in self.tok.get_added_tokens_decoder().items() if t.special}
+        for key in ("unk_token", "pad_token", "bos_token", "eos_token"):
+            tid = self._special_id(key)
+            if tid is not None:
+                roles[tid] = key.removesuffix("_token")
+        return roles
+
     def add_special_tokens(self, tokens: list[str]) -> list[int]:
         """Add tokens (if absent) as special tokens; return their ids."""
         missing = [t for t in tokens if self.tok.token_to_id(t) is None]
@@ -106,7 +117,13 @@ class Tokenizer:
     # ---- text -----------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:
+            if isinstance(text, str):  # the library's own message: "TextInputSequence must be str"
+                raise TokenizerError("the text is not valid Unicode (it holds lone surrogates, as undecodable bytes "
+                                     "become in Python); pass UTF-8 text") from None
+            raise
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

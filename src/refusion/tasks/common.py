@@ -1,4 +1,4 @@
-"""Helpers shared by the benchmark task modules: seeded subsets and answer extraction."""
+"""Helpers shared by the task modules: seeded subsets, the sizes of generated splits, answer extraction."""
 
 from __future__ import annotations
 
@@ -15,6 +15,20 @@ def subset(examples: list[Example], n: int | None, seed: int) -> list[Example]:
     order = list(range(len(examples)))
     random.Random(seed).shuffle(order)
     return [examples[i] for i in order[:n]]
+
+
+# A generated train split repeats prompts, so any n is possible, but every example is held in memory.
+MAX_GENERATED = 1_000_000
+
+
+def check_generated_n(name: str, split: str, n: int, test_size: int) -> None:
+    """Refuse, before generating anything, an n a generated split cannot supply: its test prompts are
+    distinct and the family has only so many (past them the loader would search on and on, holding
+    what it found), and no split is generated past MAX_GENERATED examples."""
+    limit = test_size if split == "test" else MAX_GENERATED
+    if n > limit:
+        what = "distinct test examples" if split == "test" else f"{split} examples (each held in memory)"
+        raise ValueError(f"task {name!r} supplies at most {limit} {what}; n {n} asks for more: ask for at most {limit}")
 
 
 _NUM = re.compile(r"-?\d+(?:\.\d+)?")

@@ -20,7 +20,8 @@ from collections.abc import Callable
 
 from refusion.tasks import Example, Score, Task
 from refusion.tasks.code import sandbox_scorers
-from refusion.tasks.common import extract_code, extract_final_number, extract_letter, numbers_equal
+from refusion.tasks.common import (check_generated_n, extract_code, extract_final_number, extract_letter,
+                                   numbers_equal)
 
 NAMES = ["Ann", "Ben", "Cara", "Dan", "Eve", "Finn", "Gia", "Hal", "Ivy", "Jon", "Kai", "Lea", "Max", "Nia",
          "Omar", "Pia", "Raj", "Sam", "Tess", "Uma"]
@@ -248,12 +249,17 @@ def _generate(name: str, rng: random.Random) -> Example:
     return Example("", prompt, target, target, {"format": fmt})
 
 
+# The distinct test prompts each family supplies within the loader's search (measured; code has few).
+TEST_SIZES = {"arith": 100_000, "code": 600, "choice": 100_000, "table": 8000}
+
+
 def load(name: str, split: str, n: int | None = None, seed: int = 0) -> list[Example]:
-    """n examples of `name` in `split` (default 500 test / 20000 train). Test prompts are distinct;
+    """n examples of `name` in `split` (default 500 test / 20000 train; at most TEST_SIZES test). Test prompts are distinct;
     train prompts may repeat (with different hidden tests or numbers elsewhere)."""
     if split not in ("train", "test"):
         raise ValueError(f"synthetic tasks have splits 'train' and 'test', not {split!r}")
     n = n if n is not None else (500 if split == "test" else 20000)
+    check_generated_n(name, split, n, TEST_SIZES[name])
     out, seen, i = [], set(), 0
     want_test = split == "test"
     while len(out) < n:

@@ -19,7 +19,7 @@ import random
 from collections.abc import Callable
 
 from refusion.tasks import Example, Score, Task
-from refusion.tasks.common import extract_final_number, numbers_equal
+from refusion.tasks.common import check_generated_n, extract_final_number, numbers_equal
 from refusion.tasks.synthetic import in_test_split
 
 WORDS = ["red", "blue", "green", "cat", "dog", "fox", "owl", "sun", "moon", "star", "tree", "leaf", "rock", "sea",
@@ -83,11 +83,17 @@ MAKERS: dict[str, Callable[[random.Random], tuple[str, str, object]]] = {
     "sort": make_sort, "add": make_add, "repeat": make_repeat}
 
 
+# The distinct test prompts each family supplies within the loader's search (measured; add has few).
+TEST_SIZES = {"sort": 100_000, "add": 4000, "repeat": 100_000}
+
+
 def load(name: str, split: str, n: int | None = None, seed: int = 0) -> list[Example]:
-    """n examples of `name` in `split` (default 500 test / 20000 train); test prompts are distinct."""
+    """n examples of `name` in `split` (default 500 test / 20000 train; at most TEST_SIZES test);
+    test prompts are distinct."""
     if split not in ("train", "test"):
         raise ValueError(f"word tasks have splits 'train' and 'test', not {split!r}")
     n = n if n is not None else (500 if split == "test" else 20000)
+    check_generated_n(name, split, n, TEST_SIZES[name])
     out, seen, i = [], set(), 0
     want_test = split == "test"
     while len(out) < n:
