@@ -85,6 +85,8 @@ def test_study_quick_runs_every_stage_and_writes_the_curves(tmp_path):
     # every fine-tune starts from the base: same tokenizer, and the mask token only where the objective needs it
     base_tok = (runs / "base" / "model" / "tokenizer.json").read_text()
     assert all((runs / s / "model" / "tokenizer.json").read_text() == base_tok for s in ("ar", "mdm"))
+    paper_cfg = json.loads((runs / "refusion" / "model" / "config.json").read_text())
+    assert not paper_cfg.get("causal_first_token", False)  # the paper's objective drafts the first token
     ar_cfg = json.loads((runs / "ar" / "model" / "config.json").read_text())
     assert "mask_token_id" in ar_cfg and ar_cfg["causal_first_token"]  # the ReFusion vocabulary, never a mask fed
     for v in ("boundary", "ar-share-25", "joint", "hybrid", "decoupled"):

@@ -76,3 +76,12 @@ def test_the_seed_is_one_torch_can_take():
     p = subprocess.run([sys.executable, "-m", "refusion.cli", "train", f"--set=seed={2**70}"], capture_output=True,
                        text=True, timeout=120)
     assert p.returncode == 2 and p.stderr == f"refusion: error: seed must be an integer in [0, 2**63 - 1], got {2**70}\n"
+
+
+def test_a_model_larger_than_the_machine_is_refused_before_it_is_built(data_file, tmp_path):
+    huge = json.dumps({**TINY, "hidden_size": 10**6, "intermediate_size": 10**7})
+    argv = ["train", f"--data={data_file}", "--set=vocab_size=300", f"--set=model={huge}", "--max-steps=1",
+            f"--out={tmp_path / 'huge'}", "--no-progress"]
+    p = subprocess.run([sys.executable, "-m", "refusion.cli", *argv], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert "more than this machine's" in p.stderr and "hidden_size" in p.stderr

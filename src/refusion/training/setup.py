@@ -28,6 +28,7 @@ from refusion.model.config import ModelConfig
 from refusion.model.lora import apply_lora
 from refusion.bundled import resolve_model
 from refusion.model.mask_adapter import ADAPTER_WEIGHTS, adapter_parameters, add_mask_adapter, is_adapter_name
+from refusion.model.size import check_memory
 from refusion.model.tokenizer import Tokenizer
 from refusion.model.transformer import Transformer
 from refusion.runtime import count_parameters, resolve_device, set_threads
@@ -217,8 +218,9 @@ def _model(cfg: TrainConfig, tok: Tokenizer, ckpt: Path | None, device: torch.de
     model.config.bidirectional = cfg.objective == "mdm"
     model.config.training_objective = cfg.objective  # picks the model's default decoder
     # every objective but the paper's trains the prompt's last token to predict the first response token
+    # (add_mask_token marks a causal base so; the paper's objective then makes its mask answer it)
     model.config.causal_first_token = (cfg.objective == "ar" or variant_of(cfg).name != "paper"
-                                       or model.config.causal_first_token)
+                                       or (model.config.causal_first_token and not new_tokens))
     if cfg.lora and (ckpt is None or fsdp):  # FSDP: the adapters must exist before sharding
         apply_seeded_lora(model, cfg, new_tokens)
     if variant_of(cfg).mask_path and model.config.mask_adapter is None:
@@ -248,6 +250,8 @@ def _new_model(cfg: TrainConfig, tok: Tokenizer, needs_mask: bool) -> Transforme
                           "mask_token_id": tok.mask_id if needs_mask else None, **cfg.model})
     if mcfg.vocab_size < len(tok):
         raise ValueError(f"model.vocab_size {mcfg.vocab_size} is smaller than the tokenizer ({len(tok)})")
+    # float32 weights, gradients and two Adam moments: refuse a shape this machine cannot hold
+    check_memory(mcfg, bytes_per_parameter=16, what="the model this config describes")
     return Transformer(mcfg).init_weights(seed=cfg.seed)
 
 
