@@ -129,6 +129,21 @@ def test_ragged_cache_grows_and_moves_rows_keeping_entries():
     assert torch.equal(kk[1, :, 0], new[1, :, 0])
 
 
+def test_ragged_cache_growth_stops_at_its_limits_but_never_below_what_is_asked():
+    c = RaggedKVCache(num_layers=1, kv_heads=1, head_dim=2, dtype=torch.float32, device="cpu", rows=3,
+                      capacity=300, max_capacity=450)
+    assert (c.rows, c.capacity) == (3, 450)  # rounded up to 512 without the limit
+    entries = torch.randn(3, 1, 5, 2)
+    c.at(torch.arange(5).expand(3, 5), keys=5).update(0, entries, entries)
+    c.reserve(4, 460, max_rows=5, max_capacity=470)
+    assert (c.rows, c.capacity) == (5, 470)  # geometric growth (6 rows, 1024 columns) cut at the limits
+    assert torch.equal(c.row(2, 5)[0][0], entries[2])
+    c.reserve(7, 900, max_rows=5, max_capacity=470)
+    assert (c.rows, c.capacity) == (7, 900)  # what is asked is always given
+    c.reserve(8, 901)
+    assert (c.rows, c.capacity) == (14, 2048)  # no limits: doubled, capacity in whole steps
+
+
 def test_slot_cache_writes_and_reads_the_rows_it_is_told():
     c = SlotKVCache(num_layers=1, rows=3, capacity=4, kv_heads=2, head_dim=3, dtype=torch.float32, device="cpu")
     k, v = kv(3, 2)

@@ -82,24 +82,26 @@ def refusal(client: openai.OpenAI, prompt: list[int], body: dict) -> dict:
 
 # ---- what one request may cost -------------------------------------------------------------------
 
-# 1 + draft_length + mask_length tokens fed per step, against the context (512 positions)
+# each width is capped (decoding.params: at most 256 drafts and 256 masks a step), and 1 + draft_length +
+# mask_length tokens fed per step must fit the context (512 positions)
 TOO_WIDE = [
     ({"mask_length": 10**6}, "mask_length"),
     ({"draft_length": 10**9}, "draft_length"),
-    ({"draft_length": 300, "mask_length": 212}, "draft_length"),  # each below the context, the step not
-    ({"decoder": "speculative", "draft_length": 8, "mask_length": 504}, "mask_length"),
+    ({"decoder": "speculative", "mask_length": 300}, "mask_length"),
+    ({"draft_length": 256, "mask_length": 256}, "draft_length"),  # each within its cap, the step not
 ]
 
 
 @pytest.mark.parametrize("body,param", TOO_WIDE, ids=[t[1] + str(i) for i, t in enumerate(TOO_WIDE)])
 def test_a_step_wider_than_the_context_is_refused(live, body, param):
     err = refusal(client_of(live), ids("hi"), {"max_tokens": 16, **body})
-    assert err["param"] == param and str(CONTEXT) in err["message"], err
-    if body.get("draft_length", 0) < CONTEXT > body.get("mask_length", 0):  # only the step's width is too large
-        masks = body.get("mask_length", body.get("draft_length", 16) + 1)
+    assert err["param"] == param, err
+    if body.get("draft_length", 0) <= 256 >= body.get("mask_length", 0):  # only the step's width is too large
         assert err["code"] == "step_too_wide" and err["message"] == (
-            f"1 + draft_length {body['draft_length']} + mask_length {masks} = 513 tokens fed per step exceeds the "
-            f"model's context of {CONTEXT} tokens; lower {param}")
+            f"1 + draft_length {body['draft_length']} + mask_length {body['mask_length']} = 513 tokens fed per step "
+            f"exceeds the model's context of {CONTEXT} tokens; lower {param}")
+    else:
+        assert f"{param} {body[param]} exceeds 256" in err["message"], err
 
 
 def test_costly_requests_leave_the_other_clients_served(live):
@@ -158,17 +160,18 @@ def test_the_per_request_token_limit(tight):
 def test_the_batch_rows_stay_within_the_limit(tight, monkeypatch):
     """Two requests each within the limit whose rows together would not be (a long answer, then a
     wide step while it runs): the second waits until the first has left the continuous batch, so
-    no cache row is ever reserved beyond the limit, and both get their solo output."""
+    no cache row is ever asked for, or allocated (the cache grows geometrically, but not past the
+    limit), beyond the limit, and both get their solo output."""
     reserved: list[int] = []
     init, reserve = RaggedKVCache.__init__, RaggedKVCache.reserve
 
     def recording_init(self, *a, capacity=64, **kw):
-        reserved.append(capacity)
         init(self, *a, capacity=capacity, **kw)
+        reserved.extend((capacity, self.capacity))
 
-    def recording_reserve(self, rows, capacity):
-        reserved.append(capacity)
-        reserve(self, rows, capacity)
+    def recording_reserve(self, rows, capacity, *limits):
+        reserve(self, rows, capacity, *limits)
+        reserved.extend((capacity, self.capacity))
 
     monkeypatch.setattr(RaggedKVCache, "__init__", recording_init)
     monkeypatch.setattr(RaggedKVCache, "reserve", recording_reserve)

@@ -147,8 +147,11 @@ class SpeculativeBatch:
     by the last row (one copy of that row's kept entries).
     """
 
-    def __init__(self, model: Transformer, eos_ids: list[int] | None = None) -> None:
+    def __init__(self, model: Transformer, eos_ids: list[int] | None = None, max_rows: int | None = None,
+                 max_row_tokens: int | None = None) -> None:
         cfg = model.config
+        # the cache grows geometrically but never past these (a server's limits on rows and columns)
+        self.max_rows, self.max_row_tokens = max_rows, max_row_tokens
         if cfg.mask_token_id is None:
             raise ValueError("speculative decoding needs a model with a mask token (mask_token_id in "
                              "config.json): use --decoder ar, or add one with `refusion add-mask-token`")
@@ -221,8 +224,8 @@ class SpeculativeBatch:
         if self.cache is None:
             self.cache = RaggedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                                        self.model.embed_tokens.weight.dtype, self.device,
-                                       rows=len(self.running), capacity=need)
-        self.cache.reserve(len(self.running), need)
+                                       rows=len(self.running), capacity=need, max_capacity=self.max_row_tokens)
+        self.cache.reserve(len(self.running), need, self.max_rows, self.max_row_tokens)
 
     def _remove(self, i: int) -> None:
         last = len(self.running) - 1

@@ -27,6 +27,11 @@ def round_capacity(n: int) -> int:
     return -(-max(n, 1) // CAPACITY_STEP) * CAPACITY_STEP
 
 
+def _grown_capacity(need: int, grown: int, limit: int | None) -> int:
+    """`grown` (rounded, geometric) cut back to `limit` where given, but never below `need`."""
+    return grown if limit is None else max(need, min(grown, limit))
+
+
 class Cache(Protocol):
     """What Transformer.forward (and the compiled forward) calls on the `cache` it is given.
 
@@ -219,10 +224,11 @@ class RaggedKVCache:
     """
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device | str, rows: int = 1, capacity: int = 64) -> None:
+                 device: torch.device | str, rows: int = 1, capacity: int = 64,
+                 max_capacity: int | None = None) -> None:
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
-        shape = (rows, kv_heads, round_capacity(capacity), head_dim)
+        shape = (rows, kv_heads, _grown_capacity(capacity, round_capacity(capacity), max_capacity), head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
@@ -241,13 +247,20 @@ class RaggedKVCache:
         rows = torch.arange(row0, row0 + B, device=self.device)[:, None]
         return CacheWrite(self.k, self.v, rows, slice(row0, row0 + B), cols, keys)
 
-    def reserve(self, rows: int, capacity: int) -> None:
-        """Grow (never shrink) to at least `rows` x `capacity`, keeping every entry."""
+    def reserve(self, rows: int, capacity: int, max_rows: int | None = None, max_capacity: int | None = None) -> None:
+        """Grow (never shrink) to at least `rows` x `capacity`, keeping every entry; the growth stops at
+        `max_rows` x `max_capacity` where given (a server's limits), never below what is asked."""
         if rows <= self.rows and capacity <= self.capacity:
             return
         # grow geometrically so that a server admitting one sequence at a time reallocates rarely
-        rows = self.rows if rows <= self.rows else max(rows, 2 * self.rows)
-        capacity = self.capacity if capacity <= self.capacity else round_capacity(max(capacity, 2 * self.capacity))
+        if rows > self.rows:
+            rows = max(rows, min(2 * self.rows, max_rows if max_rows is not None else 2 * self.rows))
+        else:
+            rows = self.rows
+        if capacity > self.capacity:
+            capacity = _grown_capacity(capacity, round_capacity(max(capacity, 2 * self.capacity)), max_capacity)
+        else:
+            capacity = self.capacity
         for buffers in (self.k, self.v):
             for i, old in enumerate(buffers):
                 new = old.new_zeros((rows, self.kv_heads, capacity, self.head_dim))

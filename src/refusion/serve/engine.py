@@ -101,7 +101,8 @@ class Engine:
         # a model without a mask token cannot run a SpeculativeBatch; no job asks for one then
         if self.model.config.mask_token_id is None:
             return _NoBatch()
-        return self.batch_factory(self.model, eos_ids=self.eos_ids)
+        return self.batch_factory(self.model, eos_ids=self.eos_ids, max_rows=self.max_running,
+                                  max_row_tokens=self.max_row_tokens)
 
     # ---- called from other threads --------------------------------------------------------
 
