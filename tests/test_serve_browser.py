@@ -94,10 +94,12 @@ def test_the_page_reports_errors(page):
     page.fill("#prompt", "hi")
     page.select_option("#decoder", "speculative")
     page.fill("#max_tokens", "60")
-    page.fill("#mask_length", "100000")  # a step wider than the model's context
+    page.fill("#draft_length", "256")  # each width within its cap, the step wider than the model's context
+    page.fill("#mask_length", "256")
     page.click("#run")
     page.wait_for_selector("body[data-state=error]", timeout=30_000)
     assert "tokens fed per step exceeds the model's context" in page.inner_text("#error")
+    page.fill("#draft_length", "16")  # back to its default
     page.fill("#mask_length", "")
 
 
