@@ -19,6 +19,8 @@ optimizer.py, fsdp.py):
         unit (embeddings, final norm, LM head) stays gathered from forward to backward, with its
         gradients; of the blocks, the running one and the prefetched next one are gathered, and one
         block's unsharded gradients wait for their reduce-scatter.
+  load  before that, every process builds or loads the whole float32 model in host memory (setup.py:
+        load_model, then sharding or .to(device)): P x 4 per process, nproc times that per node.
   offload (fsdp only; FSDP2's CPUOffloadPolicy) the sharded weights, gradients and moments live in
         host memory; the device keeps the gathered units, their gradients and the activations.
 
@@ -247,6 +249,7 @@ def make_plan(cfg: TrainConfig, mc: ModelConfig, nproc: int, nodes: int, device_
         "dtype": cfg.dtype, "strategy": cfg.strategy, "gradient_checkpointing": cfg.gradient_checkpointing,
         "batch_size": cfg.batch_size, "micro_batch_size": micro,
         "accumulation_steps": max(cfg.batch_size // (world * micro), 1),
+        "host_at_load_per_node": parameter_count(mc) * 4 * nproc,
         "row_length": T, "tokens_per_step_max": cfg.batch_size * T,
         "records": records, "steps_per_epoch": steps_per_epoch, "max_steps": cfg.max_steps,
         "epochs": cfg.max_steps / steps_per_epoch if steps_per_epoch else None,
@@ -277,17 +280,19 @@ def plan_table(p: dict) -> str:
                      f"per epoch; max_steps {p['max_steps']:,} = {p['epochs']:.2f} epochs")
     else:
         lines.append(f"data: not a local file here: steps per epoch unknown (max_steps {p['max_steps']:,})")
+    lines.append(f"loading: every process first holds the whole float32 model in host memory: "
+                 f"{_gb(p['host_at_load_per_node'])} GB per node of {pr['per_node']}")
     if p["device_memory"] is not None:
         lines.append(f"device memory {_gb(p['device_memory'])} GB per process; usable {_gb(p['usable_memory'])} GB "
                      f"(less {p['fragmentation']:.0%} for fragmentation and {p['cuda_context'] / 2**30:.0f} GiB "
                      "of CUDA context)")
-    lines += ["", "per process, GB     weights  copies  grads  optim  activ  peak   host   fits  max micro"]
+    lines += ["", "per process, GB        weights  copies  grads  optim  activ  peak   host   fits  max micro"]
     for s in p["settings"]:
         name = (f"{'*' if s['configured'] else ' '} {s['strategy']}"
                 f"{' +ckpt' if s['checkpointing'] else ''}{' +offload' if s['offload'] else ''}")
         fits = ("yes" if s["fits"] else "NO") if "fits" in s else "-"
         micro = str(s["largest_micro_batch"]) if "largest_micro_batch" in s else "-"
-        lines.append(f"{name:<19} {_gb(s['weights']):>7} {_gb(s['compute_copies']):>7} {_gb(s['gradients']):>6} "
+        lines.append(f"{name:<22} {_gb(s['weights']):>7} {_gb(s['compute_copies']):>7} {_gb(s['gradients']):>6} "
                      f"{_gb(s['optimizer']):>6} {_gb(s['activations']):>6} {_gb(s['peak']):>6} "
                      f"{_gb(s['host']):>6} {fits:>5} {micro:>10}")
     conf = next(s for s in p["settings"] if s["configured"])
