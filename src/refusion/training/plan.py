@@ -219,8 +219,8 @@ def make_plan(cfg: TrainConfig, mc: ModelConfig, nproc: int, nodes: int, device_
     T = row_length(cfg)
     if cfg.init is not None and T > mc.max_position_embeddings:
         notes.append(f"rows of up to {T} tokens exceed the model's max_position_embeddings {mc.max_position_embeddings}")
-    records = count_records(cfg.data) if cfg.data != "synthetic" and not cfg.data.startswith("tasks:") \
-        else cfg.synthetic_examples
+    generated = cfg.data == "synthetic" or cfg.data.startswith("tasks:")
+    records = cfg.synthetic_examples if generated else count_records(cfg.data)
     if records is not None and cfg.corpus is not None:
         records += cfg.corpus_examples
     steps_per_epoch = records // cfg.batch_size if records is not None else None
