@@ -43,6 +43,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "objective, variant, lora and strategy never change in a run; stop_after, save_every, "
                         "device, micro_batch_size and the like need no flag")
     t.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
+    t.add_argument("--plan", action="store_true",
+                   help="print what the run needs per process (weights, gradients, AdamW state, activations; "
+                        "ddp and fsdp, with and without activation checkpointing and CPU offload), tokens per "
+                        "step, steps per epoch and whether it fits, then exit. Reads only init's config.json: "
+                        "nothing is built, trained or downloaded")
+    t.add_argument("--nproc", type=positive_int,
+                   help="--plan: processes per node (default: torchrun's LOCAL_WORLD_SIZE / WORLD_SIZE, else 1)")
+    t.add_argument("--nodes", type=positive_int, help="--plan: nodes (default: from torchrun's environment, else 1)")
+    t.add_argument("--device-memory", metavar="SIZE",
+                   help="--plan: memory of each process's device, e.g. 80GB (10^9 bytes), 80GiB, 81559MiB")
+    t.add_argument("--json", action="store_true", help="--plan: print the plan as JSON")
     t.add_argument("--threads", type=positive_int, help=f"CPU threads (default: {SMALL_MODEL_THREADS})")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.set_defaults(func=cmd_train)
@@ -56,6 +67,12 @@ def cmd_train(args: argparse.Namespace) -> None:
         v = getattr(args, name)
         if v is not None:
             overrides.append(f"{name}={json.dumps(v)}")
+    if args.plan:
+        _print_plan(args, overrides)
+        return
+    for flag in ("nproc", "nodes", "device_memory", "json"):
+        if getattr(args, flag) not in (None, False):
+            raise ValueError(f"--{flag.replace('_', '-')} goes with --plan")
     cfg = load_train_config(args.config, overrides)
     if args.print_config:
         print(to_toml(cfg), end="")
@@ -67,3 +84,16 @@ def cmd_train(args: argparse.Namespace) -> None:
                   threads=args.threads)
     print(final)
 
+
+
+def _print_plan(args: argparse.Namespace, overrides: list[str]) -> None:
+    from refusion.training.config import load_train_config
+    from refusion.training.plan import default_processes, make_plan, parse_memory, plan_table, read_model_config
+
+    # the data and the weights need not be here yet: only init's config.json is read
+    cfg = load_train_config(args.config, overrides, check_files=False)
+    memory = parse_memory(args.device_memory) if args.device_memory is not None else None
+    mc, source = read_model_config(cfg.init, cfg)
+    nproc, nodes = default_processes()
+    p = make_plan(cfg, mc, args.nproc or nproc, args.nodes or nodes, memory, source)
+    print(json.dumps(p, indent=1) if args.json else plan_table(p))

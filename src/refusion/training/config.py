@@ -66,9 +66,10 @@ class TrainConfig:
     save_dtype: str = "float32"  # of the final model (checkpoints stay float32 for exact resume)
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
 
-    def validate(self) -> "TrainConfig":
+    def validate(self, check_files: bool = True) -> "TrainConfig":
         """Check every field; returns self. A warm-up longer than the run is scaled to a tenth of it
-        (the note says so), so that `--max-steps 50` works with the default warm-up."""
+        (the note says so), so that `--max-steps 50` works with the default warm-up. check_files:
+        also that the data, init and tokenizer exist (a plan, made before they are downloaded, skips it)."""
         if not hasattr(self, "notes"):  # validate() runs more than once; notes stay (not a field: not saved)
             self.notes: list[str] = []
         for f in dataclasses.fields(self):
@@ -83,7 +84,8 @@ class TrainConfig:
         if self.lora is not None:
             _check_lora(self.lora)
         self._check_variant()
-        _check_paths(self)
+        if check_files:
+            _check_paths(self)
         if self.device != "auto":
             from refusion.runtime import resolve_device  # imports torch: only when a device is named
 
@@ -290,9 +292,11 @@ def read_config_file(path: str | Path) -> dict:
     return raw
 
 
-def load_train_config(path: str | Path | None = None, overrides: list[str] = ()) -> TrainConfig:
+def load_train_config(path: str | Path | None = None, overrides: list[str] = (), check_files: bool = True
+                      ) -> TrainConfig:
     """A TrainConfig from a TOML or YAML file, then `key=value` overrides (values parsed as JSON,
-    else taken as strings; `model.hidden_size=128` sets a field of the model table)."""
+    else taken as strings; `model.hidden_size=128` sets a field of the model table). check_files:
+    see TrainConfig.validate."""
     raw: dict = read_config_file(path) if path is not None else {}
     for item in overrides:
         key, sep, value = item.partition("=")
@@ -309,7 +313,7 @@ def load_train_config(path: str | Path | None = None, overrides: list[str] = ())
     unknown = set(raw) - set(names)
     if unknown:
         raise ConfigError(f"unknown training options: {', '.join(sorted(unknown))} (known: {', '.join(names)})")
-    return TrainConfig(**raw).validate()
+    return TrainConfig(**raw).validate(check_files)
 
 
 def to_toml(cfg: TrainConfig) -> str:

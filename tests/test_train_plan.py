@@ -1,0 +1,156 @@
+"""`refusion train --plan`: parameter counts against a real (meta-device) model, how the memory
+per process scales with processes, checkpointing and micro-batch, and the command's output."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from refusion.model.config import ConfigError, ModelConfig
+from refusion.model.transformer import Transformer
+from refusion.training.config import load_train_config
+from refusion.training.plan import (budget, largest_micro_batch, make_plan, memory, parse_memory,
+                                    read_model_config)
+
+ROOT = Path(__file__).resolve().parents[1]
+QWEN3_8B = ROOT / "configs" / "qwen3-8b"
+PAPER = ROOT / "configs" / "paper-qwen3-8b.toml"
+
+
+def tiny(tied: bool) -> ModelConfig:
+    return ModelConfig(vocab_size=300, hidden_size=64, intermediate_size=160, num_layers=3, num_heads=4,
+                       num_kv_heads=2, head_dim=24, tie_word_embeddings=tied, qkv_bias=not tied)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_parameter_counts_equal_a_real_model(tied):
+    mc = tiny(tied)
+    with torch.device("meta"):
+        model = Transformer(mc)
+    p = make_plan(load_train_config(None, []), mc, 1, 1, None)["model"]
+    assert p["parameters"] == sum(t.numel() for t in model.parameters())  # a tied head counted once
+    assert p["per_block"] == sum(t.numel() for t in model.layers[0].parameters())
+    assert p["embeddings_and_head"] + mc.num_layers * p["per_block"] == p["parameters"]
+
+
+def test_the_shipped_qwen3_8b_config_is_qwen3_8b():
+    cfg = load_train_config(PAPER, ["init=\"configs/qwen3-8b\""], check_files=False)
+    mc, source = read_model_config(str(QWEN3_8B), cfg)
+    p = make_plan(cfg, mc, 8, 1, None, source)
+    assert p["model"]["parameters"] == 8_190_735_360  # Qwen3-8B's published 8.2B, embeddings and head untied
+    assert (p["row_length"], p["tokens_per_step_max"], p["micro_batch_size"], p["accumulation_steps"]) == \
+        (4096, 64 * 4096, 2, 4)
+
+
+def test_weights_and_optimizer_fall_as_one_over_n_under_fsdp_only():
+    cfg, mc = load_train_config(None, []), tiny(False)
+    P = make_plan(cfg, mc, 1, 1, None)["model"]["parameters"]
+
+    def states(strategy, n):
+        m = memory(mc, cfg, strategy, n, 1, False, False)
+        return m["weights"] + m["optimizer"]
+
+    buffers = states("fsdp", 1) - 12 * P  # the RoPE table, on every process
+    for n in (1, 2, 4, 8):
+        assert states("fsdp", n) - buffers == 12 * P // n
+    assert states("ddp", 2) == states("ddp", 4) == states("ddp", 8) == states("fsdp", 1)
+    # and the plan's table: per node 8 x 1 vs 4 nodes of 8
+    one, four = (make_plan(cfg, mc, 8, k, None)["settings"] for k in (1, 4))
+    fsdp = [(a, b) for a, b in zip(one, four) if a["strategy"] == "fsdp" and not a["offload"]]
+    assert fsdp and all(a["optimizer"] == 4 * b["optimizer"] for a, b in fsdp)
+    ddp = [(a, b) for a, b in zip(one, four) if a["strategy"] == "ddp"]
+    assert all(a["optimizer"] == b["optimizer"] and a["weights"] == b["weights"] for a, b in ddp)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_checkpointing_reduces_activations_which_grow_with_the_micro_batch(strategy):
+    cfg = load_train_config(None, ["max_length=1024", "dtype=\"bfloat16\""])
+    mc = tiny(False)
+    plain, ckpt = (memory(mc, cfg, strategy, 2, 1, c, False)["activations"] for c in (False, True))
+    assert ckpt < plain
+    one, two = (memory(mc, cfg, strategy, 2, m, False, False)["activations"] for m in (1, 2))
+    assert two == 2 * one
+
+
+def test_offload_moves_the_sharded_states_to_the_host():
+    cfg, mc = load_train_config(None, []), tiny(False)
+    on, off = (memory(mc, cfg, "fsdp", 4, 1, False, o) for o in (True, False))
+    assert on["peak"] < off["peak"] and off["host"] == 0 < on["host"]
+    assert on["activations"] == off["activations"]
+
+
+def test_largest_micro_batch_is_the_edge_of_the_budget():
+    cfg = load_train_config(PAPER, ["init=\"configs/qwen3-8b\""], check_files=False)
+    mc, _ = read_model_config(str(QWEN3_8B), cfg)
+    gb80 = parse_memory("80GB")
+    m = largest_micro_batch(mc, cfg, "fsdp", 8, True, False, gb80, 1000)
+    assert m >= 1
+    assert memory(mc, cfg, "fsdp", 8, m, True, False)["peak"] <= budget(gb80)
+    assert memory(mc, cfg, "fsdp", 8, m + 1, True, False)["peak"] > budget(gb80)
+
+
+def test_parse_memory():
+    assert parse_memory("80GB") == 80 * 10**9
+    assert parse_memory("80GiB") == 80 * 2**30
+    assert parse_memory("81559MiB") == 81559 * 2**20
+    assert parse_memory("1.5 TB") == 1_500_000_000_000
+    assert parse_memory("4096") == 4096
+    for bad in ("80 gigs", "GB", "-5GB", "0GB", ""):
+        with pytest.raises(ConfigError):
+            parse_memory(bad)
+
+
+def test_steps_per_epoch_from_a_local_data_file(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"query": "q", "response": f"r{i}"}) + "\n" for i in range(10)) + "\n")
+    cfg = load_train_config(None, [f"data={json.dumps(str(data))}", "batch_size=4", "max_steps=5"])
+    p = make_plan(cfg, tiny(True), 1, 1, None)
+    assert (p["records"], p["steps_per_epoch"], p["epochs"]) == (10, 2, 2.5)
+
+
+def _cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    env.pop("WORLD_SIZE", None)
+    env.pop("LOCAL_WORLD_SIZE", None)
+    return subprocess.run([sys.executable, "-m", "refusion.cli", "train", *args], capture_output=True, text=True,
+                          env=env, cwd=cwd, timeout=120)
+
+
+def test_cli_prints_the_verdict_and_json_and_exits_0():
+    base = ["--config", str(PAPER), "--init", str(QWEN3_8B), "--plan", "--nproc", "8"]
+    fits = _cli(*base, "--device-memory", "80GB")
+    assert fits.returncode == 0, fits.stderr
+    assert "\nFITS: peak" in fits.stdout and "8,190,735,360 parameters" in fits.stdout
+    small = _cli(*base, "--device-memory", "16GB", "--json")
+    assert small.returncode == 0, small.stderr
+    p = json.loads(small.stdout)
+    conf = [s for s in p["settings"] if s["configured"]]
+    assert len(conf) == 1 and (conf[0]["strategy"], conf[0]["checkpointing"]) == ("fsdp", True)
+    assert conf[0]["fits"] is False and conf[0]["largest_micro_batch"] == 0
+    assert p["processes"] == {"per_node": 8, "nodes": 1, "total": 8}
+    tiny_gpu = _cli(*base, "--device-memory", "16GB")
+    assert tiny_gpu.returncode == 0 and "\nDOES NOT FIT: peak" in tiny_gpu.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--init", "{empty}", "--device-memory", "80GB"], "init {empty} has no config.json (the plan reads only that file)"),
+    (["--init", "{qwen}", "--device-memory", "80 gigs"], "device memory '80 gigs': write a size such as 80GB, 80GiB or 81559MiB"),
+])
+def test_cli_bad_inputs_are_one_line_errors(tmp_path, args, message):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    fill = {"empty": str(empty), "qwen": str(QWEN3_8B)}
+    r = _cli("--config", str(PAPER), "--plan", *[a.format(**fill) for a in args])
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.splitlines() == [f"refusion: error: {message.format(**fill)}"]
+
+
+def test_plan_flags_need_plan():
+    r = _cli("--device-memory", "80GB")
+    assert r.returncode == 2 and r.stderr.strip() == "refusion: error: --device-memory goes with --plan"
