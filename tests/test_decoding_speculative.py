@@ -7,6 +7,7 @@ accepted drafts, partial accepts, and EOS inside an accepted draft. Sampling: th
 whole outputs equals the exact AR sampling law, enumerated on a 6-token vocabulary.
 """
 
+import collections
 import functools
 import itertools
 import random
@@ -263,16 +264,15 @@ def chi2(counts: dict, law: dict, total: int) -> tuple[float, int]:
     return stat, len(big) - 1
 
 
-def spec_samples(model, prompt, n, total, **kw) -> dict:
+def spec_samples(model, prompt, n, total, **kw) -> list[tuple]:
+    """The outputs of seeds 0..total-1, in one continuous batch."""
     batch = SpeculativeBatch(model, eos_ids=[])
     p = SpeculativeParams(gen_length=n, draft_length=4, adaptive=False, **kw)
-    for s in range(total):
-        batch.add(prompt, p, seed=s)
-    counts: dict[tuple, int] = {}
+    sids = [batch.add(prompt, p, seed=s) for s in range(total)]
+    out: dict[int, tuple] = {}
     while len(batch):
-        for _, r in batch.step():
-            counts[tuple(r.tokens)] = counts.get(tuple(r.tokens), 0) + 1
-    return counts
+        out.update((sid, tuple(r.tokens)) for sid, r in batch.step())
+    return [out[sid] for sid in sids]
 
 
 @pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.7, top_k=4, top_p=0.9)],
@@ -281,17 +281,20 @@ def test_sampled_outputs_follow_the_ar_law(kw):
     model = Transformer(ModelConfig(**{**CFG, **V6})).init_weights(seed=7, std=0.25).eval()
     prompt, n, total = [1, 2, 3], 3, 12000
     law = exact_law(model, prompt, n, kw["temperature"], kw.get("top_k"), kw.get("top_p"))
-    stat, df = chi2(spec_samples(model, prompt, n, total, **kw), law, total)
+    outs = spec_samples(model, prompt, n, total, **kw)
+    stat, df = chi2(collections.Counter(outs), law, total)
     threshold = df + 5 * (2 * df) ** 0.5  # about p = 1e-5 for these df; the seeds are fixed
     assert stat < threshold, (stat, df)
     # the same statistic has the power to see a wrong sampler: accepting every draft is one
-    bad, _ = chi2(spec_samples(model, prompt, n, total, accept_prob=1e-9, **kw), law, total)
+    bad, _ = chi2(collections.Counter(spec_samples(model, prompt, n, total, accept_prob=1e-9, **kw)), law, total)
     assert bad > 3 * threshold, (bad, threshold)
-    # and AR sampling itself follows the same law (one generator for a batch of identical prompts)
-    counts: dict[tuple, int] = {}
-    for r in generate_ar(model, [prompt] * total, ARParams(gen_length=n, temperature=kw["temperature"],
-                         top_k=kw.get("top_k"), top_p=kw.get("top_p")), eos_ids=[], seed=0):
-        counts[tuple(r.tokens)] = counts.get(tuple(r.tokens), 0) + 1
+    # AR sampling draws with the same position-keyed uniforms: the same seed, the same tokens
+    ar_p = ARParams(gen_length=n, temperature=kw["temperature"], top_k=kw.get("top_k"), top_p=kw.get("top_p"))
+    for s in range(0, total, 97):
+        assert tuple(generate_ar(model, [prompt], ar_p, eos_ids=[], seed=s)[0].tokens) == outs[s]
+    # and unseeded, every row of a batch of identical prompts draws with a seed of its own
+    torch.manual_seed(0)
+    counts = collections.Counter(tuple(r.tokens) for r in generate_ar(model, [prompt] * total, ar_p, eos_ids=[]))
     assert chi2(counts, law, total)[0] < threshold
 
 
