@@ -6,7 +6,7 @@ import transformers
 
 from refusion.model.checkpoint import load_model
 from refusion.decoding import ARParams, decode, generate_ar
-from refusion.decoding.sampling import sample
+from refusion.decoding.sampling import draw, position_uniforms, sampling_probs
 
 PROMPTS = [[3, 4, 5, 6, 7], [8, 9], [10, 11, 12, 13, 14, 15, 16, 17]]
 
@@ -78,12 +78,12 @@ def test_streaming_callback_sees_every_commit(pair):
 
 
 def test_top_p_keeps_the_smallest_nucleus():
-    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    g = torch.Generator().manual_seed(0)
-    draws = {sample(logits, 1.0, top_p=0.8, generator=g).item() for _ in range(300)}
-    assert draws == {0, 1}
-    draws = {sample(logits, 1.0, top_p=0.81, generator=g).item() for _ in range(300)}
-    assert draws == {0, 1, 2}
+    logits = torch.log(torch.tensor([[[0.5, 0.3, 0.15, 0.05]]])).expand(300, 1, 4)
+    u = position_uniforms(torch.arange(300), torch.zeros(300, dtype=torch.long))
+    one, none = torch.ones(300), torch.zeros(300, dtype=torch.long)
+    for top_p, kept in ((0.8, {0, 1}), (0.81, {0, 1, 2})):
+        probs = sampling_probs(logits, one, none, torch.full((300,), top_p))[:, 0]
+        assert set(draw(probs, u).tolist()) == kept
 
 
 def test_bad_arguments(pair):

@@ -7,6 +7,7 @@ accepted drafts, partial accepts, and EOS inside an accepted draft. Sampling: th
 whole outputs equals the exact AR sampling law, enumerated on a 6-token vocabulary.
 """
 
+import collections
 import functools
 import itertools
 import random
@@ -263,16 +264,15 @@ def chi2(counts: dict, law: dict, total: int) -> tuple[float, int]:
     return stat, len(big) - 1
 
 
-def spec_samples(model, prompt, n, total, **kw) -> dict:
+def spec_samples(model, prompt, n, total, **kw) -> list[tuple]:
+    """The outputs of seeds 0..total-1, in one continuous batch."""
     batch = SpeculativeBatch(model, eos_ids=[])
     p = SpeculativeParams(gen_length=n, draft_length=4, adaptive=False, **kw)
-    for s in range(total):
-        batch.add(prompt, p, seed=s)
-    counts: dict[tuple, int] = {}
+    sids = [batch.add(prompt, p, seed=s) for s in range(total)]
+    out: dict[int, tuple] = {}
     while len(batch):
-        for _, r in batch.step():
-            counts[tuple(r.tokens)] = counts.get(tuple(r.tokens), 0) + 1
-    return counts
+        out.update((sid, tuple(r.tokens)) for sid, r in batch.step())
+    return [out[sid] for sid in sids]
 
 
 @pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.7, top_k=4, top_p=0.9)],
@@ -281,18 +281,93 @@ def test_sampled_outputs_follow_the_ar_law(kw):
     model = Transformer(ModelConfig(**{**CFG, **V6})).init_weights(seed=7, std=0.25).eval()
     prompt, n, total = [1, 2, 3], 3, 12000
     law = exact_law(model, prompt, n, kw["temperature"], kw.get("top_k"), kw.get("top_p"))
-    stat, df = chi2(spec_samples(model, prompt, n, total, **kw), law, total)
+    outs = spec_samples(model, prompt, n, total, **kw)
+    stat, df = chi2(collections.Counter(outs), law, total)
     threshold = df + 5 * (2 * df) ** 0.5  # about p = 1e-5 for these df; the seeds are fixed
     assert stat < threshold, (stat, df)
     # the same statistic has the power to see a wrong sampler: accepting every draft is one
-    bad, _ = chi2(spec_samples(model, prompt, n, total, accept_prob=1e-9, **kw), law, total)
+    bad, _ = chi2(collections.Counter(spec_samples(model, prompt, n, total, accept_prob=1e-9, **kw)), law, total)
     assert bad > 3 * threshold, (bad, threshold)
-    # and AR sampling itself follows the same law (one generator for a batch of identical prompts)
-    counts: dict[tuple, int] = {}
-    for r in generate_ar(model, [prompt] * total, ARParams(gen_length=n, temperature=kw["temperature"],
-                         top_k=kw.get("top_k"), top_p=kw.get("top_p")), eos_ids=[], seed=0):
-        counts[tuple(r.tokens)] = counts.get(tuple(r.tokens), 0) + 1
+    # AR sampling draws with the same position-keyed uniforms: the same seed, the same tokens
+    ar_p = ARParams(gen_length=n, temperature=kw["temperature"], top_k=kw.get("top_k"), top_p=kw.get("top_p"))
+    for s in range(0, total, 97):
+        assert tuple(generate_ar(model, [prompt], ar_p, eos_ids=[], seed=s)[0].tokens) == outs[s]
+    # and unseeded, every row of a batch of identical prompts draws with a seed of its own
+    torch.manual_seed(0)
+    counts = collections.Counter(tuple(r.tokens) for r in generate_ar(model, [prompt] * total, ar_p, eos_ids=[]))
     assert chi2(counts, law, total)[0] < threshold
+
+
+SAMPLED = [dict(temperature=0.9), dict(temperature=0.7, top_k=5, top_p=0.9), dict(temperature=1.4, top_p=0.6)]
+
+
+def sampled_ar(model, prompt, kw, seed, n, eos):
+    return generate_ar(model, [prompt], ARParams(gen_length=n, **kw), eos_ids=eos, seed=seed)[0].tokens
+
+
+@pytest.mark.parametrize("model_seed", range(3))
+def test_seeded_samples_are_ar_samples_whatever_the_widths_and_the_batch(model_seed):
+    """A seeded sampled sequence's tokens are a function of its seed and prompt alone: AR sampling's
+    with the same seed, alone or batched, for every width setting."""
+    model = tiny_model(model_seed)
+    for i, kw in enumerate(SAMPLED):
+        seed = 10 * model_seed + i
+        want = [sampled_ar(model, p, kw, seed, 24, [1]) for p in PROMPTS]
+        for widths in WIDTHS:
+            params = SpeculativeParams(gen_length=24, **widths, **kw)
+            together = generate_speculative(model, PROMPTS, params, eos_ids=[1], seed=seed)
+            assert [r.tokens for r in together] == want, widths
+            for p, w in zip(PROMPTS, want):
+                assert generate_speculative(model, [p], params, eos_ids=[1], seed=seed)[0].tokens == w, widths
+
+
+def test_seeded_samples_do_not_depend_on_who_joins_when():
+    """A continuous batch of sequences with different prompts, parameters, widths and seeds, joining
+    at different steps, some cancelled: every finished one has the tokens it has alone."""
+    model = tiny_model(4)
+    rng = random.Random(0)
+    jobs = []  # (prompt, params, seed, step it joins)
+    for n in range(24):
+        kw = rng.choice(SAMPLED + [dict()])
+        widths = rng.choice(WIDTHS)
+        jobs.append((rng.choice(PROMPTS), SpeculativeParams(gen_length=rng.randrange(5, 30), **widths, **kw),
+                     rng.randrange(1000), rng.randrange(12)))
+    batch = SpeculativeBatch(model, eos_ids=[1])
+    sids, done, victims, step = {}, {}, set(), 0
+    while step < 12 or len(batch):
+        for i, (p, params, seed, at) in enumerate(jobs):
+            if at == step:
+                sids[batch.add(p, params, seed=seed)] = i
+                if i % 7 == 3:
+                    victims.add(i)
+        for sid, r in batch.step():
+            done[sids[sid]] = r
+        for sid, i in sids.items():
+            if i in victims and step == jobs[i][3] + 2 and i not in done:
+                batch.cancel(sid)
+        step += 1
+    assert len(done) >= 20
+    for i, r in done.items():
+        p, params, seed, _ = jobs[i]
+        assert r.tokens == generate_speculative(model, [p], params, eos_ids=[1], seed=seed)[0].tokens, i
+        if params.temperature:
+            ar_kw = dict(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+            assert r.tokens == sampled_ar(model, p, ar_kw, seed, params.gen_length, [1]), i
+
+
+@pytest.mark.parametrize("model_seed", range(3))
+def test_seeded_samples_with_long_accepted_drafts(model_seed, oracle):
+    """Drafts that are the sampled continuation itself (corrupted at random places) are accepted at
+    length, and the output is still AR sampling's with the same seed."""
+    model = tiny_model(model_seed)
+    kw = SAMPLED[1]
+    for seed in range(3):
+        free = [sampled_ar(model, p, kw, seed, 40, []) for p in PROMPTS]
+        oracle.truth = {tuple(p): f for p, f in zip(PROMPTS, free)}
+        res = generate_speculative(model, PROMPTS, SpeculativeParams(gen_length=40, draft_length=24, **kw),
+                                   eos_ids=[], seed=seed)
+        assert [r.tokens for r in res] == free
+        assert sum(len(r.tokens) for r in res) / sum(r.forwards for r in res) > 3
 
 
 def test_sampling_is_reproducible_and_batch_independent():

@@ -1,30 +1,14 @@
-"""decoding/sampling.py against the two samplers it replaced (AR's top-k / top-p sampler and the
-speculative decoder's per-row probabilities, kept here as references): the same distributions bit
-for bit and the same draws from the same generator, so seeded outputs stay token-identical."""
+"""decoding/sampling.py: the speculative decoder's per-row probabilities against the code they
+replaced (kept here as a reference), bit for bit; the position-keyed uniforms against splitmix64
+written out in Python integers; inverse-CDF draws and their law."""
 
-import itertools
 
 import pytest
 import torch
 
-from refusion.decoding.sampling import gumbel_argmax, nucleus_cut, sample, sampling_probs
+from refusion.decoding.sampling import draw, gumbel_argmax, nucleus_cut, position_uniforms, sampling_probs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def reference_sample(logits, temperature=0.0, top_k=None, top_p=None, generator=None):
-    if temperature <= 0:
-        return logits.argmax(-1)
-    logits = logits.float() / temperature
-    if top_k is not None and top_k > 0:
-        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = logits.sort(-1, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cum - sorted_logits.softmax(-1) >= top_p
-        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
 
 
 def reference_probs(logits, temperature, top_k, top_p, filtered=True):
@@ -47,16 +31,45 @@ def logits_with_ties(B: int, V: int, seed: int) -> torch.Tensor:
     return x
 
 
-# (greedy with top_k / top_p is refused by the parameter checks before any sampling)
-@pytest.mark.parametrize("temperature,top_k,top_p", [(0.0, None, None)] + list(itertools.product(
-    [0.3, 1.0, 1.7], [None, 1, 3, 50], [None, 0.05, 0.5, 0.9, 1.0])))
-def test_sample_draws_what_the_ar_sampler_drew(temperature, top_k, top_p):
-    for seed in range(2):
-        logits = logits_with_ties(5, 40, seed)
-        got, want = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
-        for _ in range(5):
-            assert torch.equal(sample(logits, temperature, top_k, top_p, got),
-                               reference_sample(logits, temperature, top_k, top_p, want))
+def splitmix64_reference(seed: int, t: int) -> float:
+    M = (1 << 64) - 1
+
+    def mix(z):
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M
+        return z ^ (z >> 31)
+
+    golden = 0x9E3779B97F4A7C15
+    return (mix((mix((seed + golden) & M) + (t + 1) * golden) & M) >> 40) / 2**24
+
+
+def test_position_uniforms_are_splitmix64_of_seed_and_position():
+    seeds = [0, 1, 2, 12345, 2**31, 2**62 + 7, 2**63 - 1]
+    ts = [0, 1, 2, 3, 100, 4095, 2**17]
+    got = position_uniforms(torch.tensor(seeds), torch.tensor([ts] * len(seeds)))
+    assert got.dtype == torch.float32
+    assert got.tolist() == [[splitmix64_reference(s, t) for t in ts] for s in seeds]
+
+
+def test_position_uniforms_look_independent_and_uniform():
+    u = position_uniforms(torch.arange(200), torch.arange(500).expand(200, 500)).double()
+    assert 0 <= u.min() and u.max() < 1
+    assert abs(u.mean() - 0.5) < 0.003 and abs(u.var() - 1 / 12) < 0.002
+    for a, b in ((u[:, 1:], u[:, :-1]), (u[1:], u[:-1])):  # neighbouring positions, neighbouring seeds
+        assert abs(torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1]) < 0.01
+    counts = torch.histc(u.float(), bins=20, min=0, max=1)
+    assert ((counts - 5000) ** 2 / 5000).sum() < 19 + 5 * 38 ** 0.5  # chi-square, 19 df
+
+
+def test_draw_follows_the_law_and_never_draws_a_zero():
+    probs = torch.tensor([0.5, 0.0, 0.3, 0.0, 0.2, 0.0])
+    u = position_uniforms(torch.tensor([3]), torch.arange(60000)[None])[0]
+    got = torch.bincount(draw(probs.expand(60000, 6), u), minlength=6) / 60000
+    assert got[[1, 3, 5]].sum() == 0 and torch.allclose(got, probs, atol=0.01)
+    # the edges: u = 0 takes the first possible token, the largest u the last, unnormalised or not
+    edge = torch.tensor([0.0, 1 - 2**-24])
+    for scale in (1.0, 0.999, 1.001):
+        assert draw((probs * scale).expand(2, 6), edge).tolist() == [0, 4]
 
 
 def test_sampling_probs_are_the_speculative_decoders_bit_for_bit():
@@ -84,7 +97,7 @@ def test_a_top_p_that_rounds_to_zero_keeps_the_most_likely_token():
     for top_p in (1e-300, torch.tensor([1e-300] * 5)[:, None]):
         cut = nucleus_cut(srt, top_p)
         assert not cut[:, 0].any() and cut[:, 1:].all()
-    g = torch.Generator().manual_seed(0)
-    assert torch.equal(sample(logits, 1.0, None, 1e-300, g), logits.argmax(-1))
     probs = sampling_probs(logits[:, None], torch.ones(5), torch.zeros(5, dtype=torch.long), torch.full((5,), 1e-300))
     assert torch.equal(probs[:, 0], torch.nn.functional.one_hot(logits.argmax(-1), 40).float())
+    assert torch.equal(draw(probs[:, 0], position_uniforms(torch.arange(5), torch.zeros(5, dtype=torch.long))),
+                       logits.argmax(-1))

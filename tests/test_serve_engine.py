@@ -54,10 +54,11 @@ def test_requests_join_a_running_batch_and_keep_their_solo_output(engine):
     _, tok = bundled()
     prompts = [tok.chat_prompt_ids(p) for p in task_prompts(2)]
     bodies = [{"max_tokens": 96}, {"max_tokens": 64, "decoder": "ar"},
-              {"max_tokens": 64, "temperature": 0.9, "top_p": 0.9}]
+              {"max_tokens": 64, "temperature": 0.9, "top_p": 0.9},
+              {"max_tokens": 64, "decoder": "ar", "temperature": 0.9, "top_k": 30}]
     jobs = []
     for i, p in enumerate(prompts):
-        jobs.append((p, bodies[i % 3], 5 + i, job(engine, p, bodies[i % 3], seed=5 + i)))
+        jobs.append((p, bodies[i % len(bodies)], 5 + i, job(engine, p, bodies[i % len(bodies)], seed=5 + i)))
         time.sleep(0.02)  # arrive while the others are running
     for p, body, seed, (j, col) in jobs:
         assert col.done.wait(120)
@@ -75,11 +76,12 @@ def test_requests_join_a_running_batch_and_keep_their_solo_output(engine):
     assert engine.steps < sum(col.result.forwards for *_, (_, col) in jobs)
 
 
-def test_greedy_ar_runs_in_the_continuous_batch():
+def test_ar_runs_in_the_continuous_batch():
     c = choose(parse_completion({"prompt": "x", "decoder": "ar"}), CFG, 32)
     assert c.spec is not None and c.spec.draft_length == 0
-    c = choose(parse_completion({"prompt": "x", "decoder": "ar", "temperature": 0.5}), CFG, 32)
-    assert c.spec is None  # sampled AR draws from one generator per batch: decode() groups instead
+    # sampled too: the batch with no drafts draws what generate_ar draws (the seed's position-keyed uniforms)
+    c = choose(parse_completion({"prompt": "x", "decoder": "ar", "temperature": 0.5, "top_p": 0.9}), CFG, 32)
+    assert (c.spec.draft_length, c.spec.temperature, c.spec.top_p) == (0, 0.5, 0.9)
 
 
 def test_a_cancelled_sequence_leaves_before_the_next_step(engine):

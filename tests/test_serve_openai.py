@@ -270,8 +270,8 @@ class Poisoned:
     def __init__(self, factory, poison):
         self.factory, self.poison = factory, poison
 
-    def __call__(self, model, eos_ids=None):
-        batch, poison = self.factory(model, eos_ids=eos_ids), self.poison
+    def __call__(self, model, eos_ids=None, **limits):
+        batch, poison = self.factory(model, eos_ids=eos_ids, **limits), self.poison
         bad: set[int] = set()
         add, step, cancel = batch.add, batch.step, batch.cancel
 
@@ -343,3 +343,26 @@ def test_metrics(live, client):
         assert name in text, name
     assert 'refusion_requests_total{endpoint="/v1/completions",status="200"}' in text
     assert 'status="400"' in text or 'status="413"' in text
+
+
+def test_a_seeded_request_gets_the_same_text_alone_and_in_a_busy_batch(client):
+    """Seeded samples are a function of the seed and the position: neither the other requests in the
+    continuous batch nor the widths change them, and sampled ar gives the same text."""
+    prompt = [{"role": "user", "content": "Continue this Python code:\nimport os"}]  # many likely continuations
+    kw = dict(model=NAME, messages=prompt, max_tokens=64, temperature=0.9, top_p=0.95, seed=11)
+
+    def text(**extra):
+        return client.chat.completions.create(**{**kw, **extra}).choices[0].message.content
+
+    alone = text()
+    assert text(seed=12) != alone  # the seed matters
+    assert text(extra_body={"decoder": "ar"}) == alone
+    others = [dict(model=NAME, messages=[{"role": "user", "content": p}], max_tokens=48 + 8 * i,
+                   temperature=[0.0, 0.7, 1.2][i % 3], seed=i) for i, p in enumerate(task_prompts(1))]
+    widths = [{}, {"draft_length": 4}, {"draft_length": 32, "adaptive": False}, {"mask_length": 2}]
+    with concurrent.futures.ThreadPoolExecutor(len(others) + len(widths)) as ex:
+        busy = [ex.submit(client.chat.completions.create, **o) for o in others]
+        mine = [ex.submit(text, extra_body=w) for w in widths]
+        assert [m.result() for m in mine] == [alone] * len(widths)
+        for b in busy:
+            b.result()

@@ -132,3 +132,24 @@ def test_speculative_is_ar_token_for_token_and_faster_per_forward(widths):
     assert [r.tokens for r in sp] == [r.tokens for r in ar]
     assert [r.finished for r in sp] == [r.finished for r in ar]
     assert sum(len(r.tokens) for r in sp) / sum(r.forwards for r in sp) > 2.4  # measured: 2.73 (draft_length 2), 5.55 (default), 12.7 (fixed 32)
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=0.8, top_p=0.9), dict(temperature=1.0, top_k=20)],
+                         ids=["t0.8-p0.9", "t1-k20"])
+def test_seeded_samples_are_ar_samples_whatever_the_widths_and_the_batch(kw):
+    """On the trained model, whose drafts are accepted at length: a seeded sampled answer is AR
+    sampling's with the same seed, token for token, alone or batched, whatever the widths. Its task
+    prompts are answered near-deterministically, so open prompts, where samples leave greedy, too."""
+    model, tok = bundled()
+    open_ended = ["Continue this Python code:\nimport os", "Write a story about a cat.", "hello"]
+    ps = [tok.chat_prompt_ids(t) for t in open_ended] + prompts(1)[1][:3]
+    ar = [decode(model, [p], "ar", max_new_tokens=96, seed=5, **kw)[0].tokens for p in ps]
+    greedy = [r.tokens for r in decode(model, ps, "ar", max_new_tokens=96)]
+    assert sum(a != g for a, g in zip(ar, greedy)) >= 2
+    for widths in [dict(), dict(draft_length=32, adaptive=False), dict(draft_length=2),
+                   dict(draft_length=8, mask_length=3, adaptive=False)]:
+        together = decode(model, ps, "speculative", gen_length=96, seed=5, **widths, **kw)
+        assert [r.tokens for r in together] == ar, widths
+        assert sum(len(r.tokens) for r in together) / sum(r.forwards for r in together) > 1.5, widths
+        for p, a in zip(ps, ar):
+            assert decode(model, [p], "speculative", gen_length=96, seed=5, **widths, **kw)[0].tokens == a, widths

@@ -8,8 +8,8 @@ from collections.abc import Callable
 import torch
 
 from refusion.decoding.common import DecodeResult, left_pad
-from refusion.decoding.params import ARParams, check_prompts
-from refusion.decoding.sampling import generator, sample
+from refusion.decoding.params import ARParams, check_prompts, check_seed
+from refusion.decoding.sampling import draw, position_uniforms, sampling_probs
 from refusion.model.transformer import Transformer
 
 
@@ -22,8 +22,11 @@ def generate_ar(model: Transformer, prompts: list[list[int]], params: ARParams |
     first_from_mask: take the first response token from a <|mask|> fed at its position (the
     ReFusion objective never trains the prompt's last token to predict it; see the spec, section 5).
     Default: on when the model has a mask token, unless its config says the causal path was trained
-    to predict the first token (causal_first_token). Sampled rows share one generator (seeded with
-    `seed`; unseeded when None). on_commit(row, [position], [token]) for every token (streaming).
+    to predict the first token (causal_first_token). A sampled row's token at response position t
+    is drawn with the uniform of (seed, t) (sampling.position_uniforms), so a row's output does
+    not depend on the batch and equals `speculative`'s with the same seed; every row uses `seed`,
+    or, when None, a seed of its own from torch's global generator. on_commit(row, [position],
+    [token]) for every token (streaming).
     """
     p = params or ARParams()
     gen_length, temperature, top_k, top_p = p.gen_length, p.temperature, p.top_k, p.top_p
@@ -37,9 +40,16 @@ def generate_ar(model: Transformer, prompts: list[list[int]], params: ARParams |
         first_from_mask = mask_id is not None and not cfg.causal_first_token
     if first_from_mask and mask_id is None:
         raise ValueError("first_from_mask needs a model with mask_token_id in its config")
-    gen = generator(seed, device) if seed is not None else None
+    check_seed(seed)
     start = time.perf_counter()
     B = len(prompts)
+    if temperature > 0:
+        seeds = (torch.full((B,), seed) if seed is not None else torch.randint(0, 2**63 - 1, (B,))).to(device)
+        temp_t = torch.full((B,), float(temperature), device=device)
+        top_k_t = torch.full((B,), top_k or 0, device=device)
+        top_p_t = torch.full((B,), float(top_p or 1.0), device=device)
+        filtered = top_k is not None or top_p is not None
+        response_pos = torch.arange(gen_length, device=device)
     pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
     ids, pos, valid = left_pad(prompts, pad, device)
     lens = torch.tensor([len(p) for p in prompts], device=device)
@@ -71,7 +81,11 @@ def generate_ar(model: Transformer, prompts: list[list[int]], params: ARParams |
     keys_valid = torch.cat([valid, torch.ones(B, gen_length, dtype=torch.bool, device=device)], 1)
     n_steps = 0
     for step in range(gen_length):
-        tok = sample(logits, temperature, top_k, top_p, gen)
+        if temperature > 0:
+            probs = sampling_probs(logits.float()[:, None], temp_t, top_k_t, top_p_t, filtered)[:, 0]
+            tok = draw(probs, position_uniforms(seeds, response_pos[step].expand(B)))
+        else:
+            tok = logits.argmax(-1)
         tok = torch.where(done, torch.full_like(tok, pad), tok)
         out[:, step] = tok
         n_steps = step + 1

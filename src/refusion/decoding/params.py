@@ -234,17 +234,17 @@ class ARParams:
 
 
 def _ar_batch(p: ARParams, config) -> SpeculativeParams | None:
-    # Greedy AR is the speculative batch with no drafts: the same tokens and counters as
-    # decode(..., "ar") (tests/test_serve_engine.py). Sampled AR is not: generate_ar draws from one
-    # generator for the whole batch.
-    if config.mask_token_id is None or p.temperature or p.first_from_mask is False:
+    # AR is the speculative batch with no drafts: the same tokens and counters as decode(..., "ar")
+    # (tests/test_serve_engine.py), sampled too, since both draw with the seed's position-keyed uniforms.
+    if config.mask_token_id is None or p.first_from_mask is False:
         return None
-    return SpeculativeParams(gen_length=p.gen_length, draft_length=0, mask_length=0, adaptive=False)
+    return SpeculativeParams(gen_length=p.gen_length, draft_length=0, mask_length=0, adaptive=False,
+                             temperature=p.temperature, top_k=p.top_k, top_p=p.top_p)
 
 
 register(Decoder("ar", ARParams, "refusion.decoding.ar:generate_ar", "autoregressive with the KV cache",
                  fits=("refusion", "ar"), needs_mask=False, aliases={"max_new_tokens": "gen_length"},
-                 batch=_ar_batch))
+                 batch=_ar_batch, seeds_per_row=True))
 
 # ---- masked diffusion -----------------------------------------------------------------------------
 

@@ -48,8 +48,9 @@ class Decoder:
     gen_unit(settings): gen_length must be a multiple of it, given the decoder's full settings
     (lm-eval rounds max_gen_toks up to it). batch(params, config): the SpeculativeParams it joins
     the server's continuous batch with, or None (it runs through decode() in static groups).
-    seeds_per_row: sampled rows draw from generators of their own, seeded alike, so rows with the
-    same seed may share one decode() call.
+    seeds_per_row: a sampled row's draws depend on the seed alone (a generator of its own, or
+    position-keyed uniforms), not on the other rows, so rows with the same seed may share one
+    decode() call.
     """
 
     name: str

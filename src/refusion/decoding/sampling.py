@@ -1,7 +1,15 @@
-"""Sampling for every decoder: temperature, top-k / top-p filtering, multinomial draws, Gumbel-max.
+"""Sampling for every decoder: temperature, top-k / top-p filtering, multinomial draws, Gumbel-max,
+and the position-keyed draws of `ar` and `speculative`.
 
 Seeded outputs are part of the decoders' contract (benchmarks/check_outputs.py), so every function
 here makes exactly the random draws its callers always made: same generator, calls, shapes, dtypes.
+
+Position-keyed draws (`position_uniforms`, `draw`): the token a sampled sequence gets at response
+position t is draw(p_t, u(seed, t)), an inverse-CDF draw from its distribution p_t with a uniform
+that is a hash of (seed, t) alone: a counter-based stream (splitmix64's mixer, in int64 tensor ops
+on the device, for every row and position at once). No generator's state is consumed, so a
+sequence's output cannot depend on how many numbers other steps, widths or rows drew. Since the
+uniforms of distinct positions are independent, the tokens follow the sampling law exactly.
 """
 
 from __future__ import annotations
@@ -17,6 +25,46 @@ def generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed)
 
 
+def _signed(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_GOLDEN, _MIX1, _MIX2 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
+
+
+def _shr(x: Tensor, s: int) -> Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def _mix(z: Tensor) -> Tensor:
+    """splitmix64's finaliser: a bijection of 64-bit words in which every input bit flips about
+    half the output bits (int64 products wrap around, as the 64-bit arithmetic needs)."""
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    return z ^ _shr(z, 31)
+
+
+def position_uniforms(seeds: Tensor, positions: Tensor) -> Tensor:
+    """float32 uniforms in [0, 1) (24 bits), one per (seed, response position): seeds [B] int64,
+    positions [B, ...] int64 -> [B, ...]. The t-th word of seed s's stream is mix(mix(s) + (t+1) *
+    golden), splitmix64's own stream from a mixed seed, so nearby seeds give unrelated streams."""
+    base = _mix(seeds.long() + _GOLDEN).view(-1, *([1] * (positions.dim() - 1)))
+    h = _mix(base + (positions.long() + 1) * _GOLDEN)
+    return _shr(h, 40).float() * 2.0 ** -24
+
+
+def draw(probs: Tensor, u: Tensor) -> Tensor:
+    """Inverse-CDF draws: probs [..., V] (need not sum to exactly 1), u [...] in [0, 1) -> tokens
+    [...]. The token is the first whose cumulative mass exceeds u x total; a token of probability 0
+    is never drawn (whatever the rounding of a parallel cumsum)."""
+    cdf = probs.cumsum(-1)
+    total = cdf[..., -1:]
+    x = torch.minimum(u[..., None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    tok = (cdf <= x).sum(-1).clamp(max=probs.shape[-1] - 1)
+    return torch.where(probs.gather(-1, tok[..., None]).squeeze(-1) > 0, tok, probs.argmax(-1))
+
+
 def nucleus_cut(sorted_logits: Tensor, top_p: float | Tensor) -> Tensor:
     """Over logits sorted in descending order: True where a token lies outside the smallest set
     whose probability reaches top_p. The set always keeps the most likely token: a top_p below
@@ -25,25 +73,6 @@ def nucleus_cut(sorted_logits: Tensor, top_p: float | Tensor) -> Tensor:
     cut = sp.cumsum(-1) - sp >= top_p
     cut[..., 0] = False
     return cut
-
-
-def sample(logits: Tensor, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-           generator: torch.Generator | None = None) -> Tensor:
-    """Next tokens [B] from logits [B, V], one setting for the whole batch: greedy at temperature 0,
-    else a multinomial draw from the tempered distribution cut to the top-k tokens, then to the
-    top-p nucleus of those."""
-    if temperature <= 0:
-        return logits.argmax(-1)
-    x = logits.float() / temperature
-    if top_k is not None and top_k > 0:
-        kth = x.topk(min(top_k, x.shape[-1]), dim=-1).values[..., -1:]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        # sorted after the top-k cut: which of two tied tokens the nucleus keeps depends on it
-        srt, order = x.sort(-1, descending=True)
-        drop = nucleus_cut(srt, top_p)
-        x = x.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    return torch.multinomial(x.softmax(-1), 1, generator=generator).squeeze(-1)
 
 
 def sampling_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, filtered: bool = True

@@ -13,11 +13,16 @@ token and the committed tokens are exactly those greedy AR decoding would produc
 the KV of x and the accepted drafts, computed in this very forward, and nothing else (a length
 change, no copy, no recomputation); the masks' predictions become the next draft.
 
-Sampling (temperature > 0) is speculative sampling: a draft token d is accepted with probability
-min(1, p(d)/q(d)) and on rejection the token is drawn from normalise((p - q)+), which leaves the
-output distributed exactly as AR sampling with the same temperature / top-k / top-p. The drafts are
-the masks' greedy predictions, so q is a point mass: acceptance is p(d), the residual p without d.
-`accept_prob` is the opt-in lossy knob: also accept a draft token whose probability is >= it.
+Sampling (temperature > 0) verifies the same way with the argmax replaced by a position-keyed
+draw (sampling.py): the token at response position t is draw(p_t, u(seed, t)), an inverse-CDF draw
+with a uniform that is a hash of the sequence's seed and t, so a draft token is accepted when it
+equals that draw and the first one that does not is replaced by it. The output is AR sampling's
+with the same uniforms (`ar` draws them so too: the same seed gives the same tokens), so it follows
+AR sampling's law exactly; a draft d is accepted with probability p(d), as min(1, p/q) speculative
+sampling with a greedy draft (q a point mass) would. And since nothing depends on how many numbers
+were drawn before, a seeded sequence's output is the same whatever the widths, the rest of the
+batch, or when it joined. `accept_prob` is the opt-in lossy knob: also accept a draft token whose
+probability is >= it.
 
 Widths: a forward's cost grows with the tokens fed on a CPU and hardly at all on a GPU. With
 `adaptive` (the default) each sequence's draft width follows its own acceptance (+2 after a fully
@@ -42,21 +47,22 @@ import torch
 from torch import Tensor
 
 from refusion.decoding.common import DecodeResult, packed_index
-from refusion.decoding.params import SpeculativeParams, check_prompts
-from refusion.decoding.sampling import generator, sampling_probs
+from refusion.decoding.params import SpeculativeParams, check_prompts, check_seed
+from refusion.decoding.sampling import draw, position_uniforms, sampling_probs
 from refusion.model.cache import RaggedKVCache
 from refusion.model.transformer import Transformer
 
 
 class SpeculativeSeq:
     """One sequence of a SpeculativeBatch: committed tokens (all but the newest, x, have their KV
-    in cache columns [0, c)), the draft for the positions after x, and the adaptive width."""
+    in cache columns [0, c)), the draft for the positions after x, and the adaptive width. seed:
+    the key of its sampled draws."""
 
     def __init__(self, sid: int, prompt: list[int], p: SpeculativeParams, mask_id: int, eos: set[int],
-                 gen: torch.Generator | None, on_commit: Callable[[list[int], list[int]], None] | None,
+                 seed: int, on_commit: Callable[[list[int], list[int]], None] | None,
                  causal_first: bool = False) -> None:
         self.sid, self.prompt, self.p, self.mask_id, self.eos = sid, prompt, p, mask_id, eos
-        self.gen, self.on_commit = gen, on_commit
+        self.seed, self.on_commit = seed, on_commit
         self.P = len(prompt)
         # the first token from the prompt's last token (a model trained for it: causal_first_token),
         # else from the first mask; either way the masks fed after the prompt draft from position P on
@@ -177,8 +183,8 @@ class SpeculativeBatch:
             raise ValueError("every prompt needs at least one token")
         if min(prompt) < 0 or max(prompt) >= self.vocab:
             raise ValueError(f"prompt token ids must lie in [0, {self.vocab})")
-        gen = generator(seed if seed is not None else 0) if p.temperature > 0 else None
-        q = SpeculativeSeq(self.next_id, list(prompt), p, self.mask_id, self.eos, gen, on_commit,
+        check_seed(seed)
+        q = SpeculativeSeq(self.next_id, list(prompt), p, self.mask_id, self.eos, seed or 0, on_commit,
                            causal_first=self.model.config.causal_first_token)
         self.next_id += 1
         self.pending.append(q)
@@ -242,24 +248,25 @@ class SpeculativeBatch:
         need = max(len(ids) - q.anchor for q, (ids, _) in zip(seqs, feeds))  # logits from each anchor on
         # rows are right-aligned so that every row's anchor..end falls in the last `need` columns
         packed = np.zeros((3, B, W), dtype=np.int64)  # ids, positions, cache columns
-        meta = np.zeros((2, B), dtype=np.int64)  # anchor's index among the last `need`, draft length
+        # anchor's index among the last `need`, draft length, seed, response position the anchor predicts
+        meta = np.zeros((4, B), dtype=np.int64)
         for b, (q, (ids, pos)) in enumerate(zip(seqs, feeds)):
             w, off = len(ids), W - len(ids)
             packed[0, b], packed[1, b, off:] = self.pad, pos
             packed[0, b, off:] = ids
             # padding goes after the row's own columns, where no real query of the row looks
             packed[2, b] = np.r_[np.arange(q.c + w, q.c + W), np.arange(q.c, q.c + w)]
-            meta[:, b] = need - (w - q.anchor), q.fed_k
+            meta[:, b] = need - (w - q.anchor), q.fed_k, q.seed, len(q.res.tokens)
         dev = torch.from_numpy(np.concatenate([packed.reshape(-1), meta.reshape(-1)])).to(self.device)
         ids_t, pos_t, col_t = dev[: 3 * B * W].view(3, B, W)
-        anchor_t, k_t = dev[3 * B * W:].view(2, B)
+        anchor_t, k_t, seed_t, g_t = dev[3 * B * W:].view(4, B)
         used = max(q.c for q in seqs) + W
         cache = self.cache.at(col_t, keys=used, row0=lo)
         # a query sees every kept column of its row and its own row's fed tokens up to itself
         mask = torch.arange(used, device=self.device)[None, None, :] <= col_t[:, :, None]
         real = packed_index([len(ids) for ids, _ in feeds], W, self.device)  # ragged rows: only real tokens
         logits = self.model(ids_t, pos_t, attn_mask=mask[:, None], cache=cache, num_logits=need, real=real).float()
-        j, extra, amax = self._judge(seqs, logits, ids_t[:, W - need:], anchor_t, k_t, meta[0])
+        j, extra, amax = self._judge(seqs, logits, ids_t[:, W - need:], anchor_t, k_t, seed_t, g_t)
         host = torch.cat([j[:, None], extra[:, None], amax], 1).cpu().numpy()  # the step's one transfer
         for b, (q, (ids, _)) in enumerate(zip(seqs, feeds)):
             a, k = int(meta[0, b]), q.fed_k
@@ -267,16 +274,17 @@ class SpeculativeBatch:
             q.advance(int(host[b, 0]), int(host[b, 1]), host[b, 2 + masks_from: 2 + need].tolist())
 
     def _judge(self, seqs: list[SpeculativeSeq], logits: Tensor, ids: Tensor, anchor: Tensor, k: Tensor,
-               anchor_host: np.ndarray) -> tuple[Tensor, Tensor, Tensor]:
+               seed: Tensor, g: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Per row: j (accepted draft tokens), the extra token, and the greedy prediction at every
-        column (the masks' ones are the next draft). logits/ids: the last N fed columns."""
+        column (the masks' ones are the next draft). logits/ids: the last N fed columns; the anchor
+        column predicts response position g, each column after it the next one."""
         B, N, _ = logits.shape
         amax = logits.argmax(-1)
+        want = amax  # the token each column's prediction commits: greedy, or the position-keyed draw
         nxt = ids[:, 1:]  # the token fed after column t, which column t's logits predict
-        col = torch.arange(N - 1, device=logits.device)[None, :]
+        col = torch.arange(N, device=logits.device)[None, :]
         sampling = [q.p.temperature > 0 for q in seqs]
         taus = [q.p.accept_prob for q in seqs]
-        ok = nxt == amax[:, :-1]
         probs = None
         if any(sampling):
             temp = torch.tensor([q.p.temperature if s else 1.0 for q, s in zip(seqs, sampling)], device=logits.device)
@@ -284,45 +292,22 @@ class SpeculativeBatch:
             top_p = torch.tensor([q.p.top_p or 1.0 for q in seqs], device=logits.device)
             filtered = any(q.p.top_k is not None or q.p.top_p is not None for q in seqs)
             probs = sampling_probs(logits, temp, top_k, top_p, filtered)
-            p_next = probs[:, :-1].gather(-1, nxt[..., None]).squeeze(-1)
-            u, u_last = self._uniforms(seqs, sampling, anchor_host, N, logits.device)
-            # q(d) = 1 for a greedy draft, so min(1, p/q) = p(d)
-            ok = torch.where(torch.tensor(sampling, device=logits.device)[:, None], u[:, :-1] < p_next, ok)
+            u = position_uniforms(seed, (g[:, None] + col - anchor[:, None]).clamp(min=0))
+            want = torch.where(torch.tensor(sampling, device=logits.device)[:, None], draw(probs, u), amax)
+        ok = nxt == want[:, :-1]
         if any(t is not None for t in taus):
             if probs is None:
                 p_next = (logits[:, :-1].gather(-1, nxt[..., None]).squeeze(-1) - logits[:, :-1].logsumexp(-1)).exp()
+            else:
+                p_next = probs[:, :-1].gather(-1, nxt[..., None]).squeeze(-1)
             tau = torch.tensor([t if t is not None else 2.0 for t in taus], device=logits.device)
             ok |= p_next >= tau[:, None]
         a = anchor[:, None]
-        run = torch.where(col < a, True, torch.where(col < a + k[:, None], ok, False))
+        c = col[:, :-1]
+        run = torch.where(c < a, True, torch.where(c < a + k[:, None], ok, False))
         j = run.long().cumprod(1).sum(1) - anchor
-        at = anchor + j  # the column whose logits give the extra token
-        extra = amax.gather(1, at[:, None]).squeeze(1)
-        if probs is not None:
-            rows = torch.arange(B, device=logits.device)
-            final = probs[rows, at]
-            if N > 1:  # the residual (p - q)+ where a draft token was rejected, q a point mass on it
-                rejected = nxt[rows, at.clamp(max=N - 2)]
-                drop = (j < k)[:, None] & (torch.arange(final.shape[-1], device=logits.device)[None] == rejected[:, None])
-                final = final.masked_fill(drop, 0.0)
-            cdf = final.cumsum(-1)  # inverse-CDF draw with the sequence's own uniform
-            drawn = (cdf <= u_last[:, None] * cdf[:, -1:]).sum(-1).clamp(max=final.shape[-1] - 1)
-            extra = torch.where(torch.tensor(sampling, device=logits.device), drawn, extra)
+        extra = want.gather(1, (anchor + j)[:, None]).squeeze(1)  # the column after the accepted drafts
         return j, extra, amax
-
-    def _uniforms(self, seqs: list[SpeculativeSeq], sampling: list[bool], anchor: np.ndarray, N: int,
-                  device: torch.device) -> tuple[Tensor, Tensor]:
-        """Each sampling sequence draws k + 1 uniforms from its own generator (k accept tests, one
-        draw), so its output does not depend on the rest of the batch."""
-        B = len(seqs)
-        u = torch.ones(B, N)
-        last = torch.zeros(B)
-        for b, (q, s) in enumerate(zip(seqs, sampling)):
-            if s:
-                r = torch.rand(q.fed_k + 1, generator=q.gen)
-                u[b, anchor[b]: anchor[b] + q.fed_k] = r[:-1]
-                last[b] = r[-1]
-        return u.to(device), last.to(device)
 
 
 @torch.inference_mode()
@@ -330,7 +315,7 @@ def generate_speculative(model: Transformer, prompts: list[list[int]], params: S
                          eos_ids: list[int] | None = None, seed: int | None = None,
                          on_commit: Callable[[int, list[int], list[int]], None] | None = None) -> list[DecodeResult]:
     """Self-speculative decoding of a batch of prompts; on_commit(row, positions, tokens) streams.
-    Sampled sequences draw from generators of their own, each seeded with `seed` (0 when None)."""
+    Every sampled sequence draws with the uniforms of `seed` (0 when None), as it would alone."""
     p = params or SpeculativeParams()
     batch = SpeculativeBatch(model, eos_ids)
     p.check_model(model.config)

@@ -2,8 +2,8 @@
 
 Requests from the HTTP layer are `Job`s. The loop takes new jobs between steps:
 
-- jobs whose decoder record says they can (`Decoder.batch`: speculative ones, and greedy ar ones,
-  since the batch with no drafts is exactly AR) join one
+- jobs whose decoder record says they can (`Decoder.batch`: speculative ones, and ar ones on a
+  model with a mask token, since the batch with no drafts is exactly AR) join one
   `SpeculativeBatch` (continuous batching): each `step()` is one forward
   for every running sequence; a job that arrives joins at the next step, a finished one leaves in
   the step that finishes it, a cancelled one (client gone, stop string found) is dropped before the
@@ -11,11 +11,11 @@ Requests from the HTTP layer are `Job`s. The loop takes new jobs between steps:
   prompt + gen_length in it plus the widest step (budget.py), so a job joins only while that stays
   within `max_row_tokens`; one that does not waits, and the jobs behind it wait too (first come,
   first served), until the batch has drained enough.
-- the other jobs (refusion, refusion-l2r, sampled ar, mdm, mdm-threshold, any other registered
-  decoder) have no step-wise interface; they run through `decode()` in static groups of waiting jobs
+- the other jobs (refusion, refusion-l2r, mdm, mdm-threshold, ar on a model without a mask token,
+  any other registered decoder) have no step-wise interface; they run through `decode()` in static groups of waiting jobs
   with the same decoder and parameters, each group in its own turn between two speculative steps. A
   group's rows do not influence each other (every decoder's batch-k output equals its batch-1
-  output; sampled rows are grouped only where each row has its own generator, `Decoder.seeds_per_row`),
+  output; sampled rows are grouped only where a row's draws depend on its seed alone, `Decoder.seeds_per_row`),
   so a job's output is what `decode()` gives it alone. A group is abandoned early only when every
   job in it is cancelled.
 
@@ -350,7 +350,7 @@ def _extent(job: Job) -> int:
 
 def _same_group(a: Job, b: Job) -> bool:
     """May b run in one decode() call with a? Same decoder and parameters; sampled rows only where
-    each row draws from its own generator seeded alike (plan-and-infill), with the same seed."""
+    each row's draws depend on its seed alone (`Decoder.seeds_per_row`), with the same seed."""
     if a.choice.decoder != b.choice.decoder or a.choice.params != b.choice.params:
         return False
     if a.choice.temperature == 0:
