@@ -18,6 +18,7 @@
 #   bash scripts/study.sh                     # every stage, then the report (hours: run it in the background)
 #   bash scripts/study.sh refusion report     # some stages, in this order (or STAGES="refusion report")
 #   bash scripts/study.sh --quick             # a smoke test of every stage: steps 4 and 8, nothing learned
+#                                             # (the variants evaluated with speculative only)
 #   STEPS=8000 bash scripts/study.sh ar       # another budget for ar, refusion and mdm (default 16000)
 #   VARIANT_STEPS=8000 ...                    # another budget for the variants (default 4000)
 #   BUNDLED_STEPS=4000 ...                    # another budget for the bundled recipe (default its max_steps)
@@ -56,12 +57,13 @@ done
 if [[ $QUICK == 1 ]]; then
   RUNS=${RUNS:-runs/study-quick} OUT=${OUT:-results/study-quick} N=${N:-4}
   UNIT=${UNIT:-4} STEPS=${STEPS:-8} VARIANT_STEPS=${VARIANT_STEPS:-8} BUNDLED_STEPS=${BUNDLED_STEPS:-8}
+  VARIANT_DECODERS=quick_decoders  # (refusion's stage runs every decoder; each eval is a process start)
   # a few steps on a few examples, a small tokenizer: exercises every stage end to end
   SHRINK=(--set synthetic_examples=200 --set warmup_steps=2)
   BASE_SHRINK=("${SHRINK[@]}" --set max_steps=8 --set save_every=4 --set corpus_examples=100 --set vocab_size=300)
 else
   RUNS=${RUNS:-runs/study} OUT=${OUT:-results/study} N=${N:-100}
-  UNIT=${UNIT:-2000} STEPS=${STEPS:-16000} VARIANT_STEPS=${VARIANT_STEPS:-4000}
+  UNIT=${UNIT:-2000} STEPS=${STEPS:-16000} VARIANT_STEPS=${VARIANT_STEPS:-4000} VARIANT_DECODERS=refusion_decoders
   BUNDLED_STEPS=${BUNDLED_STEPS:-$(sed -n 's/^max_steps = \([0-9]*\).*/\1/p' "$BUNDLED_RECIPE")}
   SHRINK=() BASE_SHRINK=()
 fi
@@ -144,6 +146,7 @@ refusion_decoders() {
   ev "$1" "$2" --decoder refusion --slot-size 8 --slot-threshold 0.9 --token-threshold 0.4
   ev "$1" "$2" --decoder refusion --slot-size 8 --slot-threshold 0.7 --token-threshold 0.2 --tag fast
 }
+quick_decoders() { ev "$1" "$2" --decoder speculative; }  # --quick's variants: the stage runs, one decoder
 mdm_decoders() {
   ev "$1" "$2" --decoder mdm --block-length 32 --steps $GEN
   ev "$1" "$2" --decoder mdm-threshold --block-length 32 --threshold 0.9 --prefix-cache
@@ -166,8 +169,8 @@ for s in $STAGES; do
     refusion) train refusion "$STEPS"; eval_curve refusion "$STEPS" refusion_decoders ;;
     mdm) train mdm "$STEPS"; eval_curve mdm "$STEPS" mdm_decoders ;;
     refusion-hybrid-8k)
-      train "$s" "$BUNDLED_STEPS" "$BUNDLED_RECIPE"; eval_curve "$s" "$BUNDLED_STEPS" refusion_decoders ;;
-    refusion-*) train "$s" "$VARIANT_STEPS"; eval_curve "$s" "$VARIANT_STEPS" refusion_decoders ;;
+      train "$s" "$BUNDLED_STEPS" "$BUNDLED_RECIPE"; eval_curve "$s" "$BUNDLED_STEPS" "$VARIANT_DECODERS" ;;
+    refusion-*) train "$s" "$VARIANT_STEPS"; eval_curve "$s" "$VARIANT_STEPS" "$VARIANT_DECODERS" ;;
     report)
       $R report "$OUT" --out "$OUT/report.md" --plot "$OUT/accuracy_vs_tps.png" \
         --curves-plot "$OUT/accuracy_vs_steps.png" > /dev/null

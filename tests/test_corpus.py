@@ -93,6 +93,7 @@ def test_study_quick_runs_every_stage_and_writes_the_curves(tmp_path):
         cfg = json.loads((runs / f"refusion-{v}" / "model" / "config.json").read_text())
         assert cfg["causal_first_token"] and ("mask_adapter" in cfg) == (v == "decoupled")
         assert sorted(p.name for p in (runs / f"refusion-{v}").glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-8"]
+        assert all((out / f"refusion-{v}@{s}__{t}__speculative.json").is_file() for s in (4, 8) for t in ("sort", "code"))
     # the bundled model's stage trains the bundled recipe itself (its budget shrunk), from the study's base
     recipe = tomllib.loads((ROOT / "src/refusion/assets/refusion-tiny/recipe.toml").read_text())
     bundled_run = json.loads((runs / "refusion-hybrid-8k" / "train_config.json").read_text())
