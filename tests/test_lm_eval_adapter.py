@@ -176,6 +176,20 @@ def test_bad_model_args_are_one_line_from_the_command_line(tmp_path):
                                          "speculative, refusion, refusion-l2r, ar, mdm, mdm-threshold")
 
 
+def test_bad_model_args_are_one_line_from_the_plain_lm_eval_command(tmp_path):
+    """The `lm_eval` command itself (the .pth hook registers the model: scripts/setup.sh installs it)."""
+    write_tasks(tmp_path)
+    (tmp_path / "refusion_lm_eval.pth").write_text(HOOK_LINE)
+    # the hook line, processed as site-packages processes it, then lm-eval's own entry point
+    code = (f"import site, sys; site.addsitedir({str(tmp_path)!r}); sys.argv[0] = 'lm_eval'; "
+            "from lm_eval.__main__ import cli_evaluate; cli_evaluate()")
+    r = subprocess.run([sys.executable, "-c", code, "--model", "refusion", "--model_args", "decoder=beam", "--tasks",
+                        "refusion_mc", "--include_path", str(tmp_path), "--device", "cpu"],
+                       capture_output=True, text=True, env=subprocess_env(), timeout=300, cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.stderr.splitlines()[-1].startswith("refusion: error: --model_args: unknown decoder 'beam'")
+
+
 def test_the_pth_hook_registers_the_model_in_a_fresh_interpreter(tmp_path):
     """What `--install-hook` writes, processed as site-packages would process it."""
     (tmp_path / "refusion_lm_eval.pth").write_text(HOOK_LINE)

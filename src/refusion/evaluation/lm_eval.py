@@ -22,6 +22,7 @@ Requests:
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -103,8 +104,35 @@ def score(model: Transformer, pairs: list[tuple[list[int], list[int]]], batch_si
 
 class ModelArgsError(ValueError):
     """model_args that refusion refuses (an unknown decoder, a parameter it does not take, a model that
-    is not there): `python -m refusion.evaluation.lm_eval` prints it as one line. (The plain `lm_eval`
-    command prints lm-eval's traceback, which ends with this message.)"""
+    is not there): printed as one line by `python -m refusion.evaluation.lm_eval` and, through
+    `one_line_in_the_lm_eval_command`, by the plain `lm_eval` command."""
+
+
+def _error_line(e: Exception) -> str:
+    return f"refusion: error: {' '.join(str(e).split())}"
+
+
+def one_line_in_the_lm_eval_command() -> None:
+    """The plain `lm_eval` command lets what a model's constructor raises end the process with a
+    traceback; there (and only there: a script of the user's keeps its tracebacks), a ModelArgsError
+    is printed as one line instead, and the process exits with 2."""
+    if Path(sys.argv[0]).name not in ("lm_eval", "lm-eval") or getattr(sys.excepthook, "refusion", False):
+        return
+    previous = sys.excepthook
+
+    def excepthook(kind, value, tb):
+        if not isinstance(value, ModelArgsError):
+            return previous(kind, value, tb)
+        print(_error_line(value), file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(2)  # sys.exit inside an excepthook would itself be reported as an error
+
+    excepthook.refusion = True  # type: ignore[attr-defined]
+    sys.excepthook = excepthook
+
+
+one_line_in_the_lm_eval_command()
 
 
 class ReFusionLM(LM):
@@ -286,7 +314,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cli_evaluate()
     except adapter.ModelArgsError as e:
-        print(f"refusion: error: {' '.join(str(e).split())}", file=sys.stderr)
+        print(adapter._error_line(e), file=sys.stderr)
         sys.exit(2)
 
 
