@@ -66,14 +66,7 @@ def page(live):
 ])
 def test_the_page_shows_the_api_answer(live, page, decoder, settings):
     prompt = task_prompts(1)[1]
-    page.fill("#prompt", "")
-    page.type("#prompt", prompt)  # typed, key by key, as a person would
-    page.select_option("#decoder", decoder)
-    page.fill("#max_tokens", "64")
-    for sel, value in settings.items():
-        page.fill(sel, value)
-    page.click("#run")
-    page.wait_for_selector("body[data-state=done]", timeout=60_000)
+    run_on_page(page, prompt, decoder, settings, typed=True)
     shown = page.inner_text("#answer")
     stats = page.inner_text("#stats")
     # the same request through the API, built by the page itself
@@ -147,8 +140,13 @@ def distinct_steps(snaps: list[dict]) -> list[dict]:
     return out
 
 
-def run_on_page(page, prompt: str, decoder: str, settings: dict) -> None:
-    page.fill("#prompt", prompt)
+def run_on_page(page, prompt: str, decoder: str, settings: dict, typed: bool = False) -> None:
+    """Fill the form and run it; `typed`: the prompt is typed key by key, as a person would."""
+    if typed:
+        page.fill("#prompt", "")
+        page.type("#prompt", prompt)
+    else:
+        page.fill("#prompt", prompt)
     page.select_option("#decoder", decoder)
     page.fill("#max_tokens", "64")
     for sel, value in settings.items():

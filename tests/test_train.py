@@ -28,29 +28,7 @@ from refusion.training.optimizer import lr_at
 from refusion.training.setup import setup
 from refusion.training.trainer import TrainConfig, fit, load_train_config, train
 from tiny_causal_lm import tokenizer_without_mask
-
-TINY = {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2}
-
-
-@pytest.fixture(scope="module")
-def data_file(tmp_path_factory) -> Path:
-    """Addition problems with a worked answer: learnable in a few dozen steps."""
-    rng = random.Random(0)
-    recs = []
-    for _ in range(300):
-        a, b = rng.randint(1, 30), rng.randint(1, 30)
-        recs.append({"query": f"What is {a} plus {b}?", "response": f"{a} + {b} = {a + b}. The answer is {a + b}."})
-    path = tmp_path_factory.mktemp("data") / "add.jsonl"
-    path.write_text("\n".join(json.dumps(r) for r in recs))
-    return path
-
-
-def tiny_config(data_file: Path, out: Path, **kw) -> TrainConfig:
-    base = dict(data=str(data_file), out_dir=str(out), vocab_size=300, model=dict(TINY), batch_size=8,
-                max_steps=20, warmup_steps=3, lr=3e-3, save_every=1000)
-    base.update(kw)
-    return TrainConfig(**base)
-
+from train_helpers import TINY, data_file, tiny_config  # noqa: F401 (data_file: a fixture; test_fsdp imports them from here)
 
 def losses(out: Path) -> list[dict]:
     keep = ("step", "loss", "ar_loss", "mdm_loss", "grad_norm", "lr", "tokens")

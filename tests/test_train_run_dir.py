@@ -4,7 +4,6 @@ compares its configuration with the saved one, field by field)."""
 import dataclasses
 import json
 import os
-import random
 import socket
 import subprocess
 import sys
@@ -12,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from refusion.cli import main
 from refusion.model.config import ConfigError
@@ -23,27 +21,12 @@ from refusion.training.optimizer import lr_at
 from refusion.training.run_dir import LOCK_FILE, locked
 from refusion.training.setup import setup
 from refusion.training.trainer import train
-
-TINY = {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2}
-
-
-@pytest.fixture(scope="module")
-def data_file(tmp_path_factory) -> Path:
-    rng = random.Random(0)
-    recs = []
-    for _ in range(300):
-        a, b = rng.randint(1, 30), rng.randint(1, 30)
-        recs.append({"query": f"What is {a} plus {b}?", "response": f"{a} + {b} = {a + b}. The answer is {a + b}."})
-    path = tmp_path_factory.mktemp("data") / "add.jsonl"
-    path.write_text("\n".join(json.dumps(r) for r in recs))
-    return path
+from train_helpers import TINY, data_file, tiny_config  # noqa: F401 (data_file: a fixture)
 
 
-def tiny_config(data_file: Path, out: Path, **kw) -> TrainConfig:
-    base = dict(data=str(data_file), out_dir=str(out), vocab_size=300, model=dict(TINY), batch_size=8, max_steps=6,
-                warmup_steps=2, lr=3e-3, save_every=3)
-    base.update(kw)
-    return TrainConfig(**base).validate()
+def small_run(data_file: Path, out: Path, **kw) -> TrainConfig:
+    """tiny_config, shorter: 6 steps with a checkpoint every 3, validated."""
+    return tiny_config(data_file, out, **{"max_steps": 6, "warmup_steps": 2, "save_every": 3, **kw}).validate()
 
 
 def cli_args(data_file: Path, out: Path, *extra: str) -> list[str]:
@@ -126,7 +109,7 @@ def test_allow_changed_names_only_fields_that_may_change():
 
 def test_resume_checks_the_configuration_through_the_command_line(data_file, tmp_path):
     out = tmp_path / "run"
-    train(tiny_config(data_file, out), progress=False)
+    train(small_run(data_file, out), progress=False)
     saved = (out / "train_config.json").read_text()
     metrics = (out / "metrics.jsonl").read_text()
     # another shape: refused, and the run directory is as it was
@@ -143,7 +126,7 @@ def test_resume_checks_the_configuration_through_the_command_line(data_file, tmp
                        "--allow-changed", "lr"), timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "resuming with a changed configuration: max_steps 6 -> 10, lr 0.003 -> 0.001" in p.stderr
-    new = tiny_config(data_file, out, max_steps=10, lr=1e-3)
+    new = small_run(data_file, out, max_steps=10, lr=1e-3)
     recs = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == list(range(1, 11))
     assert [r["lr"] for r in recs[6:]] == [lr_at(s, new) for s in range(6, 10)]
@@ -155,9 +138,9 @@ def test_resume_checks_the_configuration_through_the_command_line(data_file, tmp
 
 def test_a_resume_that_changes_adams_settings_uses_them(data_file, tmp_path):
     # the saved optimizer state carries its own betas and weight decay: without care they would win
-    cfg = tiny_config(data_file, tmp_path, max_steps=3)
+    cfg = small_run(data_file, tmp_path, max_steps=3)
     train(cfg, progress=False)
-    new = tiny_config(data_file, tmp_path, max_steps=3, betas=[0.8, 0.9], weight_decay=0.3)
+    new = small_run(data_file, tmp_path, max_steps=3, betas=[0.8, 0.9], weight_decay=0.3)
     run = setup(new, allow_changed=["betas", "weight_decay"])
     assert run.step == 3
     assert [(g["betas"], g["weight_decay"]) for g in run.optimizer.param_groups] == [((0.8, 0.9), 0.3), ((0.8, 0.9), 0.0)]
