@@ -12,6 +12,7 @@ import torch
 from refusion.model.config import ConfigError, ModelConfig
 from refusion.model.transformer import Transformer
 from refusion.training.config import TrainConfig
+from refusion.training.data import BatchOrder
 from refusion.training.joint_layouts import draft_inputs, hybrid_inputs
 from refusion.training.objectives import (IGNORE, ar_inputs, ar_token_count, compute_loss, loss_from_ce, make_batch,
                                          mdm_inputs, refusion_inputs, token_ce)
@@ -185,8 +186,9 @@ def data_file(tmp_path_factory) -> Path:
 
 
 def run_losses(data_file: Path, out: Path, **kw) -> list[dict]:
+    """A short run's metrics; batches of random examples (length-grouped ones leave little to pack)."""
     cfg = dict(data=str(data_file), out_dir=str(out), vocab_size=300, model=dict(TINY), batch_size=8, max_steps=6,
-               warmup_steps=2, lr=3e-3, save_every=3)
+               warmup_steps=2, lr=3e-3, save_every=3, length_grouping=False)
     cfg.update(kw)
     train(TrainConfig(**cfg), progress=False)
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -210,6 +212,20 @@ def test_packed_run_resumes_exactly(data_file, tmp_path):
     resumed = run_losses(data_file, tmp_path / "run", objective="ar", pack=True)
     keep = ("step", "loss", "grad_norm", "lr", "tokens")
     assert [{k: r[k] for k in keep} for r in resumed] == [{k: r[k] for k in keep} for r in ref]
+
+
+def test_batches_without_length_grouping_are_random_and_deterministic():
+    lengths = list(range(400))  # every length once: a batch's spread tells grouped from random
+    grouped, mixed = BatchOrder(lengths, 8, seed=1), BatchOrder(lengths, 8, seed=1, grouped=False)
+    for order in (grouped, mixed):
+        epoch = [order(s) for s in range(order.per_epoch)]
+        assert sorted(i for b in epoch for i in b) == lengths  # each example once per epoch
+        assert epoch == [BatchOrder(lengths, 8, 1, order.pool == 50)(s) for s in range(order.per_epoch)]
+
+    def spread(order):
+        return sum(max(order(s)) - min(order(s)) for s in range(order.per_epoch)) / order.per_epoch
+
+    assert spread(grouped) < 20 < 200 < spread(mixed)  # random batches of 8 from 400 spread ~311
 
 
 @pytest.mark.parametrize("variant", ["decoupled", "mask-only"])

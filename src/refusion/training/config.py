@@ -50,6 +50,8 @@ class TrainConfig:
     #                     longest first, into rows as long as its longest example, attention block-diagonal over
     #                     them; the same examples, layouts and loss as unpacked, fewer padding columns computed.
     #                     Not with the decoupled and mask-only variants (a second pass over each example's cache)
+    length_grouping: bool = True  # batches of examples of similar length (little padding to save); false: batches
+    #                               of random examples, which pack = true then spares most of the padding
     max_steps: int = 1000
     stop_after: int | None = None  # end this invocation after this step; the schedule still spans max_steps
     lr: float = 1e-3

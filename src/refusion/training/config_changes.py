@@ -39,6 +39,7 @@ ON_REQUEST = {
     "corpus_examples": "the batches come from the new examples",
     "max_length": "the batches come from the examples that fit the new length",
     "seed": "the batches follow another order (examples of this epoch may repeat or be skipped)",
+    "length_grouping": "the batches follow another order (examples of this epoch may repeat or be skipped)",
     "batch_size": "each step takes a batch of the new size, in the order a run of that size would have "
                   "(examples of this epoch may repeat or be skipped)",
     "slot_sizes": "the objective lays out its examples differently",
