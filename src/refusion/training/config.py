@@ -46,6 +46,12 @@ class TrainConfig:
     # optimisation
     batch_size: int = 16  # examples per optimizer step, over all processes
     micro_batch_size: int | None = None  # examples per forward per process; None: batch_size / processes
+    pack: bool = False  # several examples per row (training/packing.py): each micro-batch's examples are packed,
+    #                     longest first, into rows as long as its longest example, attention block-diagonal over
+    #                     them; the same examples, layouts and loss as unpacked, fewer padding columns computed.
+    #                     Not with the decoupled and mask-only variants (a second pass over each example's cache)
+    length_grouping: bool = True  # batches of examples of similar length (little padding to save); false: batches
+    #                               of random examples, which pack = true then spares most of the padding
     max_steps: int = 1000
     stop_after: int | None = None  # end this invocation after this step; the schedule still spans max_steps
     lr: float = 1e-3
@@ -141,6 +147,9 @@ class TrainConfig:
         if v.name == "decoupled" and (self.lora is not None or self.strategy == "fsdp"):
             raise ConfigError("the decoupled variant trains the whole shared model plus its own mask path: "
                               "it does not combine with lora or strategy fsdp")
+        if self.pack and v.name in ("decoupled", "mask-only"):
+            raise ConfigError(f"pack: the {v.name} variant runs its masks in a second pass on top of each example's "
+                              "own cache, which packed rows do not keep apart; set pack = false (or another variant)")
         if v.name == "mask-only":
             if self.init is None:
                 raise ConfigError("the mask-only variant adapts a pretrained model: set init (a model directory "

@@ -10,8 +10,8 @@ field by field, and each field is in one of three groups:
                 Refused unless named in allow_changed (`--allow-changed FIELD,...`); the message says
                 what each change does.
     FREE        nothing the steps compute: when and where to save and stop, the device, how a global
-                batch is split into micro-batches (the same sums, rounded differently), recomputing
-                activations. Taken as they are, with a note.
+                batch is split into micro-batches or packed into rows (the same sums, rounded
+                differently), recomputing activations. Taken as they are, with a note.
 
 out_dir is not compared (a run directory may be moved). A field the file lacks (written before the
 field existed) counts as having its default.
@@ -39,6 +39,7 @@ ON_REQUEST = {
     "corpus_examples": "the batches come from the new examples",
     "max_length": "the batches come from the examples that fit the new length",
     "seed": "the batches follow another order (examples of this epoch may repeat or be skipped)",
+    "length_grouping": "the batches follow another order (examples of this epoch may repeat or be skipped)",
     "batch_size": "each step takes a batch of the new size, in the order a run of that size would have "
                   "(examples of this epoch may repeat or be skipped)",
     "slot_sizes": "the objective lays out its examples differently",
@@ -55,7 +56,7 @@ ON_REQUEST = {
 }
 
 FREE = ("stop_after", "save_every", "keep_checkpoints", "save_dtype", "device", "micro_batch_size",
-        "gradient_checkpointing")
+        "gradient_checkpointing", "pack")
 NOT_COMPARED = ("out_dir",)
 
 CONFIG_FILE = "train_config.json"

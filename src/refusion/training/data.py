@@ -139,7 +139,8 @@ def length_batches(lengths: list[int], batch_size: int, seed: int, epoch: int, p
 
     Shuffle, cut into pools of `pool` batches, sort each pool by length, split it into batches and
     shuffle the batch order: little padding, yet every epoch differs. Deterministic in (seed, epoch).
-    The last incomplete batch is dropped so every step has the same global batch size.
+    The last incomplete batch is dropped so every step has the same global batch size. pool=1: batches
+    of examples drawn at random (each sorted by length inside).
     """
     rng = random.Random(seed * 1_000_003 + epoch)
     idx = list(range(len(lengths)))
@@ -155,17 +156,19 @@ def length_batches(lengths: list[int], batch_size: int, seed: int, epoch: int, p
 
 class BatchOrder:
     """The example indices of every step's global batch: `length_batches` of the step's epoch, built
-    once per epoch (a pure function of seed and epoch, so a resumed run needs no saved order)."""
+    once per epoch (a pure function of seed and epoch, so a resumed run needs no saved order).
+    grouped=False: batches of random examples (length_batches with pool=1)."""
 
-    def __init__(self, lengths: list[int], batch_size: int, seed: int) -> None:
+    def __init__(self, lengths: list[int], batch_size: int, seed: int, grouped: bool = True) -> None:
         self.lengths, self.batch_size, self.seed = lengths, batch_size, seed
+        self.pool = 50 if grouped else 1
         self.per_epoch = len(lengths) // batch_size
         self._epoch: tuple[int, list[list[int]]] = (-1, [])
 
     def __call__(self, step: int) -> list[int]:
         epoch, i = divmod(step, self.per_epoch)
         if self._epoch[0] != epoch:
-            self._epoch = (epoch, length_batches(self.lengths, self.batch_size, self.seed, epoch))
+            self._epoch = (epoch, length_batches(self.lengths, self.batch_size, self.seed, epoch, self.pool))
         return self._epoch[1][i]
 
 

@@ -316,27 +316,37 @@ def refusion_loss(logits: Tensor, inputs: TrainInputs, response_len: Tensor, n_a
 
     n_ar_total / b_total: the AR token count and example count of the whole (global) batch, when this
     is one micro-batch of it, so that summing the micro-batch losses gives the global batch's loss."""
-    ce = token_ce(logits, inputs.labels)
-    ar, n_ar = ar_term(ce, inputs, n_ar_total)
-    mdm, n_m = mdm_term(ce, inputs, response_len, b_total)
-    loss = ar + mdm
-    return loss, dict(loss=loss.detach(), ar_loss=ar.detach(), mdm_loss=mdm.detach(), n_ar_tokens=n_ar,
-                      n_masked_tokens=n_m)
+    return loss_from_ce("refusion", token_ce(logits, inputs.labels), inputs, response_len, n_ar_total, b_total)
 
 
 def ar_loss(logits: Tensor, inputs: TrainInputs, n_ar_total: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """Mean next-token CE over labelled tokens (0 if none)."""
-    ce = token_ce(logits, inputs.labels)
-    loss, n = ar_term(ce, inputs, n_ar_total)
-    return loss, dict(loss=loss.detach(), ar_loss=loss.detach(), n_ar_tokens=n)
+    return loss_from_ce("ar", token_ce(logits, inputs.labels), inputs, None, n_ar_total)
 
 
 def mdm_loss(logits: Tensor, inputs: TrainInputs, response_len: Tensor, b_total: int | None = None
              ) -> tuple[Tensor, dict[str, Tensor]]:
     """LLaDA loss: mean over examples of (sum over masked tokens of CE / p) / Lr (0 if nothing masked)."""
-    ce = token_ce(logits, inputs.labels)
-    loss, n = mdm_term(ce, inputs, response_len, b_total)
-    return loss, dict(loss=loss.detach(), mdm_loss=loss.detach(), n_masked_tokens=n)
+    return loss_from_ce("mdm", token_ce(logits, inputs.labels), inputs, response_len, None, b_total)
+
+
+def loss_from_ce(name: str, ce: Tensor, inputs: TrainInputs, response_len: Tensor | None,
+                 n_ar_total: Tensor | None = None, b_total: int | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """The loss of objective `name` from the per-column cross-entropy ce [B, T] (token_ce) of `inputs`'s
+    columns: what packed rows hand back once their columns are back in their examples' own rows
+    (training/packing.py), so a packed batch's loss is taken exactly as an unpacked one's."""
+    _check_name(name)
+    if name == "ar":
+        loss, n = ar_term(ce, inputs, n_ar_total)
+        return loss, dict(loss=loss.detach(), ar_loss=loss.detach(), n_ar_tokens=n)
+    if name == "mdm":
+        loss, n = mdm_term(ce, inputs, response_len, b_total)
+        return loss, dict(loss=loss.detach(), mdm_loss=loss.detach(), n_masked_tokens=n)
+    ar, n_ar = ar_term(ce, inputs, n_ar_total)
+    mdm, n_m = mdm_term(ce, inputs, response_len, b_total)
+    loss = ar + mdm
+    return loss, dict(loss=loss.detach(), ar_loss=ar.detach(), mdm_loss=mdm.detach(), n_ar_tokens=n_ar,
+                      n_masked_tokens=n_m)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -370,8 +380,4 @@ def compute_loss(name: str, logits: Tensor, inputs: TrainInputs, batch: Batch, n
                  b_total: int | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """Loss and detached stats for objective `name` (normalisers: see refusion_loss)."""
     _check_name(name)
-    if name == "refusion":
-        return refusion_loss(logits, inputs, batch.response_len, n_ar_total, b_total)
-    if name == "mdm":
-        return mdm_loss(logits, inputs, batch.response_len, b_total)
-    return ar_loss(logits, inputs, n_ar_total)
+    return loss_from_ce(name, token_ce(logits, inputs.labels), inputs, batch.response_len, n_ar_total, b_total)

@@ -119,8 +119,8 @@ def setup(cfg: TrainConfig, resume: bool = True, allow_changed: Collection[str] 
     if len(examples) < cfg.batch_size:
         raise DataError(f"only {len(examples)} examples after filtering, fewer than batch_size {cfg.batch_size}")
     run = Run(cfg, out, world, rank, device, micro, tokenizer, model, new_tokens, examples,
-              BatchOrder([len(e) for e in examples], cfg.batch_size, cfg.seed), make_optimizer(model, cfg),
-              torch.Generator().manual_seed(cfg.seed))
+              BatchOrder([len(e) for e in examples], cfg.batch_size, cfg.seed, cfg.length_grouping),
+              make_optimizer(model, cfg), torch.Generator().manual_seed(cfg.seed))
     if ckpt is not None:
         _resume(run, ckpt)
     if world > 1 and not run.fsdp:

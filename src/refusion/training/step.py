@@ -20,8 +20,9 @@ from refusion.model.cache import KVCache
 from refusion.model.mask_adapter import is_adapter_name
 from refusion.training.joint_layouts import DraftMasks, draft_inputs, draft_masks, hybrid_inputs
 from refusion.training.objectives import (Batch, TrainInputs, ar_inputs, ar_term, ar_token_count, build_inputs,
-                                         compute_loss, make_batch, pad_responses, token_ce)
+                                         loss_from_ce, make_batch, pad_responses, token_ce)
 from refusion.training.optimizer import lr_at
+from refusion.training.packing import pack
 from refusion.training.setup import Run
 from refusion.training.variants import variant_of
 
@@ -93,7 +94,11 @@ def _backward(run: Run, inputs: TrainInputs, batch: Batch, n_ar: Tensor, B: int,
     autocast = (torch.autocast(run.device.type, dtype=torch.bfloat16) if cfg.dtype == "bfloat16" and not run.fsdp
                 else nullcontext())
     for k, lo in enumerate(starts):
-        sub = _rows(inputs, lo, lo + run.micro).to(run.device)
+        sub = _rows(inputs, lo, lo + run.micro)
+        # pack: the micro-batch's examples side by side in rows (training/packing.py), fed instead of sub
+        packed = pack(sub, batch.pad_id).to(run.device) if cfg.pack else None
+        sub = sub.to(run.device)
+        fed = sub if packed is None else packed.inputs
         sub_batch = _batch_rows(batch, lo, lo + run.micro).to(run.device)
         tokens += int((~sub.pad).sum())
         last = k == len(starts) - 1
@@ -103,11 +108,14 @@ def _backward(run: Run, inputs: TrainInputs, batch: Batch, n_ar: Tensor, B: int,
         with sync:
             with autocast:
                 # causal objectives: padding is at the end, so plain causal attention is exact there
-                mask = None if sub.attention is None else sub.attn_mask
-                logits = model(sub.input_ids, sub.position_ids, mask)
+                mask = None if fed.attention is None else fed.attn_mask
+                logits = model(fed.input_ids, fed.position_ids, mask)
+            ce = token_ce(logits, fed.labels)
+            if packed is not None:  # the loss is taken on the examples' own rows, as unpacked
+                ce = packed.unpack(ce)
             # the decoupled variant's first pass is exactly the ARM's step
             objective = "ar" if drafts is not None else cfg.objective
-            loss, stats = compute_loss(objective, logits, sub, sub_batch, n_ar.to(run.device), B)
+            loss, stats = loss_from_ce(objective, ce, sub, sub_batch.response_len, n_ar.to(run.device), B)
             # DDP and FSDP average gradients over processes; the global loss is their sum
             (loss * run.world).backward()
             if drafts is not None:
