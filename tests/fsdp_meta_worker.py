@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import CPUOffloadPolicy
 
 import refusion.model.checkpoint as checkpoint
 import refusion.training.fsdp as fsdp
@@ -49,7 +50,9 @@ def write(run, out: Path, name: str) -> None:
     read = readers[-1].elements_read if readers else 0
     (out / f"{name}-{rank}.json").write_text(json.dumps({"elements_read": read, "rows": rows}))
     if rank == 0:
-        torch.save({"params": params, "buffers": dict(run.model.named_buffers()),
+        # (FSDP's own record of the policy each unit was sharded with)
+        offload = isinstance(run.model._get_fsdp_state()._fsdp_param_group.offload_policy, CPUOffloadPolicy)
+        torch.save({"params": params, "buffers": dict(run.model.named_buffers()), "offload": offload,
                     "config": dataclasses.asdict(run.model.config), "new_tokens": run.new_tokens}, out / f"{name}.pt")
 
 

@@ -29,10 +29,11 @@ from tiny_causal_lm import SHAPE, addition_records, make_causal_lm, tokenizer_wi
 WORKER = Path(__file__).with_name("fsdp_meta_worker.py")
 # adapters on parts of both fused projections (k of q/k/v, up of gate/up) and on a plain one
 LORA = {"r": 4, "alpha": 8, "target_modules": ["k_proj", "up_proj", "o_proj"]}
-CASES = {  # name: (model directory, lora, resume from a checkpoint of the first setup)
-    "tied-lora": ("tied", LORA, True),
-    "untied": ("untied", None, False),
-    "untied-lora": ("untied", LORA, False),
+CASES = {  # name: (model directory, training options, resume from a checkpoint of the first setup)
+    "tied-lora": ("tied", {"lora": LORA}, True),
+    "untied": ("untied", {}, False),
+    "untied-lora": ("untied", {"lora": LORA}, False),
+    "untied-offload": ("untied", {"cpu_offload": True}, False),
 }
 
 
@@ -53,16 +54,16 @@ def models(tmp_path_factory) -> Path:
     return root
 
 
-def _fields(data_file: Path, init: Path, out: Path, lora: dict | None, strategy: str) -> dict:
+def _fields(data_file: Path, init: Path, out: Path, options: dict, strategy: str) -> dict:
     return dict(init=str(init), data=str(data_file), out_dir=str(out), batch_size=8, max_steps=4, warmup_steps=1,
-                lora=lora, strategy=strategy)
+                strategy=strategy, **options)
 
 
 @pytest.fixture(scope="module")
 def sharded(models, data_file, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("sharded")
-    cases = {name: [_fields(data_file, models / d, out / f"run-{name}", lora, "fsdp"), resume]
-             for name, (d, lora, resume) in CASES.items()}
+    cases = {name: [_fields(data_file, models / d, out / f"run-{name}", options, "fsdp"), resume]
+             for name, (d, options, resume) in CASES.items()}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(WORKER),
            str(out), json.dumps(cases)]
     r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -72,8 +73,9 @@ def sharded(models, data_file, tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("name", CASES)
 def test_sharded_setup_builds_the_model_one_process_builds(name, models, sharded, data_file, tmp_path):
-    model_dir, lora, _ = CASES[name]
-    ref = setup(TrainConfig(**_fields(data_file, models / model_dir, tmp_path / "one", lora, "ddp")))
+    model_dir, options, _ = CASES[name]
+    one = {k: v for k, v in options.items() if k != "cpu_offload"}  # (FSDP's alone)
+    ref = setup(TrainConfig(**_fields(data_file, models / model_dir, tmp_path / "one", one, "ddp")))
     got = torch.load(sharded / f"{name}.pt", weights_only=False)
     want = dict(ref.model.named_parameters())
     assert list(got["params"]) == list(want)  # the same parameters (a tied head is the embedding's)
@@ -83,6 +85,7 @@ def test_sharded_setup_builds_the_model_one_process_builds(name, models, sharded
         assert torch.equal(got["buffers"][k], v), k
     assert got["config"] == dataclasses.asdict(ref.model.config)
     assert got["new_tokens"] == ref.new_tokens == [ref.model.config.mask_token_id]
+    assert got["offload"] == options.get("cpu_offload", False)
 
 
 @pytest.mark.parametrize("name", CASES)
