@@ -23,7 +23,8 @@ from refusion.model.tokenizer import Tokenizer
 from refusion.model.transformer import Transformer
 from refusion.training.config import TrainConfig
 from refusion.training.setup import setup
-from test_train import data_file  # noqa: F401 (a fixture)
+from test_fsdp import _cli, _run, _torchrun
+from test_train import data_file, losses  # noqa: F401 (data_file: a fixture)
 from tiny_causal_lm import SHAPE, addition_records, make_causal_lm, tokenizer_without_mask
 
 WORKER = Path(__file__).with_name("fsdp_meta_worker.py")
@@ -127,6 +128,21 @@ def test_resumed_sharded_setup_reads_the_checkpoint_not_the_model(sharded):
     first, resumed = (torch.load(sharded / f"tied-lora{s}.pt", weights_only=False)["params"] for s in ("", "-resumed"))
     assert list(first) == list(resumed) and all(torch.equal(first[k], resumed[k]) for k in first)
     assert all(json.loads((sharded / f"tied-lora-resumed-{r}.json").read_text())["elements_read"] == 0 for r in (0, 1))
+
+
+def test_fsdp_from_a_model_directory_trains_as_one_process(models, data_file, tmp_path):
+    """Every parameter trained (the tied bf16 model, sharded files, a new mask row): the losses of one
+    process, to FSDP's rounding (test_fsdp.py), and the exported model its weights."""
+    args = [f"--init={models / 'tied'}", f"--data={data_file}", "--set=batch_size=8", "--set=max_steps=4",
+            "--set=warmup_steps=1", "--set=save_every=2", "--no-progress"]
+    _run(_cli("train", *args, f"--out={tmp_path / 'one'}"))
+    _run(_torchrun("train", *args, "--strategy=fsdp", f"--out={tmp_path / 'two'}"))
+    for a, b in zip(losses(tmp_path / "one"), losses(tmp_path / "two"), strict=True):
+        assert a["tokens"] == b["tokens"] and a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+    ref, got = load_model(tmp_path / "one" / "model"), load_model(tmp_path / "two" / "model")
+    assert got.lm_head.weight is got.embed_tokens.weight
+    for (k, x), y in zip(ref.state_dict().items(), got.state_dict().values(), strict=True):
+        torch.testing.assert_close(y, x, atol=1e-5, rtol=0, msg=k)
 
 
 def test_cpu_offload_needs_fsdp(data_file, tmp_path):
