@@ -42,15 +42,15 @@ CASES = {  # name: (model directory, training options, resume from a checkpoint 
 def models(tmp_path_factory) -> Path:
     """tied: SmolLM2's layout (Llama, tied embeddings, no mask token: the vocabulary grows by one
     row), stored as bfloat16 in several shards with an index. untied: Qwen3's layout with q/k norms
-    and attention biases (attention_bias), float32 in one file, its vocabulary padded past the tokenizer (the mask takes
-    an existing, untrained row)."""
+    and attention biases, float32 in one file, its vocabulary padded past the tokenizer (the mask
+    takes an existing, untrained row)."""
     root = tmp_path_factory.mktemp("models")
     causal = make_causal_lm(root / "causal")
     save_model(load_model(causal), root / "tied", Tokenizer.from_dir(causal), dtype=torch.bfloat16,
                max_shard_bytes=40_000)
     tok = tokenizer_without_mask([r["query"] + r["response"] for r in addition_records()])
-    cfg = ModelConfig(vocab_size=len(tok) + 6, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id, qkv_bias=True, o_bias=True,
-                      tie_word_embeddings=False, max_position_embeddings=1024, **SHAPE)
+    cfg = ModelConfig(vocab_size=len(tok) + 6, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id, qkv_bias=True,
+                      o_bias=True, tie_word_embeddings=False, max_position_embeddings=1024, **SHAPE)
     save_model(Transformer(cfg).init_weights(seed=2), root / "untied", tok)
     return root
 

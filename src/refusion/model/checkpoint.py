@@ -6,7 +6,11 @@ Qwen2ForCausalLM or LlamaForCausalLM. `mask_token_id` is kept in config.json.
 
 Tensor names on disk are Hugging Face's; the model fuses some projections (transformer.fused_parts):
 to_hf and from_hf translate, and every state that is read or written as a checkpoint goes through
-them.
+them (hf_parts: the parts of one tensor).
+
+For models no process holds whole (FSDP, refusion.training.fsdp): WeightSlices reads a directory's
+tensors by rows, register_mask_token is add_mask_token without the weights, and write_model_dir
+writes weights that arrive one group at a time, a shard as soon as it is full.
 """
 
 from __future__ import annotations

@@ -152,7 +152,8 @@ def _check_names(path: str | Path, files: WeightSlices) -> None:
     check_weights(path, shapes, expected)
 
 
-def _mask_means(files: WeightSlices, cfg: ModelConfig, mask: MaskRows | None, device: torch.device) -> dict[str, Tensor]:
+def _mask_means(files: WeightSlices, cfg: ModelConfig, mask: MaskRows | None,
+                device: torch.device) -> dict[str, Tensor]:
     """The rows a new mask token starts from, by the model's tensor name: the mean of the file's
     rows [:mask.mean_of] of the embedding (and of an untied LM head), the same arithmetic as
     add_mask_token's on the same float32 rows. The mean of a matrix needs all of it: rank 0 alone
