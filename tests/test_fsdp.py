@@ -1,5 +1,7 @@
 """Sharded training (--strategy fsdp, FSDP2 over gloo, 2 processes): equal to one process, exact
-resume after kill -9, sharded checkpoints exported as Hugging Face directories, LoRA, bf16.
+resume after kill -9, sharded checkpoints exported as Hugging Face directories (unit by unit, into
+shards), LoRA, bf16, CPU offload and activation checkpointing (neither changes a loss). Starting
+from a Hugging Face directory without a whole model anywhere: test_fsdp_meta.py.
 
 Tolerance: FSDP sums the two processes' gradients in another order than one process does (a
 reduce-scatter per micro-batch), so float32 results differ by rounding: losses and gradient norms
@@ -20,7 +22,8 @@ import pytest
 import torch
 import transformers
 
-from refusion.model.checkpoint import CheckpointError, load_model, save_model
+import refusion.training.sharded_checkpoint as sharded_checkpoint
+from refusion.model.checkpoint import INDEX, CheckpointError, load_model, save_model, weight_files
 from refusion.model.config import ModelConfig
 from refusion.decoding import decode, default_decoder
 from refusion.model.transformer import Transformer
@@ -91,6 +94,39 @@ def test_fsdp_matches_one_process_and_exports_a_model(fsdp_run, data_file, tmp_p
     x = torch.tensor([prompt])
     with torch.no_grad():
         torch.testing.assert_close(hf(input_ids=x).logits, got(x, torch.arange(x.shape[1])[None]), atol=1e-5, rtol=0)
+
+
+def test_export_reads_one_unit_at_a_time_and_writes_shards(fsdp_run, tmp_path, monkeypatch):
+    ckpt = fsdp_run / f"checkpoint-{STEPS}"
+    whole = load_model(export_checkpoint(ckpt, tmp_path / "whole"))
+    loads = []
+    real = sharded_checkpoint.dcp.load
+
+    def recording(state, **kwargs):
+        loads.append({k.split(".")[1] if k.startswith("layers.") else "root" for k in state["model"]})
+        return real(state, **kwargs)
+
+    monkeypatch.setattr(sharded_checkpoint.dcp, "load", recording)
+    out = export_checkpoint(ckpt, tmp_path / "sharded", max_shard_bytes=60_000)
+    assert loads == [{"root"}, {"0"}, {"1"}]  # the root unit's tensors, then each block's: never the model
+    assert (out / INDEX).exists() and len(weight_files(out)) >= 3
+    got = load_model(out)
+    assert all(torch.equal(x, y) for x, y in zip(whole.state_dict().values(), got.state_dict().values(), strict=True))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    x = torch.tensor([[5, 17, 42, 9]])
+    with torch.no_grad():
+        torch.testing.assert_close(hf(input_ids=x).logits, got(x, torch.arange(4)[None]), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("change", ["--set=cpu_offload=true", "--set=gradient_checkpointing=false"])
+def test_fsdp_cpu_offload_and_activation_checkpointing_change_no_loss(change, fsdp_run, data_file, tmp_path):
+    """fsdp_run checkpoints activations and keeps its shards where it computes; offloading them to
+    the host (a copy on a CPU-only process, yet all of FSDP's offload path) or recomputing nothing
+    gives the same numbers to the bit."""
+    out = tmp_path / "run"
+    _run(_torchrun("train", f"--data={data_file}", *COMMON, "--strategy=fsdp", f"--out={out}", "--set=stop_after=6",
+                   change))
+    assert losses(out) == losses(fsdp_run)[:6]
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:

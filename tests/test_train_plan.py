@@ -85,6 +85,22 @@ def test_offload_moves_the_sharded_states_to_the_host():
     assert on["activations"] == off["activations"]
 
 
+@pytest.mark.parametrize("offload", [False, True])
+def test_the_configured_setting_is_cpu_offload_as_set(offload):
+    cfg = load_train_config(None, ['strategy="fsdp"', f"cpu_offload={json.dumps(offload)}"])
+    conf = [s for s in make_plan(cfg, tiny(False), 2, 1, None)["settings"] if s["configured"]]
+    assert [(s["strategy"], s["checkpointing"], s["offload"]) for s in conf] == [("fsdp", False, offload)]
+
+
+def test_loading_under_fsdp_from_a_model_holds_its_embedding_not_the_model():
+    mc = tiny(False)
+    ddp, fsdp, fresh = (make_plan(load_train_config(None, overrides, check_files=False), mc, 8, 1, None)
+                        for overrides in (['init="x"'], ['init="x"', 'strategy="fsdp"'], ['strategy="fsdp"']))
+    P = ddp["model"]["parameters"]
+    assert ddp["host_at_load_per_node"] == fresh["host_at_load_per_node"] == 8 * 4 * P
+    assert fsdp["sharded_load"] and fsdp["host_at_load_per_node"] == mc.vocab_size * mc.hidden_size * 4
+
+
 def test_largest_micro_batch_is_the_edge_of_the_budget():
     cfg = load_train_config(PAPER, ["init=\"configs/qwen3-8b\""], check_files=False)
     mc, _ = read_model_config(str(QWEN3_8B), cfg)

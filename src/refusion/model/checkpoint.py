@@ -6,7 +6,11 @@ Qwen2ForCausalLM or LlamaForCausalLM. `mask_token_id` is kept in config.json.
 
 Tensor names on disk are Hugging Face's; the model fuses some projections (transformer.fused_parts):
 to_hf and from_hf translate, and every state that is read or written as a checkpoint goes through
-them.
+them (hf_parts: the parts of one tensor).
+
+For models no process holds whole (FSDP, refusion.training.fsdp): WeightSlices reads a directory's
+tensors by rows, register_mask_token is add_mask_token without the weights, and write_model_dir
+writes weights that arrive one group at a time, a shard as soon as it is full.
 """
 
 from __future__ import annotations
@@ -16,10 +20,12 @@ import math
 import os
 import shutil
 import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from refusion.model.compiled import enable_compile
@@ -42,20 +48,28 @@ def _hf_key(name: str) -> str:
     return name if name.startswith("lm_head.") else "model." + name
 
 
+def hf_parts(name: str, cfg: ModelConfig) -> list[tuple[str, int | None]]:
+    """The Hugging Face tensors that make the model's tensor `name`, as (key, rows) in row order:
+    one key (rows None: all of it), or the parts a fused projection stacks by rows."""
+    module, _, leaf = name.rpartition(".")
+    parent, _, proj = module.rpartition(".")
+    parts = fused_parts(cfg).get(proj)
+    if parts is None:
+        return [(_hf_key(name), None)]
+    return [(_hf_key(f"{parent}.{part}.{leaf}"), rows) for part, rows in parts]
+
+
 def to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """The model's state under Hugging Face names: each fused projection split into its parts
     (views, by rows), "model." before everything but the LM head."""
-    fused = fused_parts(cfg)
     out = {}
     for name, t in sd.items():
-        module, _, leaf = name.rpartition(".")
-        parent, _, proj = module.rpartition(".")
-        if proj not in fused:
-            out[_hf_key(name)] = t
+        parts = hf_parts(name, cfg)
+        if len(parts) == 1:
+            out[parts[0][0]] = t
             continue
-        parts = fused[proj]
-        for (part, _), piece in zip(parts, t.split([rows for _, rows in parts])):
-            out[_hf_key(f"{parent}.{part}.{leaf}")] = piece
+        for (key, _), piece in zip(parts, t.split([rows for _, rows in parts])):
+            out[key] = piece
     return out
 
 
@@ -112,7 +126,9 @@ def _read_json(f: Path):
         raise CheckpointError(f"{f} is not valid JSON: {e}") from None
 
 
-def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+def weight_files(path: str | Path) -> list[Path]:
+    """The safetensors files of Hugging Face directory `path`: model.safetensors, or the shards its
+    index names (each checked to exist)."""
     path = Path(path)
     single, index = path / "model.safetensors", path / INDEX
     if index.exists():
@@ -129,15 +145,51 @@ def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     else:
         found = ", ".join(sorted(p.name for p in path.iterdir())) or "nothing"
         raise CheckpointError(f"{path} has no model.safetensors or {INDEX} (found: {found})")
-    sd: dict[str, torch.Tensor] = {}
     for name in files:
         if not (path / name).is_file():
             raise CheckpointError(f"shard {name} named in {index} is missing from {path}")
+    return [path / name for name in files]
+
+
+def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    sd: dict[str, torch.Tensor] = {}
+    for f in weight_files(path):
         try:
-            sd.update(load_file(str(path / name)))
+            sd.update(load_file(str(f)))
         except (SafetensorError, OSError) as e:
-            raise CheckpointError(f"{path / name} is not a readable safetensors file: {e}") from None
+            raise CheckpointError(f"{f} is not a readable safetensors file: {e}") from None
     return sd
+
+
+class WeightSlices:
+    """The tensors of Hugging Face directory `path`, read by ranges of rows: safetensors maps the
+    files and reads only the rows asked for, so that a process holding a slice of a model never
+    reads the rest. `elements_read` counts what left the files."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.elements_read = 0
+        self._file = {}  # tensor name -> the open file that holds it
+        for f in weight_files(path):
+            try:
+                handle = safe_open(str(f), framework="pt")
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(f"{f} is not a readable safetensors file: {e}") from None
+            self._file.update(dict.fromkeys(handle.keys(), handle))
+
+    def shapes(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the files as an empty meta tensor of its shape (nothing is read)."""
+        return {k: torch.empty(f.get_slice(k).get_shape(), device="meta") for k, f in self._file.items()}
+
+    def shape(self, key: str) -> list[int]:
+        return self._file[key].get_slice(key).get_shape()
+
+    def rows(self, key: str, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        """Rows [start, stop) of tensor `key` (all of a 1-d tensor's elements in that range), as `dtype`."""
+        t = self._file[key].get_slice(key)[start:stop].to(dtype)
+        self.elements_read += t.numel()
+        check_finite({key: t}, self.path)
+        return t
 
 
 def load_model(path: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu",
@@ -167,7 +219,7 @@ def load_model(path: str | Path, dtype: torch.dtype | str | None = None, device:
     if cfg.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
         expected.pop("lm_head.weight", None)
-    _check_weights(path, sd, expected)
+    check_weights(path, sd, expected)
     weights = {k: sd[k].to(dtype) for k in expected}
     check_finite(weights, path)
     model.load_state_dict(from_hf(weights, cfg), strict=False, assign=True)
@@ -180,7 +232,7 @@ def load_model(path: str | Path, dtype: torch.dtype | str | None = None, device:
     return model
 
 
-def _check_weights(path: str | Path, sd: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+def check_weights(path: str | Path, sd: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
     """The file's tensors are the ones config.json implies, by name and shape."""
     missing = sorted(set(expected) - set(sd))
     unexpected = sorted(k for k in set(sd) - set(expected) if not k.endswith("rotary_emb.inv_freq"))
@@ -233,47 +285,65 @@ def _commit_dir(tmp: Path, path: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _write_weights(sd: dict[str, torch.Tensor], tmp: Path, max_shard_bytes: int) -> None:
-    """model.safetensors, or shards of at most max_shard_bytes and their index."""
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for k, v in sd.items():
+def _write_weights(tensors: Iterable[tuple[str, torch.Tensor]], tmp: Path, max_shard_bytes: int) -> torch.dtype:
+    """model.safetensors, or shards of at most max_shard_bytes and their index, written as the
+    tensors arrive: one shard is in memory at a time. Returns the first tensor's dtype."""
+    shards: list[tuple[Path, list[str]]] = []
+    shard: dict[str, torch.Tensor] = {}
+    size = total = 0
+    dtype = None
+
+    def flush() -> None:
+        f = tmp / f".shard-{len(shards)}"  # named once the number of shards is known
+        save_file(shard, str(f), metadata={"format": "pt"})
+        shards.append((f, list(shard)))
+
+    for k, v in tensors:
+        dtype = dtype or v.dtype
         n = v.numel() * v.element_size()
-        if shards[-1] and size + n > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][k] = v
+        if shard and size + n > max_shard_bytes:
+            flush()
+            shard, size = {}, 0
+        shard[k] = v
         size += n
+        total += n
+    flush()
     if len(shards) == 1:
-        save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        return
+        os.replace(shards[0][0], tmp / "model.safetensors")
+        return dtype
     weight_map = {}
-    for i, shard in enumerate(shards):
+    for i, (f, keys) in enumerate(shards):
         name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(tmp / name), metadata={"format": "pt"})
-        weight_map.update({k: name for k in shard})
-    total = sum(v.numel() * v.element_size() for v in sd.values())
+        os.replace(f, tmp / name)
+        weight_map.update(dict.fromkeys(keys, name))
     (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return dtype
 
 
 def save_model(model: Transformer, path: str | Path, tokenizer: Tokenizer | None = None,
                dtype: torch.dtype | None = None, max_shard_bytes: int = 2 * 1024**3, overwrite: bool = False,
                extra_files: dict[str, bytes | str] | None = None) -> Path:
     """Write a Hugging Face directory atomically (temporary directory, then rename)."""
+    weights = to_hf(model.state_dict(), model.config).items()
+    return write_model_dir(path, model.config, weights, tokenizer, dtype, max_shard_bytes, overwrite, extra_files)
+
+
+def write_model_dir(path: str | Path, cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]],
+                    tokenizer: Tokenizer | None = None, dtype: torch.dtype | None = None,
+                    max_shard_bytes: int = 2 * 1024**3, overwrite: bool = False,
+                    extra_files: dict[str, bytes | str] | None = None) -> Path:
+    """save_model's directory from `weights`, (Hugging Face name, tensor) pairs that may be produced
+    one group at a time (refusion.training.sharded_checkpoint's export streams them block by block):
+    a shard is written as soon as it is full."""
     path = Path(path)
-    cfg = model.config
     tmp = _atomic_dir(path, overwrite)
     try:
-        sd = {}
-        for k, v in to_hf(model.state_dict(), cfg).items():
-            if cfg.tie_word_embeddings and k == "lm_head.weight":
-                continue
-            sd[k] = (v.to(dtype) if dtype else v).detach().cpu().contiguous()
-        out_dtype = next(iter(sd.values())).dtype
+        tied = cfg.tie_word_embeddings
+        out_dtype = _write_weights(((k, (v.to(dtype) if dtype else v).detach().cpu().contiguous())
+                                    for k, v in weights if not (tied and k == "lm_head.weight")), tmp, max_shard_bytes)
         hf = cfg.to_hf()
         hf["torch_dtype"] = str(out_dtype).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(hf, indent=2))
-        _write_weights(sd, tmp, max_shard_bytes)
         gen = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id}
         (tmp / "generation_config.json").write_text(json.dumps({k: v for k, v in gen.items() if v is not None}, indent=2))
         if tokenizer is not None:
@@ -320,6 +390,39 @@ def check_mask_token(model_config: ModelConfig, tokenizer: Tokenizer, token: str
                               "the mask would change what it means: choose a new token, e.g. <|mask|>, or force it")
 
 
+@dataclass
+class MaskRows:
+    """Where a new mask token's weights start (register_mask_token): rows `rows` of the embedding,
+    and of an untied LM head, are set to the mean of that matrix's rows [:mean_of] (as the file
+    holds them: before the vocabulary grew)."""
+
+    token_id: int
+    rows: range
+    mean_of: int
+
+
+def register_mask_token(cfg: ModelConfig, tokenizer: Tokenizer, token: str = MASK_TOKEN,
+                        force: bool = False) -> MaskRows | None:
+    """add_mask_token without the weights: add the token to the tokenizer, record it in `cfg`
+    (mask_token_id, causal_first_token, the vocabulary grown where the token needs a new row) and
+    return which rows the weights must initialise (None where the model has the token already).
+    A model built on the meta device from `cfg` then loads its weights with these rows."""
+    check_mask_token(cfg, tokenizer, token, force)
+    if cfg.mask_token_id is not None:
+        return None
+    (mask_id,) = tokenizer.add_special_tokens([token])
+    tokenizer.config["mask_token"] = token
+    old = cfg.vocab_size
+    if mask_id >= old:  # new rows, all at the mean of the existing ones
+        mask = MaskRows(mask_id, range(old, mask_id + 1), old)
+        cfg.vocab_size = mask_id + 1
+    else:  # the row exists (padded vocabulary) but was never trained: start it from the mean of the text rows
+        mask = MaskRows(mask_id, range(mask_id, mask_id + 1), len(tokenizer) - 1)
+    cfg.mask_token_id = mask_id
+    cfg.causal_first_token = True
+    return mask
+
+
 def add_mask_token(model: Transformer, tokenizer: Tokenizer, token: str = MASK_TOKEN, force: bool = False) -> int:
     """Give a causal LM a mask token: add it to the tokenizer, grow the embeddings if needed,
     initialise its row(s) to the mean embedding (a neutral start), record mask_token_id, and
@@ -328,14 +431,12 @@ def add_mask_token(model: Transformer, tokenizer: Tokenizer, token: str = MASK_T
     mask to predict it sets the flag again). Refused as check_mask_token says (force: allow an
     existing ordinary token)."""
     cfg = model.config
-    check_mask_token(cfg, tokenizer, token, force)
-    if cfg.mask_token_id is not None:
-        return cfg.mask_token_id
-    (mask_id,) = tokenizer.add_special_tokens([token])
-    tokenizer.config["mask_token"] = token
     old = cfg.vocab_size
-    if mask_id >= old:
-        new = mask_id + 1
+    mask = register_mask_token(cfg, tokenizer, token, force)
+    if mask is None:
+        return cfg.mask_token_id
+    if cfg.vocab_size > old:
+        new = cfg.vocab_size
         emb = model.embed_tokens
         w = emb.weight.data
         grown = torch.nn.Embedding(new, w.shape[1], device=w.device, dtype=w.dtype)
@@ -351,13 +452,9 @@ def add_mask_token(model: Transformer, tokenizer: Tokenizer, token: str = MASK_T
             head.weight.data[:old] = hw
             head.weight.data[old:] = hw.mean(0, keepdim=True)
             model.lm_head = head
-        cfg.vocab_size = new
-    else:  # the row exists (padded vocabulary) but was never trained: start it from the mean too
+    else:
         with torch.no_grad():
-            n_text = len(tokenizer) - 1
-            model.embed_tokens.weight[mask_id] = model.embed_tokens.weight[:n_text].mean(0)
+            model.embed_tokens.weight[mask.token_id] = model.embed_tokens.weight[:mask.mean_of].mean(0)
             if not cfg.tie_word_embeddings:
-                model.lm_head.weight[mask_id] = model.lm_head.weight[:n_text].mean(0)
-    cfg.mask_token_id = mask_id
-    cfg.causal_first_token = True
-    return mask_id
+                model.lm_head.weight[mask.token_id] = model.lm_head.weight[:mask.mean_of].mean(0)
+    return mask.token_id

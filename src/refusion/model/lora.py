@@ -33,11 +33,11 @@ class LoRA(nn.Module):
     part's output rows. B starts at zero, so a fresh adapter changes nothing."""
 
     def __init__(self, base: nn.Linear, parts: dict[str, tuple[int, int]], r: int, alpha: float,
-                 dropout: float) -> None:
+                 dropout: float, device: torch.device | str | None = None) -> None:
         super().__init__()
         self.base = base
         self.parts = parts  # part name -> (first row, end row) of the base's output
-        kw = dict(device=base.weight.device, dtype=base.weight.dtype)
+        kw = dict(device=device or base.weight.device, dtype=base.weight.dtype)
         self.lora_A = nn.ModuleDict({p: nn.Linear(base.in_features, r, bias=False, **kw) for p in parts})
         self.lora_B = nn.ModuleDict({p: nn.Linear(r, hi - lo, bias=False, **kw) for p, (lo, hi) in parts.items()})
         for p in parts:
@@ -82,25 +82,35 @@ def _targets(model: Transformer, names: list[str]) -> dict[str, dict[str, tuple[
     return out
 
 
-def apply_lora(model: Transformer, lora: dict, new_tokens: list[int] = ()) -> None:
+def apply_lora(model: Transformer, lora: dict, new_tokens: list[int] = (),
+               device: torch.device | str | None = None) -> None:
     """Wrap the targeted projections of every block in LoRA adapters and make only them, and the rows
-    of `new_tokens`, trainable. lora: r, alpha, dropout, target_modules (Hugging Face names)."""
+    of `new_tokens`, trainable. lora: r, alpha, dropout, target_modules (Hugging Face names).
+    device: where the adapters (and the new tokens' ids) are made, by default the base weights'
+    device; a model on the meta device can thus get adapters with their initial values, the same
+    as on a real one (the new tokens' rows stay on the base's device: they copy its rows)."""
     targets = _targets(model, lora.get("target_modules", DEFAULT_TARGETS))
     r, alpha, dropout = lora.get("r", 8), lora.get("alpha", 16), lora.get("dropout", 0.0)
     for block in model.layers:
         for owner in (block.self_attn, block.mlp):
             for name, parts in targets.items():
                 if isinstance(getattr(owner, name, None), nn.Linear):
-                    setattr(owner, name, LoRA(getattr(owner, name), parts, r, alpha, dropout))
+                    setattr(owner, name, LoRA(getattr(owner, name), parts, r, alpha, dropout, device))
     for name, p in model.named_parameters():
         p.requires_grad = "lora_" in name
     if new_tokens:
-        _train_rows(model, list(new_tokens))
+        _train_rows(model, list(new_tokens), device)
 
 
-def _train_rows(model: Transformer, ids: list[int]) -> None:
+def base_name(name: str) -> str:
+    """The plain model's name of a LoRA-wrapped parameter (`...qkv_proj.base.weight` ->
+    `...qkv_proj.weight`); other names as they are."""
+    return name.replace(".base.", ".")
+
+
+def _train_rows(model: Transformer, ids: list[int], device: torch.device | str | None = None) -> None:
     w = model.embed_tokens.weight
-    model.register_buffer(IDS, torch.tensor(ids, device=w.device))
+    model.register_buffer(IDS, torch.tensor(ids, device=device or w.device))
     setattr(model, ROWS, nn.Parameter(w.detach()[ids].clone()))
     tied = model.lm_head.weight is w
     if not tied:

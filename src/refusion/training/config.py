@@ -63,6 +63,7 @@ class TrainConfig:
     dtype: str = "float32"  # float32 | bfloat16 (autocast)
     gradient_checkpointing: bool = False
     strategy: str = "ddp"  # under torchrun: ddp (whole model on every process) | fsdp (weights, grads, Adam state sharded)
+    cpu_offload: bool = False  # fsdp: the shards (weights, grads, Adam state) in host memory, the step on the CPU
     lora: dict | None = None  # e.g. {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
     seed: int = 0
     # output
@@ -127,6 +128,9 @@ class TrainConfig:
                 raise ConfigError(f"{name} must be a finite number >= 0, got {v}")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ConfigError(f"betas must be two numbers in [0, 1), got {self.betas}")
+        if self.cpu_offload and self.strategy != "fsdp":
+            raise ConfigError("cpu_offload moves FSDP's shards (weights, gradients, AdamW state) to host memory: it "
+                              f"needs strategy fsdp (--strategy fsdp under torchrun), not {self.strategy}")
         if self.warmup_steps < 0:
             raise ConfigError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if not 0 <= self.seed <= MAX_SEED:  # torch's generators take at most 64 bits, signed in places

@@ -11,7 +11,8 @@ field by field, and each field is in one of three groups:
                 what each change does.
     FREE        nothing the steps compute: when and where to save and stop, the device, how a global
                 batch is split into micro-batches or packed into rows (the same sums, rounded
-                differently), recomputing activations. Taken as they are, with a note.
+                differently), recomputing activations, where FSDP keeps its shards (cpu_offload: the
+                same step, on the host's kernels). Taken as they are, with a note.
 
 out_dir is not compared (a run directory may be moved). A field the file lacks (written before the
 field existed) counts as having its default.
@@ -56,7 +57,7 @@ ON_REQUEST = {
 }
 
 FREE = ("stop_after", "save_every", "keep_checkpoints", "save_dtype", "device", "micro_batch_size",
-        "gradient_checkpointing", "pack")
+        "gradient_checkpointing", "pack", "cpu_offload")
 NOT_COMPARED = ("out_dir",)
 
 CONFIG_FILE = "train_config.json"

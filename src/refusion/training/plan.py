@@ -19,8 +19,12 @@ optimizer.py, fsdp.py):
         unit (embeddings, final norm, LM head) stays gathered from forward to backward, with its
         gradients; of the blocks, the running one and the prefetched next one are gathered, and one
         block's unsharded gradients wait for their reduce-scatter.
-  load  before that, every process builds or loads the whole float32 model in host memory (setup.py:
-        load_model, then sharding or .to(device)): P x 4 per process, nproc times that per node.
+  load  before that, under ddp, every process builds or loads the whole float32 model in host memory
+        (setup.py: load_model, then .to(device)): P x 4 per process, nproc times that per node. Under
+        fsdp from a model directory (or resuming) no process holds the whole model: each reads its
+        own slices (fsdp.py); rank 0 alone reads the V x H embedding (and an untied LM head) whole,
+        one at a time, for a new mask token's mean row: V x H x 4. A fresh fsdp model (no init) is
+        drawn whole on every process before sharding, as under ddp.
   offload (fsdp only; FSDP2's CPUOffloadPolicy) the sharded weights, gradients and moments live in
         host memory; the device keeps the gathered units, their gradients and the activations.
 
@@ -173,6 +177,18 @@ def memory(mc: ModelConfig, cfg: TrainConfig, strategy: str, world: int, micro: 
             "attention_mask": act["mask"], "step_temporaries": step_temp, "peak": peak, "host": host}
 
 
+def sharded_load(cfg: TrainConfig) -> bool:
+    """Whether each process loads only its own slices of the model (module docstring: load)."""
+    return cfg.strategy == "fsdp" and cfg.init is not None
+
+
+def load_bytes(mc: ModelConfig, cfg: TrainConfig, nproc: int) -> int:
+    """Host memory a node holds while its processes load the model (module docstring: load)."""
+    if sharded_load(cfg):
+        return mc.vocab_size * mc.hidden_size * 4
+    return parameter_count(mc) * 4 * nproc
+
+
 def budget(device_memory: int) -> int:
     """What a process may use of a device of `device_memory` bytes."""
     return int(device_memory * (1 - FRAGMENTATION)) - CUDA_CONTEXT
@@ -231,7 +247,7 @@ def make_plan(cfg: TrainConfig, mc: ModelConfig, nproc: int, nodes: int, device_
                 mem = memory(mc, cfg, strategy, world, micro, checkpointing, offload)
                 s = {"strategy": strategy, "checkpointing": checkpointing, "offload": offload,
                      "configured": (strategy == cfg.strategy and checkpointing == cfg.gradient_checkpointing
-                                    and not offload), **mem}
+                                    and offload == cfg.cpu_offload), **mem}
                 if device_memory is not None:
                     s["fits"] = mem["peak"] <= budget(device_memory)
                     s["largest_micro_batch"] = largest_micro_batch(mc, cfg, strategy, world, checkpointing, offload,
@@ -249,7 +265,7 @@ def make_plan(cfg: TrainConfig, mc: ModelConfig, nproc: int, nodes: int, device_
         "dtype": cfg.dtype, "strategy": cfg.strategy, "gradient_checkpointing": cfg.gradient_checkpointing,
         "batch_size": cfg.batch_size, "micro_batch_size": micro,
         "accumulation_steps": max(cfg.batch_size // (world * micro), 1),
-        "host_at_load_per_node": parameter_count(mc) * 4 * nproc,
+        "sharded_load": sharded_load(cfg), "host_at_load_per_node": load_bytes(mc, cfg, nproc),
         "row_length": T, "tokens_per_step_max": cfg.batch_size * T,
         "records": records, "steps_per_epoch": steps_per_epoch, "max_steps": cfg.max_steps,
         "epochs": cfg.max_steps / steps_per_epoch if steps_per_epoch else None,
@@ -280,8 +296,12 @@ def plan_table(p: dict) -> str:
                      f"per epoch; max_steps {p['max_steps']:,} = {p['epochs']:.2f} epochs")
     else:
         lines.append(f"data: not a local file here: steps per epoch unknown (max_steps {p['max_steps']:,})")
-    lines.append(f"loading: every process first holds the whole float32 model in host memory: "
-                 f"{_gb(p['host_at_load_per_node'])} GB per node of {pr['per_node']}")
+    if p["sharded_load"]:
+        lines.append(f"loading: each process reads only its own slices of the weights; rank 0 also reads the "
+                     f"embedding whole (a new mask token's mean row): {_gb(p['host_at_load_per_node'])} GB at most")
+    else:
+        lines.append(f"loading: every process first holds the whole float32 model in host memory: "
+                     f"{_gb(p['host_at_load_per_node'])} GB per node of {pr['per_node']}")
     if p["device_memory"] is not None:
         lines.append(f"device memory {_gb(p['device_memory'])} GB per process; usable {_gb(p['usable_memory'])} GB "
                      f"(less {p['fragmentation']:.0%} for fragmentation and {p['cuda_context'] / 2**30:.0f} GiB "

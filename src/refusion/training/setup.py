@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from refusion.model.checkpoint import STATE_FILE, add_mask_token, load_model
+from refusion.model.checkpoint import STATE_FILE, add_mask_token, load_config, load_model, register_mask_token
 from refusion.model.config import ModelConfig
 from refusion.model.lora import apply_lora
 from refusion.bundled import resolve_model
@@ -199,19 +199,30 @@ def _model(cfg: TrainConfig, tok: Tokenizer, ckpt: Path | None, device: torch.de
     needs_mask = cfg.objective in ("refusion", "mdm") or cfg.mask_token
     # LoRA resumes from the base weights plus the saved adapters (checkpoints hold merged weights),
     # mask-only from the base plus the saved mask path (checkpoints hold nothing else); FSDP from the
-    # starting weights, overwritten by the checkpoint's shards once sharded
+    # checkpoint's shards, or the starting weights
     start = cfg.init if (cfg.lora or fsdp or mask_only(cfg)) else (ckpt or cfg.init)
+    # FSDP where the weights come from files (a Hugging Face directory, a checkpoint): built on the
+    # meta device, sharded, then each process reads its own slices (training/fsdp.py)
+    on_meta = fsdp and (ckpt is not None or start is not None)
     new_tokens: list[int] = []
-    if start is not None:
+    mask_rows = None
+    if on_meta:
+        mc = load_config(resolve_model(start)) if start is not None else _new_config(cfg, tok, needs_mask)
+        if needs_mask and mc.mask_token_id is None:
+            mask_rows = register_mask_token(mc, tok)
+            new_tokens = [mask_rows.token_id]
+        with torch.device("meta"):
+            model = Transformer(mc)
+    elif start is not None:
         log(f"loading {start}")
         model = load_model(resolve_model(start), dtype=torch.float32)
         if needs_mask and model.config.mask_token_id is None:
-            mask_id = add_mask_token(model, tok)
-            new_tokens = [mask_id]
-            log(f"added the mask token to {cfg.init} (id {mask_id})")
+            new_tokens = [add_mask_token(model, tok)]
     else:
         log("building a new model")
         model = _new_model(cfg, tok, needs_mask)
+    if new_tokens:
+        log(f"added the mask token to {cfg.init} (id {new_tokens[0]})")
     if cfg.max_length > model.config.max_position_embeddings:
         raise ValueError(f"max_length {cfg.max_length} exceeds {start or 'the model'}'s max_position_embeddings "
                          f"{model.config.max_position_embeddings}")
@@ -231,10 +242,13 @@ def _model(cfg: TrainConfig, tok: Tokenizer, ckpt: Path | None, device: torch.de
             p.requires_grad_(is_adapter_name(name))
     model.gradient_checkpointing = cfg.gradient_checkpointing
     if fsdp:
-        from refusion.training.fsdp import shard_model
+        from refusion.training.fsdp import load_hf_shards, shard_model
 
-        # from the CPU: fully_shard moves each unit's slice to the device as it shards it
-        return shard_model(model.train(), device, bf16=cfg.dtype == "bfloat16"), new_tokens
+        model = shard_model(model.train(), device, bf16=cfg.dtype == "bfloat16", offload=cfg.cpu_offload)
+        if on_meta and ckpt is None:  # (resuming: the checkpoint's shards fill it, in _resume)
+            log(f"loading {start}, each process its own slices")
+            load_hf_shards(model, resolve_model(start), mask_rows, device)
+        return model, new_tokens
     return model.to(device).train(), new_tokens
 
 
@@ -242,14 +256,20 @@ def mask_only(cfg: TrainConfig) -> bool:
     return cfg.objective == "refusion" and variant_of(cfg).name == "mask-only"
 
 
-def _new_model(cfg: TrainConfig, tok: Tokenizer, needs_mask: bool) -> Transformer:
-    """A model from scratch: cfg.model's shape, the tokenizer's vocabulary and special tokens."""
+def _new_config(cfg: TrainConfig, tok: Tokenizer, needs_mask: bool) -> ModelConfig:
+    """A fresh model's config: cfg.model's shape, the tokenizer's vocabulary and special tokens."""
     if tok.eos_id is None:
         raise DataError("the tokenizer has no eos_token")
     mcfg = ModelConfig(**{"vocab_size": len(tok), "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id,
                           "mask_token_id": tok.mask_id if needs_mask else None, **cfg.model})
     if mcfg.vocab_size < len(tok):
         raise ValueError(f"model.vocab_size {mcfg.vocab_size} is smaller than the tokenizer ({len(tok)})")
+    return mcfg
+
+
+def _new_model(cfg: TrainConfig, tok: Tokenizer, needs_mask: bool) -> Transformer:
+    """A model from scratch, drawn from the run's seed."""
+    mcfg = _new_config(cfg, tok, needs_mask)
     # float32 weights, gradients and two Adam moments: refuse a shape this machine cannot hold
     check_memory(mcfg, bytes_per_parameter=16, what="the model this config describes")
     return Transformer(mcfg).init_weights(seed=cfg.seed)
@@ -257,10 +277,12 @@ def _new_model(cfg: TrainConfig, tok: Tokenizer, needs_mask: bool) -> Transforme
 
 def apply_seeded_lora(model: Transformer, cfg: TrainConfig, new_tokens: list[int]) -> None:
     # adapters start from the run's seed, not from whatever the global generator holds: every
-    # FSDP process builds its own copy before sharding, and the copies must be the same
+    # FSDP process makes its own copy before sharding, and the copies must be the same. On a meta
+    # model they are made on the CPU (with the values a real one gets; sharding keeps them)
+    meta = model.embed_tokens.weight.is_meta
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
-        apply_lora(model, cfg.lora, new_tokens)
+        apply_lora(model, cfg.lora, new_tokens, device="cpu" if meta else None)
 
 
 def _examples(cfg: TrainConfig, records: list[dict], tok: Tokenizer) -> list[Example]:

@@ -14,8 +14,13 @@ No process ever holds the whole model or optimizer state to write one. The direc
 is always complete: a run killed while saving leaves only the temporary directory, which resuming
 ignores and the next save of that step replaces.
 
-`export_checkpoint` reads the shards whole in one process, without a process group, and writes a
-Hugging Face directory that `load_model` and transformers read.
+A run resumes from them without reading its starting weights: setup.py builds the model on the
+meta device, shards it (fsdp.py) and `load_sharded` fills every process's slices.
+
+`export_checkpoint` writes a Hugging Face directory that `load_model` and transformers read, in
+one process without a process group, one FSDP unit at a time (the root, then block by block: DCP
+reads just that unit's tensors, LoRA is merged into them), into safetensors files of at most 2 GiB
+(several, with model.safetensors.index.json, past that), each written as soon as it is full.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import json
 import shutil
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -31,9 +37,10 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from refusion.model.checkpoint import SHARDED_DIR, STATE_FILE, CheckpointError, _commit_dir, load_config, save_model
+from refusion.model.checkpoint import (SHARDED_DIR, STATE_FILE, CheckpointError, _commit_dir, load_config, to_hf,
+                                       write_model_dir)
 from refusion.model.lora import apply_lora, merged_state_dict
-from refusion.model.transformer import Transformer, rope_inv_freq
+from refusion.model.transformer import Transformer
 from refusion.model.tokenizer import Tokenizer
 
 
@@ -89,9 +96,12 @@ def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer)
 
 
 def export_checkpoint(ckpt: str | Path, out: str | Path, dtype: torch.dtype | None = None,
-                      overwrite: bool = False) -> Path:
+                      overwrite: bool = False, max_shard_bytes: int = 2 * 1024**3) -> Path:
     """Consolidate sharded checkpoint `ckpt` into a Hugging Face directory `out` (one process, no
-    process group; LoRA adapters and trained token rows are merged into the plain weights)."""
+    process group; LoRA adapters and trained token rows are merged into the plain weights), one
+    FSDP unit at a time: the root (embeddings, final norm, LM head), then each block, read from the
+    shards, merged and handed to the writer, which writes a file of at most max_shard_bytes
+    whenever one is full. The process holds one file's tensors and one unit's, never the model."""
     ckpt = Path(ckpt)
     if not ckpt.is_dir():
         raise CheckpointError(f"checkpoint directory {ckpt} does not exist" if not ckpt.exists()
@@ -102,22 +112,33 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, dtype: torch.dtype | No
         raise CheckpointError(f"{ckpt} has no {STATE_FILE}: not a complete checkpoint")
     state = torch.load(ckpt / STATE_FILE, weights_only=False)
     cfg = load_config(ckpt)
-    # no random initialisation (minutes for a large model): every weight comes from the shards
+    # no random initialisation (minutes for a large model), no storage: each unit is allocated as it is read
     with torch.device("meta"):
         model = Transformer(cfg)
-    model.to_empty(device="cpu")
-    if cfg.tie_word_embeddings:  # to_empty gives each use its own tensor: tie them again
-        model.lm_head.weight = model.embed_tokens.weight
-    model.inv_freq = rope_inv_freq(cfg)
     lora = state["config"].get("lora")
     if lora:
         apply_lora(model, lora, state.get("new_tokens", []))
-    sd = model.state_dict()  # the model's own tensors: DCP reads into them in place
+    blocks, model.layers = model.layers, nn.ModuleList()  # `model` is the root unit alone now
+    units = [("", model), *((f"layers.{i}.", block) for i, block in enumerate(blocks))]
+
+    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+        for prefix, unit in units:
+            yield from to_hf(_read_unit(ckpt, prefix, unit), cfg).items()
+
+    return write_model_dir(out, cfg, weights(), Tokenizer.from_dir(ckpt), dtype, max_shard_bytes, overwrite)
+
+
+def _read_unit(ckpt: Path, prefix: str, unit: nn.Module) -> dict[str, torch.Tensor]:
+    """The weights of one unit of the meta model (the root, or the block whose names start with
+    `prefix`) read from checkpoint `ckpt`'s shards, LoRA merged in, under the plain model's names;
+    the unit goes back to the meta device."""
+    unit.to_empty(device="cpu")
+    if isinstance(unit, Transformer) and unit.config.tie_word_embeddings:
+        unit.lm_head.weight = unit.embed_tokens.weight  # to_empty gives each use its own tensor: tie them again
+    sd = {prefix + k: v for k, v in unit.state_dict().items()}  # the unit's own tensors: DCP reads into them
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load({"model": sd}, checkpoint_id=ckpt / SHARDED_DIR, no_dist=True)
-    if lora:
-        plain = Transformer(cfg)
-        plain.load_state_dict(merged_state_dict(model))
-        model = plain
-    return save_model(model.eval(), out, Tokenizer.from_dir(ckpt), dtype=dtype, overwrite=overwrite)
+    merged = {prefix + k: v for k, v in merged_state_dict(unit).items()}
+    unit.to_empty(device="meta")
+    return merged
