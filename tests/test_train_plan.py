@@ -15,7 +15,8 @@ import torch
 from refusion.model.config import ConfigError, ModelConfig
 from refusion.model.transformer import Transformer
 from refusion.training.config import load_train_config
-from refusion.training.plan import (budget, largest_micro_batch, make_plan, memory, parse_memory,
+from refusion.training.optimizer import make_optimizer
+from refusion.training.plan import (budget, decayed_parameters, largest_micro_batch, make_plan, memory, parse_memory,
                                     read_model_config)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,6 +38,10 @@ def test_parameter_counts_equal_a_real_model(tied):
     assert p["parameters"] == sum(t.numel() for t in model.parameters())  # a tied head counted once
     assert p["per_block"] == sum(t.numel() for t in model.layers[0].parameters())
     assert p["embeddings_and_head"] + mc.num_layers * p["per_block"] == p["parameters"]
+    # AdamW's step temporaries are sized by its larger parameter group
+    decay, no_decay = make_optimizer(model, load_train_config(None, [])).param_groups
+    assert decayed_parameters(mc) == sum(t.numel() for t in decay["params"]) > 0
+    assert p["parameters"] - decayed_parameters(mc) == sum(t.numel() for t in no_decay["params"]) > 0
 
 
 def test_the_shipped_qwen3_8b_config_is_qwen3_8b():
