@@ -159,3 +159,24 @@ def test_cli_bad_inputs_are_one_line_errors(tmp_path, args, message):
 def test_plan_flags_need_plan():
     r = _cli("--device-memory", "80GB")
     assert r.returncode == 2 and r.stderr.strip() == "refusion: error: --device-memory goes with --plan"
+
+
+def test_the_plan_bounds_a_measured_fsdp_step(tmp_path):
+    """benchmarks/train_memory.py on 2 gloo processes at a tiny shape: each process's shards of the
+    weights, gradients and AdamW moments are exactly the plan's 1/N of 4, 4 and 8 bytes per parameter,
+    and the traced tensor peak of a step stays under the plan's peak (the plan adds up transients that
+    never all live at once: at this shape the logits, freed before the backward's peak, weigh most)."""
+    out = tmp_path / "memory.json"
+    args = ["--procs=2", "--hidden=128", "--layers=2", "--intermediate=384", "--vocab=2048", "--steps=2", "--threads=1"]
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_memory.py"), *args, f"--out={out}"],
+                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(out.read_text())
+    P, (setting,) = result["parameters"], result["settings"]
+    assert P == result["plan_parameters"]
+    plan = setting["plan"]
+    assert plan["optimizer"] == P * 8 // 2
+    for rec in setting["per_process"]:
+        assert rec["weights"] == rec["gradients"] == P * 4 // 2  # (these shapes split evenly: no padding)
+        assert P * 8 // 2 <= rec["optimizer"] <= P * 8 // 2 + 4 * 64  # + AdamW's step counts, 4 bytes a tensor
+        assert 0.5 * plan["peak"] < rec["tensor_peak"] <= plan["peak"]
