@@ -15,7 +15,8 @@ import torch
 from refusion.model.config import ConfigError, ModelConfig
 from refusion.model.transformer import Transformer
 from refusion.training.config import load_train_config
-from refusion.training.plan import (budget, largest_micro_batch, make_plan, memory, parse_memory,
+from refusion.training.optimizer import make_optimizer
+from refusion.training.plan import (budget, decayed_parameters, largest_micro_batch, make_plan, memory, parse_memory,
                                     read_model_config)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,6 +38,10 @@ def test_parameter_counts_equal_a_real_model(tied):
     assert p["parameters"] == sum(t.numel() for t in model.parameters())  # a tied head counted once
     assert p["per_block"] == sum(t.numel() for t in model.layers[0].parameters())
     assert p["embeddings_and_head"] + mc.num_layers * p["per_block"] == p["parameters"]
+    # AdamW's step temporaries are sized by its larger parameter group
+    decay, no_decay = make_optimizer(model, load_train_config(None, [])).param_groups
+    assert decayed_parameters(mc) == sum(t.numel() for t in decay["params"]) > 0
+    assert p["parameters"] - decayed_parameters(mc) == sum(t.numel() for t in no_decay["params"]) > 0
 
 
 def test_the_shipped_qwen3_8b_config_is_qwen3_8b():
@@ -170,3 +175,24 @@ def test_cli_bad_inputs_are_one_line_errors(tmp_path, args, message):
 def test_plan_flags_need_plan():
     r = _cli("--device-memory", "80GB")
     assert r.returncode == 2 and r.stderr.strip() == "refusion: error: --device-memory goes with --plan"
+
+
+def test_the_plan_bounds_a_measured_fsdp_step(tmp_path):
+    """benchmarks/train_memory.py on 2 gloo processes at a tiny shape: each process's shards of the
+    weights, gradients and AdamW moments are exactly the plan's 1/N of 4, 4 and 8 bytes per parameter,
+    and the traced tensor peak of a step stays under the plan's peak (the plan adds up transients that
+    never all live at once: at this shape the logits, freed before the backward's peak, weigh most)."""
+    out = tmp_path / "memory.json"
+    args = ["--procs=2", "--hidden=128", "--layers=2", "--intermediate=384", "--vocab=2048", "--steps=2", "--threads=1"]
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_memory.py"), *args, f"--out={out}"],
+                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(out.read_text())
+    P, (setting,) = result["parameters"], result["settings"]
+    assert P == result["plan_parameters"]
+    plan = setting["plan"]
+    assert plan["optimizer"] == P * 8 // 2
+    for rec in setting["per_process"]:
+        assert rec["weights"] == rec["gradients"] == P * 4 // 2  # (these shapes split evenly: no padding)
+        assert P * 8 // 2 <= rec["optimizer"] <= P * 8 // 2 + 4 * 64  # + AdamW's step counts, 4 bytes a tensor
+        assert 0.5 * plan["peak"] < rec["tensor_peak"] <= plan["peak"]

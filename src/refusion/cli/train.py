@@ -17,7 +17,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "set the model are refused, those that change how it trains need\n"
                                    "--allow-changed. One training at a time uses an out_dir (out_dir/.lock).\n"
                                    "Under torchrun, data parallel over the processes: whole copies (ddp) or\n"
-                                   "sharded (fsdp).",
+                                   "sharded (fsdp). A run resumes on another number of processes (another\n"
+                                   "machine): point the new run at the same out_dir with another\n"
+                                   "--nproc-per-node; a step's global batch does not depend on it (fsdp's\n"
+                                   "sharded checkpoints are resharded on load).",
                        epilog="Every TrainConfig field (refusion/training/config.py) can be set in the config file\n"
                               "or with --set; --print-config prints them all, resolved, as TOML. Defaults:\n\n"
                               + defaults_text())

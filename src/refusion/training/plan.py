@@ -28,8 +28,12 @@ optimizer.py, fsdp.py):
   offload (fsdp only; FSDP2's CPUOffloadPolicy) the sharded weights, gradients and moments live in
         host memory; the device keeps the gathered units, their gradients and the activations.
 
-AdamW's foreach step allocates one float32 temporary per (sharded) parameter (P x 4, / N under fsdp)
-while the activations are gone, so the peak is: states + max(activations, step temporaries).
+AdamW's foreach step runs once per parameter group (optimizer.py: the matrices of the blocks and an
+untied LM head decay, the embeddings and norms do not) and allocates one float32 temporary per
+(sharded) parameter of the group: the larger group x 4 bytes (/ N under fsdp). It runs after the
+backward, when the activations, gathered copies and unsharded gradients are gone, so the peak is
+    weights + optimizer + gradients (sharded; all of them under ddp)
+        + max(gathered copies + unsharded gradients + activations, step temporaries).
 
 Activations at micro-batch m and row length T (n = m x T tokens), saved for the backward by one
 block's forward (model/transformer.py, Block.forward), per token:
@@ -128,6 +132,15 @@ def block_and_root(mc: ModelConfig) -> tuple[int, int]:
     return block, parameter_count(mc) - mc.num_layers * block
 
 
+def decayed_parameters(mc: ModelConfig) -> int:
+    """Parameters of AdamW's weight-decay group (training/optimizer.py): the blocks' matrices and an
+    untied LM head; the other group holds the embeddings, norms and biases."""
+    H, I, d = mc.hidden_size, mc.intermediate_size, mc.head_dim
+    q, kv = mc.num_heads * d, mc.num_kv_heads * d
+    head = 0 if mc.tie_word_embeddings else mc.vocab_size * H
+    return mc.num_layers * (H * (q + 2 * kv) + q * H + H * 2 * I + I * H) + head
+
+
 def activation_bytes(mc: ModelConfig, objective: str, micro: int, T: int, a: int, residual: int,
                      checkpointing: bool) -> dict[str, int]:
     """Activations of one micro-batch (module docstring): per block, per forward, and in all."""
@@ -151,27 +164,32 @@ def memory(mc: ModelConfig, cfg: TrainConfig, strategy: str, world: int, micro: 
     bf16 = cfg.dtype == "bfloat16"
     a = 2 if bf16 else 4
     buffers = mc.max_position_embeddings * 2 * mc.head_dim * 4  # the float32 RoPE table
+    group = max(decayed_parameters(mc), P - decayed_parameters(mc))  # AdamW's larger parameter group
     if strategy == "ddp":
         weights = P * 4 + buffers
         copies = P * 2 if bf16 else 0  # autocast's bf16 weights
-        grads = P * 4 + (P * 4 if world > 1 else 0)  # + DDP's buckets
+        held = P * 4 + (P * 4 if world > 1 else 0)  # gradients + DDP's buckets
+        in_flight = 0
         optimizer = P * 8
-        step_temp = P * 4
+        step_temp = group * 4
         residual = 4  # autocast leaves the residual stream in float32
     else:
         weights = P * 4 // world + buffers
         copies = (root + 2 * block) * a  # gathered root, running and prefetched block
-        grads = P * 4 // world + (root + block) * a  # sharded + unsharded root and one block
+        held = P * 4 // world  # sharded gradients
+        in_flight = (root + block) * a  # unsharded gradients of the root and one block
         optimizer = P * 8 // world
-        step_temp = P * 4 // world
+        step_temp = group * 4 // world
         residual = a
     host = 0
     if offload:
-        sharded = P * 4 // world
-        host = 2 * sharded + optimizer + step_temp
-        weights, grads, optimizer, step_temp = buffers, grads - sharded, 0, 0
+        host = 2 * (P * 4 // world) + optimizer + step_temp
+        weights, held, optimizer, step_temp = buffers, 0, 0, 0
     act = activation_bytes(mc, cfg.objective, micro, row_length(cfg), a, residual, checkpointing)
-    peak = weights + copies + grads + optimizer + max(act["total"], step_temp)
+    # the forward and backward hold copies, unsharded gradients and activations; AdamW's step, after
+    # them, its temporaries instead
+    peak = weights + optimizer + held + max(copies + in_flight + act["total"], step_temp)
+    grads = held + in_flight
     return {"weights": weights, "compute_copies": copies, "gradients": grads, "optimizer": optimizer,
             "activations": act["total"], "activations_per_block": act["per_block"], "logits": act["logits"],
             "attention_mask": act["mask"], "step_temporaries": step_temp, "peak": peak, "host": host}

@@ -329,7 +329,13 @@ def _resume(run: Run, path: Path) -> None:
     if run.fsdp:
         from refusion.training.sharded_checkpoint import load_sharded
 
-        # a process the checkpoint did not have (more processes now) starts from rank 0's states
+        written = len(list(path.glob("rng-*.pt")))  # one per process that wrote it
+        if written != run.world:  # the global batch, its layouts and the schedule do not depend on it
+            log(f"{path.name} was written by {written} processes, resumed by {run.world}: DCP reshards its weights "
+                "and optimizer state")
+        # a process the checkpoint did not have starts from rank 0's states: a step draws nothing
+        # from the global generators (its layouts come from layout_gen) but LoRA dropout, whose masks
+        # depend on which rows a process holds anyway
         rng = load_sharded(path, run.model, run.optimizer) or rng
     else:
         if mask_only(run.cfg):

@@ -86,7 +86,8 @@ def _config_json(model: nn.Module) -> str:
 def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict | None:
     """Load the model's and optimizer's shards of checkpoint `path` into a sharded model and its
     optimizer (every process calls this); returns this process's saved RNG states (None if the
-    checkpoint was written by fewer processes)."""
+    checkpoint was written by fewer processes). The checkpoint may come from any number of
+    processes: DCP reads each process's slices from whichever files hold them."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optimizer": optim_sd}
     dcp.load(state, checkpoint_id=path / SHARDED_DIR)
