@@ -27,8 +27,9 @@ configuration (its configured setting: fsdp, checkpointing as given, no offload)
   RSS               the peak resident set size (getrusage ru_maxrss) through the steps: it also
                     counts the interpreter with torch, building the model, the profiler's records,
                     the allocator's slack and gloo's buffers, none of which the plan predicts.
-                    Note: today every FSDP process first builds the whole float32 model, then shards
-                    it (`RSS after build` is after sharding; the RSS peak may be set by the build).
+                    Note: the model here is fresh (no `init`), which every FSDP process draws whole
+                    and then shards (`RSS after build` is after sharding; the RSS peak may be set by
+                    the build); a run from a Hugging Face directory never holds the whole model.
 
 Targets: the tensor peak within 20% of the plan's, and weights + optimizer per process falling as
 1/N. Writes --out (JSON) and prints a markdown table.
