@@ -120,7 +120,7 @@ class SpeculativeParams:
                                       "expected tokens per second of measured forward cost, within draft_length; "
                                       "adaptive = +2 after a fully accepted draft, -1 after a rejection; "
                                       "fixed = always draft_length")
-    adaptive: bool = option(True, "off: always draft_length (the same as --widths fixed)", flag="--fixed-widths")
+    adaptive: bool = option(True, "off: fixed widths, the same as --widths fixed", flag="--fixed-widths")
     temperature: float = temperature_option()
     top_k: int | None = top_k_option()
     top_p: float | None = top_p_option()
