@@ -39,6 +39,17 @@ def test_a_linear_cost_is_interpolated_and_extrapolated_exactly():
         assert cost(rows, [tokens])[0] == pytest.approx(f(rows, tokens), rel=1e-9), (rows, tokens)
 
 
+def test_timings_are_smoothed_into_a_nondecreasing_convex_curve():
+    xs = np.array([1.0, 2, 4, 8, 16, 32, 64])
+    flat_then_linear = np.array([1.0, 1, 1, 1, 1, 2, 4])  # an accelerator: room, then full
+    assert widths._smooth(xs, flat_then_linear).tolist() == flat_then_linear.tolist()
+    spiked = np.array([1.0, 1.1, 5.0, 1.4, 2.2, 3.8, 7.0])  # a busy machine's spike at 4, and a noisy 2
+    got = widths._smooth(xs, spiked)
+    assert got[2] < 1.4 and got[0] == 1.0 and got[-1] == 7.0
+    assert (np.diff(got) >= 0).all() and (np.diff(np.diff(got) / np.diff(xs)) >= -1e-12).all()
+    assert (got <= spiked + 1e-12).all()
+
+
 def test_observed_step_times_move_the_table_and_a_frozen_one_stays():
     f = linear()
     frozen = CostModel.of(f)
@@ -62,6 +73,7 @@ def test_calibration_measures_the_grid_and_fits_a_short_context():
     assert cost.packed and not cost.frozen and list(cost.rows) == list(widths.CALIBRATION_ROWS)
     for rows, tokens, seconds in zip(cost.rows, cost.tokens, cost.seconds):
         assert len(tokens) >= 2 and list(tokens) == [rows * w for w in widths.CALIBRATION_WIDTHS[: len(tokens)]]
+        assert tokens[0] == rows  # a plain AR step's cost is measured, not extrapolated
         assert (seconds > 0).all() and (np.diff(seconds) >= 0).all()
     short = widths.measure_cost(tiny(max_position_embeddings=40))  # 20 cached columns, widths up to 16
     assert max(short.tokens[0]) <= 16
@@ -71,32 +83,40 @@ def test_calibration_measures_the_grid_and_fits_a_short_context():
 
 
 def test_acceptance_counts_by_hand():
+    F, M = widths.FRESH, widths.AFTER_MISS
     a = Acceptance(6)
-    a.record(2, 4)  # positions 0, 1 accepted, 2 rejected, 3 never reached
-    a.record(3, 3)  # all accepted
-    a.record(0, 0)  # no draft
-    assert a.reached.tolist() == [2, 2, 2, 0, 0, 0] and a.accepted.tolist() == [2, 2, 1, 0, 0, 0]
+    a.record(F, 2, 4)  # positions 0, 1 accepted, 2 rejected, 3 never reached
+    a.record(F, 3, 3)  # all accepted
+    a.record(F, 0, 0)  # no draft
+    a.record(M, 0, 5)  # after a miss: rejected at once
+    assert a.reached[F].tolist() == [2, 2, 2, 0, 0, 0] and a.accepted[F].tolist() == [2, 2, 1, 0, 0, 0]
+    assert a.reached[M].tolist() == [1, 0, 0, 0, 0, 0] and a.accepted[M].tolist() == [0] * 6
     pooled = Acceptance(6)
-    pooled.record_many(np.array([2, 3, 0]), np.array([4, 3, 0]))
+    pooled.record_many(np.array([F, F, F, M]), np.array([2, 3, 0, 0]), np.array([4, 3, 0, 5]))
     m = widths.PRIOR_MEMORY
-    pooled.record_many(np.array([5]), np.array([5]))
-    assert pooled.reached.tolist() == pytest.approx([2 * m + 1, 2 * m + 1, 2 * m + 1, 1, 1, 0])
-    assert pooled.accepted.tolist() == pytest.approx([2 * m + 1, 2 * m + 1, 1 * m + 1, 1, 1, 0])
+    pooled.record_many(np.array([F]), np.array([5]), np.array([5]))
+    assert pooled.reached[F].tolist() == pytest.approx([2 * m + 1, 2 * m + 1, 2 * m + 1, 1, 1, 0])
+    assert pooled.accepted[F].tolist() == pytest.approx([2 * m + 1, 2 * m + 1, 1 * m + 1, 1, 1, 0])
+    assert pooled.reached[M].tolist() == pytest.approx([m, 0, 0, 0, 0, 0]) and not pooled.accepted[M].any()
 
 
-def test_rates_follow_a_rows_own_counts_and_its_standing_against_the_pool():
+def test_rates_follow_a_rows_own_counts_its_kind_of_draft_and_its_standing_against_the_pool():
+    F, M = widths.FRESH, widths.AFTER_MISS
     pool = Acceptance(8)
     for _ in range(50):
-        pool.record(1, 4)  # the model's drafts: the first token accepted, the second not
+        pool.record(F, 1, 4)  # the model's fresh drafts: the first token accepted, the second not
+        pool.record(M, 0, 4)  # after a miss: nothing accepted
     good = Acceptance(8)
     for _ in range(20):
-        good.record(3, 3)  # this sequence's: all three accepted, every time
-    r = widths.rates(np.stack([good.reached[:8], pool.reached[:8] * 0]),
-                     np.stack([good.accepted[:8], pool.accepted[:8] * 0]), pool)
+        good.record(F, 3, 3)  # this sequence's: all three accepted, every time
+    new = Acceptance(8)
+    r = widths.rates(np.stack([good.reached[F], new.reached[F], new.reached[M]]),
+                     np.stack([good.accepted[F], new.accepted[F], new.accepted[M]]), np.array([F, F, M]), pool)
     assert (r[0, :3] > 0.9).all()  # its own counts
     # a position no draft reached: a new sequence expects the pool's mean there, this one more
-    assert r[1, 3] == pytest.approx(pool.mean()) and r[0, 3] > 0.9
+    assert r[1, 3] == pytest.approx(pool.mean()[F]) and r[0, 3] > 0.9
     assert r[1, 0] > 0.9 > 0.1 > r[1, 1]  # a new sequence: the pool's rates
+    assert r[2, 0] < 0.05  # and after a miss, the pool's rates after a miss
 
 
 # ---- the choice -----------------------------------------------------------------------------------

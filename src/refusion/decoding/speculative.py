@@ -79,6 +79,8 @@ class SpeculativeSeq:
         # (the cost policy sets the width before every step, the first included)
         self.width = p.draft_length if p.widths == "fixed" else min(p.draft_length, 4)
         self.acceptance = widths.Acceptance()
+        self.kind = widths.FRESH  # of the draft its next step feeds
+        self.drafts_tried = 0  # steps that fed a draft
         self.done = False
         self.res = DecodeResult(prompt=list(prompt))
         self.start = time.perf_counter()
@@ -134,7 +136,9 @@ class SpeculativeSeq:
             # after a mismatch the rest of the old draft still guesses the positions after `extra`;
             # after a full accept `extra` took the first mask's position
             self.draft = self.draft[j + 1:] + mask_preds if j < k else mask_preds[1:]
-            self.acceptance.record(j, k)
+            self.acceptance.record(self.kind, j, k)
+            self.drafts_tried += k > 0
+            self.kind = widths.FRESH if j == k else widths.AFTER_MISS
             if self.p.widths == "adaptive" and self.p.draft_length > 0:
                 self._adapt(j, k)
         self.x = extra
@@ -264,17 +268,13 @@ class SpeculativeBatch:
         # a row drafts at most draft_length tokens, and one fewer than the positions it has left
         bound = np.array([max(0, min(q.p.draft_length, q.p.gen_length - len(q.res.tokens) - 1)) for q in seqs])
         K = int(bound.max())
-        if K == 0:
-            for q in seqs:
-                if q.p.widths == "cost":
-                    q.width = 0
-            return
-        reached = np.stack([q.acceptance.reached[:K] for q in seqs])
-        rate = widths.rates(reached, np.stack([q.acceptance.accepted[:K] for q in seqs]), self.prior)
+        kind = np.array([q.kind for q in seqs])
+        reached = np.stack([q.acceptance.reached[q.kind, :K] for q in seqs])
+        rate = widths.rates(reached, np.stack([q.acceptance.accepted[q.kind, :K] for q in seqs]), kind, self.prior)
         masks = np.array([-1 if q.p.mask_length is None else q.p.mask_length for q in seqs])
         width = np.array([q.width for q in seqs])
         # a sequence tries a few drafts of its own before the policy may stop it drafting
-        floor = np.minimum((reached[:, 0] < widths.EXPLORE).astype(np.int64), bound)
+        floor = np.minimum(np.array([q.drafts_tried < widths.EXPLORE for q in seqs], dtype=np.int64), bound)
         for q, f, w in zip(seqs, free, widths.best_widths(rate, bound, masks, width, free, self.cost, floor)):
             if f:
                 q.width = int(w)
@@ -310,12 +310,13 @@ class SpeculativeBatch:
         j, extra, drafts = self._judge(seqs, logits, ids_t[:, W - need:], pos_t[:, W - need:] - prompt_t[:, None],
                                        anchor_t, k_t, seed_t, g_t)
         host = torch.cat([j[:, None], extra[:, None], drafts], 1).cpu().numpy()  # the step's one transfer
+        kinds = np.array([q.kind for q in seqs])
         for b, (q, (ids, _)) in enumerate(zip(seqs, feeds)):
             a, k = int(meta[0, b]), q.fed_k
             masks_from = a + 1 + k  # the masks after the anchor and the draft
             q.advance(int(host[b, 0]), int(host[b, 1]), host[b, 2 + masks_from: 2 + need].tolist())
         if not prefill:
-            self.prior.record_many(host[:, 0], meta[1])
+            self.prior.record_many(kinds, host[:, 0], meta[1])
             if self.cost is not None:  # what this step took, its host work included
                 fed = sum(len(ids) for ids, _ in feeds) if self.cost.packed else B * W
                 self.cost.observe(B, fed, time.perf_counter() - start)

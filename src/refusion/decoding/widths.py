@@ -14,24 +14,26 @@ forward computes, which is what the code really computes: on a CPU the sum of th
 (a ragged batch computes only its real tokens, common.packed_index), elsewhere rows x the widest
 row (rows are padded to one width). It is measured at first use for this device type, dtype,
 model shape, thread count and forward (compiled or eager): a few timed forwards on a scratch
-cache, widths 2..64 at 1 and 8 rows (wider ones extrapolated once a row count has taken
-CALIBRATION_SECONDS), interpolated linearly and extrapolated past the grid. It is then kept up to
+cache, widths 1..64 at 1 and 8 rows (wider ones extrapolated once a row count has taken
+CALIBRATION_SECONDS), each the fastest of three, smoothed into a nondecreasing convex curve (a
+busy machine's spikes taken out), interpolated linearly and extrapolated past the grid. It is then kept up to
 date from the decode's own step timings: every decode forward already ends in a host transfer, so
 timing it adds no sync, and each step moves the table's nearest cells a little towards what the
 step took (which includes the step's host work too). `CostModel.of` makes a fixed table from a
 function, for tests (`SpeculativeBatch(cost=...)`, `generate_speculative(cost=...)`, or the COSTS
 cache).
 
-What a draft is worth (`Acceptance`): per sequence and draft position, how often a draft reached
-that position (every earlier draft token accepted) and how often it was accepted there; the rate
-a(i) is their ratio shrunk towards the same ratio pooled over the sequences this model decoded
-lately (its prior: a new sequence starts from what the model's drafts usually do, and a position
-no draft has reached yet from the pooled mean). A draft of width w then commits
+What a draft is worth (`Acceptance`): per sequence, kind of draft (the masks' fresh predictions
+after a fully accepted draft, or what follows a rejection, which is accepted far less often) and
+draft position, how often a draft reached that position (every earlier draft token accepted) and
+how often it was accepted there; the rate a(i) is their ratio shrunk towards the same ratio pooled
+over the sequences this model decoded lately (its prior: a new sequence starts from what the
+model's drafts usually do, and a position no draft has reached yet from the pooled mean). A draft of width w then commits
 1 + sum_{i<=w} prod_{l<=i} a(l) tokens in expectation (its accepted prefix and one more).
 
-The choice. On a CPU the cost grows with the total tokens: each row's width trades its expected
-tokens against the tokens it feeds at the batch's current rate of tokens per second, which is
-Dinkelbach's method for maximising a ratio, a few rounds from the widths of the step before.
+The choice. On a CPU the cost grows with the total tokens: the rows are widened one draft token
+at a time, the most expected tokens per fed token first, and of all those widenings the one with
+the best ratio of expected tokens to measured cost is taken (exact whatever the cost's shape).
 Elsewhere the forward is as wide as its widest row, so every row drafts up to one common width,
 the one with the best ratio. Either way a few numpy operations on [rows, draft_length] arrays per
 step, on the host. Rows whose policy is fixed or adaptive (a server's batch mixes requests) keep
@@ -56,13 +58,13 @@ from refusion.model.cache import RaggedKVCache
 from refusion.model.transformer import Transformer
 
 CALIBRATION_ROWS = (1, 8)
-CALIBRATION_WIDTHS = (2, 4, 8, 16, 32, 64)  # (width 1 would compile a graph of its own under --compile)
+CALIBRATION_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
 CALIBRATION_CONTEXT = 64  # cached columns the calibration's queries attend to
 CALIBRATION_SECONDS = 0.15  # per row count; at least two widths are measured whatever they take
 REFRESH_RATE = 0.1  # how far one step's timing moves the table (in log seconds)
 PRIOR_WEIGHT = 2.0  # the pooled rates' weight in a sequence's own, in draft observations
 PRIOR_MEMORY = 0.99  # the pooled counts' decay per step: they follow the sequences of late
-EXPLORE = 2  # a sequence drafts at least one token until its first draft position was reached this often
+EXPLORE = 2  # a sequence drafts at least one token until it has fed this many drafts
 
 
 # ---- what a forward costs -------------------------------------------------------------------------
@@ -76,6 +78,23 @@ def _line(x: np.ndarray, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
     lo = ys[0] + (x - xs[0]) * (ys[1] - ys[0]) / (xs[1] - xs[0])
     hi = ys[-1] + (x - xs[-1]) * (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
     return np.where(x < xs[0], lo, np.where(x > xs[-1], hi, y))
+
+
+def _smooth(xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
+    """The greatest nondecreasing convex function below the points (xs ascending), at xs: what is
+    left of timings once a busy machine's spikes, which only ever add time, are taken out. A
+    forward's cost has that shape: flat while the device has room (an accelerator), then linear."""
+    ys = np.minimum.accumulate(ys[::-1])[::-1]  # nondecreasing: a point is no dearer than any to its right
+    hull = [0]
+    for i in range(1, len(xs)):  # the lower convex hull, left to right
+        while len(hull) >= 2:
+            a, b = hull[-2], hull[-1]
+            if (ys[b] - ys[a]) * (xs[i] - xs[a]) >= (ys[i] - ys[a]) * (xs[b] - xs[a]):
+                hull.pop()  # b lies on or above the chord from a to i
+            else:
+                break
+        hull.append(i)
+    return np.interp(xs, xs[hull], ys[hull])
 
 
 def _bracket(xs: np.ndarray, x: float) -> tuple[int, float]:
@@ -95,7 +114,7 @@ class CostModel:
                  packed: bool, frozen: bool = False) -> None:
         self.rows = np.asarray(rows, dtype=float)
         self.tokens = [np.asarray(t, dtype=float) for t in tokens]
-        self.seconds = [np.maximum.accumulate(np.asarray(s, dtype=float)) for s in seconds]
+        self.seconds = [_smooth(t, np.asarray(s, dtype=float)) for t, s in zip(self.tokens, seconds)]
         self.packed, self.frozen = packed, frozen
         self.floor = 0.5 * min(float(s.min()) for s in self.seconds)  # no estimate below it, extrapolated or not
 
@@ -112,8 +131,8 @@ class CostModel:
         t = np.asarray(tokens, dtype=float)
         i, f = _bracket(self.rows, rows)
         y = _line(t, self.tokens[i], self.seconds[i])
-        if len(self.rows) > 1:
-            y = y + f * (_line(t, self.tokens[i + 1], self.seconds[i + 1]) - y)
+        if len(self.rows) > 1:  # (more rows never cost less for as many tokens, extrapolated or not)
+            y = y + f * (np.maximum(_line(t, self.tokens[i + 1], self.seconds[i + 1]), y) - y)
         return np.maximum(y, self.floor)
 
     def observe(self, rows: int, tokens: int, seconds: float) -> None:
@@ -163,12 +182,13 @@ def measure_cost(model: Transformer) -> CostModel:
     for rows in CALIBRATION_ROWS:
         cache = RaggedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, weight.dtype, weight.device,
                               rows=rows, capacity=ctx + widths[-1])
-        _timed_forward(model, cache, rows, widths[0], ctx)  # a shape's first call allocates (or compiles)
+        for w in widths[:2]:  # a shape's first call allocates (or compiles: width 1 and wider are two graphs)
+            _timed_forward(model, cache, rows, w, ctx)
         start, measured = time.perf_counter(), []
         for w in widths:
             if len(measured) >= 2 and time.perf_counter() - start > CALIBRATION_SECONDS:
                 break  # the rest is extrapolated (and refreshed as real steps run)
-            measured.append(min(_timed_forward(model, cache, rows, w, ctx) for _ in range(2)))
+            measured.append(min(_timed_forward(model, cache, rows, w, ctx) for _ in range(3)))
         tokens.append([rows * w for w in widths[: len(measured)]])
         seconds.append(measured)
     return CostModel(CALIBRATION_ROWS, tokens, seconds, packed=weight.device.type == "cpu")
@@ -188,36 +208,49 @@ def _timed_forward(model: Transformer, cache: RaggedKVCache, rows: int, width: i
 # ---- what a draft is worth ------------------------------------------------------------------------
 
 
+FRESH, AFTER_MISS = 0, 1  # the kinds of draft a step feeds (Acceptance)
+
+
 class Acceptance:
-    """Per draft position (0 = the first draft token): how often a draft reached it (every earlier
-    draft token accepted) and how often it was accepted there."""
+    """Per kind of draft and draft position (0 = the first draft token): how often a draft reached
+    it (every earlier draft token accepted) and how often it was accepted there. The kinds: FRESH,
+    the masks' predictions after a fully accepted draft; AFTER_MISS, after a rejection: the rest of
+    the old draft (drafted beside the token that was rejected), then the masks'. They are counted
+    apart because they are accepted very differently."""
 
     def __init__(self, n: int = MAX_DRAFT) -> None:
-        self.reached = np.zeros(n)
-        self.accepted = np.zeros(n)
+        self.reached = np.zeros((2, n))
+        self.accepted = np.zeros((2, n))
 
-    def record(self, j: int, k: int) -> None:
+    def record(self, kind: int, j: int, k: int) -> None:
         """A draft of k tokens of which the first j were accepted."""
-        self.reached[: min(j + 1, k)] += 1
-        self.accepted[:j] += 1
+        self.reached[kind, : min(j + 1, k)] += 1
+        self.accepted[kind, :j] += 1
 
-    def record_many(self, j: np.ndarray, k: np.ndarray) -> None:
+    def record_many(self, kind: np.ndarray, j: np.ndarray, k: np.ndarray) -> None:
         """Several drafts at once (a step's rows), after the counts so far decay by PRIOR_MEMORY."""
-        n = len(self.reached)
+        n = self.reached.shape[1]
         self.reached *= PRIOR_MEMORY
         self.accepted *= PRIOR_MEMORY
-        # position i was reached by the drafts with min(j + 1, k) > i, accepted by those with j > i
-        self.reached += np.bincount(np.minimum(np.minimum(j + 1, k), n), minlength=n + 1)[::-1].cumsum()[::-1][1:]
-        self.accepted += np.bincount(np.minimum(j, n), minlength=n + 1)[::-1].cumsum()[::-1][1:]
+        for s in (FRESH, AFTER_MISS):
+            mine = kind == s
+            # position i was reached by the drafts with min(j + 1, k) > i, accepted by those with j > i
+            self.reached[s] += _at_least(np.minimum(np.minimum(j + 1, k), n)[mine], n)
+            self.accepted[s] += _at_least(np.minimum(j, n)[mine], n)
 
-    def mean(self) -> float:
-        """The rate over every position (with one acceptance and one rejection as its prior)."""
-        return float((self.accepted.sum() + 1) / (self.reached.sum() + 2))
+    def mean(self) -> np.ndarray:
+        """Per kind, the rate over every position (with one acceptance and one rejection as its prior)."""
+        return (self.accepted.sum(1) + 1) / (self.reached.sum(1) + 2)
 
     def prior(self, n: int) -> np.ndarray:
-        """Pooled rates of the first n positions, each shrunk towards the mean (so a position no draft
-        has reached gets the mean)."""
-        return (self.accepted[:n] + PRIOR_WEIGHT * self.mean()) / (self.reached[:n] + PRIOR_WEIGHT)
+        """Per kind, pooled rates of the first n positions [2, n], each shrunk towards its kind's mean
+        (so a position no draft has reached gets the mean)."""
+        return (self.accepted[:, :n] + PRIOR_WEIGHT * self.mean()[:, None]) / (self.reached[:, :n] + PRIOR_WEIGHT)
+
+
+def _at_least(counts: np.ndarray, n: int) -> np.ndarray:
+    """[n]: how many of `counts` exceed each position 0..n-1."""
+    return np.bincount(counts, minlength=n + 1)[::-1].cumsum()[::-1][1:]
 
 
 PRIORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its pooled Acceptance
@@ -231,13 +264,14 @@ def prior_for(model: Transformer) -> Acceptance:
     return PRIORS[model]
 
 
-def rates(reached: np.ndarray, accepted: np.ndarray, pool: Acceptance) -> np.ndarray:
-    """Each row's acceptance rate per draft position from its own counts [B, n], shrunk towards the
-    pooled rates scaled by how the row does against the pool overall: a sequence whose drafts do
-    better than the model's usual ones expects that at the positions it has not reached yet too."""
-    mean = pool.mean()
+def rates(reached: np.ndarray, accepted: np.ndarray, kind: np.ndarray, pool: Acceptance) -> np.ndarray:
+    """Each row's acceptance rate per draft position for the kind of draft it feeds next (kind [B]),
+    from its own counts of that kind [B, n] shrunk towards the pooled rates, scaled by how the row
+    does against the pool overall: a sequence whose drafts do better than the model's usual ones
+    expects that at the positions it has not reached yet too."""
+    mean = pool.mean()[kind]
     own = (accepted.sum(1) + PRIOR_WEIGHT * mean) / (reached.sum(1) + PRIOR_WEIGHT)
-    base = np.minimum(pool.prior(reached.shape[1])[None, :] * (own / mean)[:, None], 0.99)
+    base = np.minimum(pool.prior(reached.shape[1])[kind] * (own / mean)[:, None], 0.99)
     return (accepted + PRIOR_WEIGHT * base) / (reached + PRIOR_WEIGHT)
 
 
@@ -267,23 +301,18 @@ def best_widths(rate: np.ndarray, bound: np.ndarray, masks: np.ndarray, width: n
         idx = np.where(free[None, :], common, pinned[None, :])  # [K+1, B]
         ratio = value[rows, idx].sum(1) / cost(B, B * fed[rows, idx].max(1))
         return idx[int(ratio.argmax())]
-    allowed = np.where(free[:, None], (w[None, :] <= bound[:, None]) & (w[None, :] >= floor[:, None]),
-                       w[None, :] == pinned[:, None])
-    idx = np.where(free, np.clip(width, floor, bound), pinned)
-    best, best_ratio = idx, -1.0
-    for _ in range(4):  # Dinkelbach: each round's widths maximise value - rate x marginal cost
-        total = fed[rows, idx].sum()
-        c = cost(B, [total - 1, total, total + 1])
-        ratio = value[rows, idx].sum() / c[1]
-        if ratio > best_ratio:
-            best, best_ratio = idx, ratio
-        slope = max(float(c[2] - c[0]) / 2, 0.0)
-        new = np.where(allowed, value - ratio * slope * fed, -np.inf).argmax(1)
-        if (new == idx).all():
-            break
-        idx = new
-    else:
-        total = fed[rows, idx].sum()
-        if value[rows, idx].sum() / cost(B, [total])[0] > best_ratio:
-            best = idx
-    return best
+    # a CPU computes the rows' tokens: widen one row by one draft token at a time, the best value
+    # per token first, and keep the count with the best ratio. Each row's steps are ordered by the
+    # running minimum of their value per token, so that every count widens each row by a prefix
+    # (its gains shrink with depth; only its first step, which adds a draft and two masks, costs more)
+    start = np.where(free, floor, pinned)
+    gain, cost_in_tokens = np.diff(value, axis=1), np.diff(fed, axis=1)  # [B, K]: of widening w-1 -> w
+    valid = free[:, None] & (w[None, 1:] > start[:, None]) & (w[None, 1:] <= bound[:, None])
+    key = np.minimum.accumulate(np.where(valid, gain / cost_in_tokens, np.inf), axis=1)
+    order = np.argsort(-key.ravel(), kind="stable")
+    order = order[valid.ravel()[order]]
+    gains, tokens = gain.ravel()[order], cost_in_tokens.ravel()[order]
+    v = value[rows, start].sum() + np.r_[0.0, np.cumsum(gains)]
+    t = fed[rows, start].sum() + np.r_[0, np.cumsum(tokens)]
+    n = int((v / cost(B, t)).argmax())
+    return start + np.bincount(order[:n] // K, minlength=B)
