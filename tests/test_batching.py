@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from refusion.model.checkpoint import load_model
-from refusion.decoding import decode, widths
+from refusion.decoding import decode
 from refusion.tasks import get_task
 from refusion.model.tokenizer import Tokenizer
 
@@ -58,7 +58,6 @@ def test_a_batch_of_8_computes_only_its_real_tokens(decoder, params):
     prompts = [tok.chat_prompt_ids(ex.prompt) for name in ("sort", "add", "repeat")
                for ex in get_task(name).load("test", n=3, seed=5)][:8]
     assert len({len(p) for p in prompts}) > 1  # ragged from the prompts on
-    widths.cost_model(m)  # the speculative width policy's calibration runs forwards of its own: before counting
     count = TokenCounter(m)
     try:
         res = decode(m, prompts, decoder, **params)

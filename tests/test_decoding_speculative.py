@@ -5,8 +5,8 @@ batch, the prompt lengths and where EOS falls. On random tiny models the masks' 
 own continuation, corrupted at a random place) is also put in as the draft: that reaches long
 accepted drafts, partial accepts, and EOS inside an accepted draft. Sampling: the distribution of
 whole outputs equals the exact AR sampling law, enumerated on a 6-token vocabulary, with argmax and
-with sampled drafts. The cost policy runs on a fixed cost table here (COST), so that no test depends
-on timings; tests/test_widths.py covers the measured one.
+with sampled drafts. The cost policy runs on the fixed cost table of conftest.py, so that no test
+depends on timings; tests/test_widths.py covers the measured one.
 """
 
 import collections
@@ -20,7 +20,6 @@ import torch
 from refusion.model.config import ModelConfig
 from refusion.decoding import ARParams, decode, generate_ar
 from refusion.decoding import speculative as spec
-from refusion.decoding import widths as widths_mod
 from refusion.decoding.speculative import SpeculativeBatch, SpeculativeParams, generate_speculative
 from refusion.model.transformer import Transformer
 from reference_cache import ReferenceKVCache
@@ -33,15 +32,8 @@ WIDTHS = [dict(), dict(adaptive=False), dict(draft_length=3, mask_length=2, adap
           dict(draft_length=0), dict(draft_length=5, mask_length=0, adaptive=False), dict(draft_length=2),
           dict(widths="adaptive"), dict(widths="adaptive", draft_length=2), dict(widths="cost", mask_length=3),
           dict(widths="cost", draft_length=64)]
-# a CPU's shape: a fixed cost per forward and per row, and a cost per token computed
-COST = widths_mod.CostModel.of(lambda rows, tokens: 1e-3 * (1 + 0.2 * rows + 0.04 * tokens))
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(autouse=True)
-def fixed_cost(monkeypatch):
-    monkeypatch.setattr(widths_mod, "cost_model", lambda model: COST)
 
 
 @functools.lru_cache(maxsize=None)

@@ -15,6 +15,7 @@ from refusion.model.config import ModelConfig
 from refusion.model.transformer import Transformer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+MEASURED = widths.cost_model  # (conftest.py gives every test a fixed table instead)
 
 PROMPTS = [[2, 3, 4], [5, 6, 7, 8, 9, 10, 11], [12], [13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 2, 3]]
 
@@ -189,6 +190,7 @@ def test_more_rows_draft_less_on_a_cpu():
 def test_the_cost_policy_keeps_ar_tokens_with_measured_and_injected_costs(monkeypatch, packed):
     model = tiny(3)
     monkeypatch.setattr(widths, "COSTS", {})
+    monkeypatch.setattr(widths, "cost_model", MEASURED)
     want = generate_ar(model, PROMPTS, ARParams(gen_length=24), eos_ids=[1])
     fed = []
     plain = spec.SpeculativeSeq.next_feed

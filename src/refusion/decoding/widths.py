@@ -142,13 +142,19 @@ class CostModel:
             return
         ratio = float(np.clip(seconds / float(self(rows, tokens)), 0.5, 2.0))
         i, f = _bracket(self.rows, rows)
-        for r, wr in ((i, 1 - f), (i + 1, f)) if len(self.rows) > 1 else ((0, 1.0),):
+        for r, wr in zip((i, i + 1), _shares(f)) if len(self.rows) > 1 else ((0, 1.0),):
             j, g = _bracket(self.tokens[r], tokens)
-            wr = float(np.clip(wr, 0, 1))
-            for c, wc in ((j, 1 - g), (j + 1, g)):
+            for c, wc in zip((j, j + 1), _shares(g)):
                 if c < len(self.seconds[r]):
-                    self.seconds[r][c] *= ratio ** (REFRESH_RATE * wr * float(np.clip(wc, 0, 1)))
+                    self.seconds[r][c] *= ratio ** (REFRESH_RATE * wr * wc)
             np.maximum.accumulate(self.seconds[r], out=self.seconds[r])
+
+
+def _shares(f: float) -> tuple[float, float]:
+    """How much of an observation each of the two cells around it takes: their interpolation
+    weights, or all of it each past the grid's ends, where both extrapolate it (scaling both
+    scales the estimate there; moving only the nearer one would tilt the table)."""
+    return (1 - f, f) if 0 <= f <= 1 else (1.0, 1.0)
 
 
 def cost_key(model: Transformer) -> tuple:
