@@ -1,9 +1,9 @@
 """Self-speculative decoding (spec section 7) against plain AR decoding of the same model.
 
 Greedy: the output must be AR's, token for token, whatever the widths (every width policy), the
-batch, the prompt lengths and where EOS falls. On random tiny models the masks' drafts are mostly wrong, so an "oracle" (AR's
-own continuation, corrupted at a random place) is also put in as the draft: that reaches long
-accepted drafts, partial accepts, and EOS inside an accepted draft. Sampling: the distribution of
+batch, the prompt lengths and where EOS falls. On random tiny models the masks' drafts are mostly
+wrong, so an "oracle" (AR's own continuation, corrupted at a random place) is also put in as the
+draft: that reaches long accepted drafts, partial accepts, and EOS inside an accepted draft. Sampling: the distribution of
 whole outputs equals the exact AR sampling law, enumerated on a 6-token vocabulary, with argmax and
 with sampled drafts. The cost policy runs on the fixed cost table of conftest.py, so that no test
 depends on timings; tests/test_widths.py covers the measured one.

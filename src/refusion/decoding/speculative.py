@@ -20,8 +20,8 @@ equals that draw and the first one that does not is replaced by it. The output i
 with the same uniforms (`ar` draws them so too: the same seed gives the same tokens), so it follows
 AR sampling's law exactly, whatever the drafts are. And since nothing depends on how many numbers
 were drawn before, a seeded sequence's output is the same whatever the widths, the rest of the
-batch, or when it joined. A draft token d is accepted with probability p_t(d): the masks' argmax
-drafts by default; with `sampled_drafts` a mask's draft for position t is draw(q_t, u(seed, t)),
+batch, or when it joined. The masks draft their argmax by default, a token d accepted with
+probability p_t(d); with `sampled_drafts` a mask's draft for position t is draw(q_t, u(seed, t)),
 its own distribution q_t (filtered as p is) drawn with the very uniform the output at t will be
 drawn with, a coupling that accepts whenever the two inverse-CDF draws land on the same token. The
 masks' distributions are flatter than the causal ones, so on the models measured (the bundled

@@ -9,27 +9,29 @@
 
 The cost policy weighs two measurements.
 
-What a forward costs (`CostModel`): seconds as a function of the batch's rows and of the tokens the
-forward computes, which is what the code really computes: on a CPU the sum of the rows' fed tokens
-(a ragged batch computes only its real tokens, common.packed_index), elsewhere rows x the widest
-row (rows are padded to one width). It is measured at first use for this device type, dtype,
-model shape, thread count and forward (compiled or eager): a few timed forwards on a scratch
+What a forward costs (`CostModel`): seconds as a function of the batch's rows and of the tokens
+the forward computes, which is what the code really computes: on a CPU the sum of the rows' fed
+tokens (a ragged batch computes only its real tokens, common.packed_index), elsewhere rows x the
+widest row (rows are padded to one width). It is measured at first use for this device type,
+dtype, model shape, thread count and forward (compiled or eager): timed forwards on a scratch
 cache, widths 1..64 at 1 and 8 rows (wider ones extrapolated once a row count has taken
 CALIBRATION_SECONDS), each the fastest of three, smoothed into a nondecreasing convex curve (a
-busy machine's spikes taken out), interpolated linearly and extrapolated past the grid. It is then kept up to
-date from the decode's own step timings: every decode forward already ends in a host transfer, so
-timing it adds no sync, and each step moves the table's nearest cells a little towards what the
-step took (which includes the step's host work too). `CostModel.of` makes a fixed table from a
-function, for tests (`SpeculativeBatch(cost=...)`, `generate_speculative(cost=...)`, or the COSTS
-cache).
+busy machine's spikes taken out), interpolated linearly and extrapolated past the grid. It is then
+kept up to date from the decode's own step timings: every decode forward already ends in a host
+transfer, so timing it adds no sync, and each step moves the table's nearest cells a little
+towards what the step took (its host work included). `CostModel.of` makes a fixed table from a
+function (`SpeculativeBatch(cost=...)`, `generate_speculative(cost=...)`; tests/conftest.py
+gives every test one).
 
 What a draft is worth (`Acceptance`): per sequence, kind of draft (the masks' fresh predictions
 after a fully accepted draft, or what follows a rejection, which is accepted far less often) and
 draft position, how often a draft reached that position (every earlier draft token accepted) and
-how often it was accepted there; the rate a(i) is their ratio shrunk towards the same ratio pooled
-over the sequences this model decoded lately (its prior: a new sequence starts from what the
-model's drafts usually do, and a position no draft has reached yet from the pooled mean). A draft of width w then commits
-1 + sum_{i<=w} prod_{l<=i} a(l) tokens in expectation (its accepted prefix and one more).
+how often it was accepted there. The rate a(i) is their ratio shrunk towards the same ratio
+pooled over the sequences this model decoded lately, so a new sequence starts from what the
+model's drafts usually do, and a position no draft has reached yet from the pooled mean. A draft
+of width w then commits 1 + sum_{i<=w} prod_{l<=i} a(l) tokens in expectation (its accepted
+prefix and one more). Every sequence feeds its first EXPLORE drafts whatever they are expected to
+be worth, so that a model whose drafts were poor on other prompts is still tried on this one.
 
 The choice. On a CPU the cost grows with the total tokens: the rows are widened one draft token
 at a time, the most expected tokens per fed token first, and of all those widenings the one with
@@ -37,7 +39,9 @@ the best ratio of expected tokens to measured cost is taken (exact whatever the 
 Elsewhere the forward is as wide as its widest row, so every row drafts up to one common width,
 the one with the best ratio. Either way a few numpy operations on [rows, draft_length] arrays per
 step, on the host. Rows whose policy is fixed or adaptive (a server's batch mixes requests) keep
-their widths and count in the cost and the rate.
+their widths and count in the cost and the rate. The choice is myopic (one step's ratio) and
+steady-state (a row is valued as if its draft filled its width: masks fed now draft the next
+step), and sized for the rows running now: as rows join and leave, the widths follow.
 
 Widths never change an output: greedy output is AR's whatever the widths, and sampled tokens are
 position-keyed draws (sampling.py). They do change the counters (forwards, tokens fed), which under
