@@ -36,10 +36,12 @@ def settings(L: int) -> list[tuple[str, str, dict]]:
     return [
         ("ar", "ar", dict(max_new_tokens=L)),
         ("ar sampled", "ar", dict(max_new_tokens=L, temperature=0.8, top_p=0.9)),
-        ("speculative", "speculative", dict(gen_length=L)),
+        # adaptive widths (the record's): the default cost policy's steps follow timings, so only the
+        # tests check its tokens (AR's)
+        ("speculative", "speculative", dict(gen_length=L, widths="adaptive")),
         ("speculative fixed 16", "speculative", dict(gen_length=L, draft_length=16, adaptive=False)),
-        ("speculative accept-prob 0.3", "speculative", dict(gen_length=L, accept_prob=0.3)),
-        ("speculative sampled", "speculative", dict(gen_length=L, temperature=0.8, top_k=20)),
+        ("speculative accept-prob 0.3", "speculative", dict(gen_length=L, accept_prob=0.3, widths="adaptive")),
+        ("speculative sampled", "speculative", dict(gen_length=L, temperature=0.8, top_k=20, widths="adaptive")),
         ("refusion s8 0.9/0.4", "refusion", rf),
         ("refusion s4 B2 0.7/0.2", "refusion", dict(rf, slot_size=4, serial_blocks=2, slot_threshold=0.7,
                                                      token_threshold=0.2)),

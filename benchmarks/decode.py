@@ -2,14 +2,20 @@
 
     python benchmarks/decode.py --model src/refusion/assets/refusion-tiny --tasks arith,code,choice,table
     python benchmarks/decode.py --model tests/fixtures/refusion-words --tasks sort,add,repeat
+    python benchmarks/decode.py --model tests/fixtures/refusion-words --tasks sort,add,repeat \
+        --only speculative,"speculative adaptive","speculative fixed 16" --temperatures 0   # a subset
 
 For each torch thread count and batch size, every decoder setting decodes the same held-out (test
-split) prompts of each task family; outputs are scored by the task. Writes JSON (one row per
-threads x batch x decoder x task, with the outputs' token counts, forwards, tokens fed, seconds,
-correct) and prints a markdown table. TPF = committed tokens / forward passes (every pass counted);
-TPS = generated tokens (up to and including EOS) / wall seconds of decoding (scoring excluded), so a
-batch of 8 reports the batch's throughput. TPS / AR compares with `ar` at the same threads and batch.
-Nothing else should run on the machine while this does.
+split) prompts of each task family; outputs are scored by the task. The speculative width policies
+(the default `cost`, `adaptive`, fixed widths 4 to 32) and `ar` also run sampled at each
+--temperatures value above 0 (seed 0: the same tokens as `ar` at that temperature). Writes JSON (one
+row per threads x batch x setting x task, with the outputs' token counts, forwards, tokens fed,
+seconds, correct) and prints a markdown table. TPF = committed tokens / forward passes (every pass
+counted); TPS = generated tokens (up to and including EOS) / wall seconds of decoding (scoring
+excluded), so a batch of 8 reports the batch's throughput. TPS / AR compares with `ar` at the same
+threads, batch and temperature. The cost policy measures the forward's cost at its first use (the
+warm-up decodes, untimed) and learns the model's acceptance from every speculative decode before it,
+as a long-running process does. Nothing else should run on the machine while this does.
 """
 
 from __future__ import annotations
@@ -27,15 +33,26 @@ from refusion.tasks import get_task
 from refusion.model.tokenizer import Tokenizer
 
 
-def settings(gen_length: int) -> list[tuple[str, str, dict]]:
-    """(name, decoder, params): the decoders of the study, each at its usual settings."""
+FIXED_WIDTHS = (4, 8, 16, 32)
+
+
+def width_policies(L: int, **sampling) -> list[tuple[str, str, dict]]:
+    """ar and the speculative width policies: the default (cost), adaptive, fixed widths."""
+    return [("ar", "ar", dict(max_new_tokens=L, **sampling)),
+            ("speculative", "speculative", dict(gen_length=L, **sampling)),
+            ("speculative adaptive", "speculative", dict(gen_length=L, widths="adaptive", **sampling))] + [
+        (f"speculative fixed {w}", "speculative", dict(gen_length=L, draft_length=w, widths="fixed", **sampling))
+        for w in FIXED_WIDTHS]
+
+
+def settings(gen_length: int, temperatures: tuple[float, ...] = (0.0,)) -> list[tuple[str, str, dict]]:
+    """(name, decoder, params): the decoders of the study, each at its usual settings, greedy; the
+    width policies and ar sampled too at each temperature > 0 (named "... T=<t>")."""
     L = gen_length
     rf = dict(gen_length=L, slot_size=8, serial_blocks=1, slot_threshold=0.9, token_threshold=0.4)
-    return [
-        ("ar", "ar", dict(max_new_tokens=L)),
-        ("speculative", "speculative", dict(gen_length=L)),
-        ("speculative fixed 16", "speculative", dict(gen_length=L, draft_length=16, adaptive=False)),
-        ("speculative fixed 32", "speculative", dict(gen_length=L, draft_length=32, adaptive=False)),
+    sampled = [(f"{name} T={t:g}", decoder, params) for t in temperatures if t > 0
+               for name, decoder, params in width_policies(L, temperature=t)]
+    return width_policies(L) + [
         # greedy: a token with probability >= 0.5 is the argmax already, so only values below 0.5 are lossy
         ("speculative accept-prob 0.3", "speculative", dict(gen_length=L, accept_prob=0.3)),
         ("speculative accept-prob 0.1", "speculative", dict(gen_length=L, accept_prob=0.1)),
@@ -44,7 +61,13 @@ def settings(gen_length: int) -> list[tuple[str, str, dict]]:
         ("refusion-l2r s8 0.9/0.4", "refusion-l2r", rf),
         ("mdm-threshold 0.9", "mdm-threshold", dict(gen_length=L, block_length=32, threshold=0.9,
                                                     prefix_cache=True)),
-    ]
+    ] + sampled
+
+
+def baseline(params: dict) -> str:
+    """The `ar` setting a setting's TPS is compared with: ar at its temperature."""
+    t = params.get("temperature", 0.0)
+    return f"ar T={t:g}" if t > 0 else "ar"
 
 
 def run(model, tok, task, examples, prompts, decoder, params, batch_size) -> dict:
@@ -67,22 +90,23 @@ def run(model, tok, task, examples, prompts, decoder, params, batch_size) -> dic
 
 
 def summarise(rows: list[dict]) -> list[dict]:
-    """One line per threads x batch x setting: accuracy (mean over tasks), TPF, TPS, TPS / AR, and
-    TPS / AR per task family."""
+    """One line per threads x batch x setting: accuracy (mean over tasks), TPF, TPS, TPS / AR (against
+    ar at the setting's temperature), and TPS / AR per task family."""
     keys = sorted({(r["threads"], r["batch_size"]) for r in rows})
     names = list(dict.fromkeys(r["name"] for r in rows))
     out = []
     for th, bs in keys:
         sel = {(r["name"], r["task"]): r for r in rows if (r["threads"], r["batch_size"]) == (th, bs)}
         tasks = list(dict.fromkeys(t for _, t in sel))
-        ar = {t: sel[("ar", t)] for t in tasks}
-        ar_tps = sum(r["tokens"] for r in ar.values()) / sum(r["seconds"] for r in ar.values())
         for name in names:
             rs = [sel[(name, t)] for t in tasks if (name, t) in sel]
+            base = rs[0].get("baseline", "ar")  # (rows written before the field: greedy, against ar)
+            ar = {t: sel[(base, t)] for t in tasks}
+            ar_tps = sum(r["tokens"] for r in ar.values()) / sum(r["seconds"] for r in ar.values())
             tps = sum(r["tokens"] for r in rs) / sum(r["seconds"] for r in rs)
             per_task = {r["task"]: (r["tokens"] / r["seconds"]) / (ar[r["task"]]["tokens"] / ar[r["task"]]["seconds"])
                         for r in rs}
-            out.append(dict(threads=th, batch_size=bs, name=name,
+            out.append(dict(threads=th, batch_size=bs, name=name, temperature=rs[0].get("temperature", 0.0),
                             accuracy=sum(r["correct"] / r["n"] for r in rs) / len(rs),
                             accuracy_by_task={r["task"]: r["correct"] / r["n"] for r in rs},
                             tpf=sum(r["tokens"] for r in rs) / sum(r["forwards"] for r in rs), tps=tps,
@@ -106,6 +130,21 @@ def table(summary: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def policy_table(summary: list[dict]) -> str:
+    """The width policies side by side: TPS / AR (TPF) per threads x batch x temperature."""
+    policies = ["speculative", "speculative adaptive"] + [f"speculative fixed {w}" for w in FIXED_WIDTHS]
+    cells = {(s["threads"], s["batch_size"], s["temperature"], s["name"].split(" T=")[0]): s for s in summary}
+    keys = sorted({k[:3] for k in cells})
+    head = "| threads | batch | temperature | " + " | ".join(p.replace("speculative", "").strip() or "default (cost)"
+                                                           for p in policies) + " |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for th, bs, t in keys:
+        row = [cells.get((th, bs, t, p)) for p in policies]
+        lines.append(f"| {th} | {bs} | {t:g} | " + " | ".join(f"{c['tps_vs_ar']:.2f}x ({c['tpf']:.2f})" if c else "-"
+                                                           for c in row) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
@@ -114,7 +153,10 @@ def main() -> None:
     ap.add_argument("--gen-length", type=int, default=160)
     ap.add_argument("--batch-sizes", default="1,8")
     ap.add_argument("--threads", default="1,2", help="comma-separated torch thread counts")
-    ap.add_argument("--only", help="comma-separated setting names to run (default: all; 'ar' is always run)")
+    ap.add_argument("--temperatures", default="0,0.7",
+                    help="comma-separated: the width policies and ar also run sampled at each value > 0")
+    ap.add_argument("--only", help="comma-separated setting names to run (default: all; the ar they are compared "
+                                   "with is always run)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="JSON path (default: benchmarks/results/decode_<model dir name>.json)")
     args = ap.parse_args()
@@ -125,9 +167,10 @@ def main() -> None:
     for name, task in tasks.items():
         exs = task.load("test", n=args.n, seed=args.seed)
         data[name] = (exs, [tok.chat_prompt_ids(ex.prompt) for ex in exs])
-    chosen = settings(args.gen_length)
+    chosen = settings(args.gen_length, tuple(float(t) for t in args.temperatures.split(",")))
     if args.only:
-        keep = set(args.only.split(",")) | {"ar"}
+        keep = set(args.only.split(","))
+        keep |= {baseline(params) for name, _, params in chosen if name in keep}
         chosen = [c for c in chosen if c[0] in keep]
     rows = []
     for threads in [int(t) for t in args.threads.split(",")]:
@@ -139,12 +182,15 @@ def main() -> None:
                 for task_name, (exs, prompts) in data.items():
                     r = run(model, tok, tasks[task_name], exs, prompts, decoder, params, bs)
                     rows.append(dict(threads=threads, batch_size=bs, name=name, decoder=decoder, params=params,
+                                     temperature=params.get("temperature", 0.0), baseline=baseline(params),
                                      task=task_name, **r))
                     print(f"threads {threads} batch {bs:>2} {name:<28} {task_name:<8} acc {r['correct']:>3}/{r['n']:<3}"
                           f" TPF {r['tokens'] / r['forwards']:5.2f} TPS {r['tokens'] / r['seconds']:8.1f}", flush=True)
     summary = summarise(rows)
     print()
     print(table(summary))
+    print("\nwidth policies: TPS / AR (TPF)\n")
+    print(policy_table(summary))
     out = Path(args.out or f"benchmarks/results/decode_{model_dir.name}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(model=str(model_dir), args=vars(args), torch=torch.__version__,

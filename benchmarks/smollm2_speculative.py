@@ -8,7 +8,7 @@ On held-out prompts (GSM8K test questions and HumanEval prompts, as `refusion ev
 template applied), greedy, each setting decodes every prompt at each thread count and batch size:
 
     base ar                      the base model's greedy AR decoding: the reference answers
-    speculative                  the adapted model's `speculative` decoder (adaptive widths)
+    speculative                  the adapted model's `speculative` decoder (its default widths)
     refusion s8 0.9/0.4          plan-and-infill on the adapted model (spec section 4); expected to change
                                  answers, since the base's causal path never saw out-of-order slots
     hf greedy                    transformers' greedy generate() on the base (its own forward, for scale)

@@ -5,6 +5,7 @@ import pytest
 import torch
 import transformers
 
+from refusion.decoding import widths
 from refusion.model.fetch import qwen3_tokenizer_files
 
 QWEN3_VOCAB = 151936  # the published checkpoint's padded embedding size
@@ -47,6 +48,16 @@ def refusion_layout_dir(tmp_path_factory):
     config = json.loads((path / "config.json").read_text())
     assert config["mask_token_id"] == MASK_ID and (path / "model.safetensors.index.json").exists()
     return path
+
+
+@pytest.fixture(autouse=True)
+def fixed_forward_cost(monkeypatch):
+    """The speculative decoder's default width policy sizes its drafts by measured forward timings
+    (decoding/widths.py); every test runs it on one fixed cost table instead, so that no test's
+    widths depend on how busy the machine is (tests/test_widths.py measures). A CPU's shape: a
+    cost per forward, per row and per token computed, in about the bundled model's proportions."""
+    cost = widths.CostModel.of(lambda rows, tokens: 1e-3 * (1 + 0.1 * rows + 0.03 * tokens))
+    monkeypatch.setattr(widths, "cost_model", lambda model: cost)
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,12 @@
 """Self-speculative decoding (spec section 7) against plain AR decoding of the same model.
 
-Greedy: the output must be AR's, token for token, whatever the widths, the batch, the prompt lengths
-and where EOS falls. On random tiny models the masks' drafts are mostly wrong, so an "oracle" (AR's
-own continuation, corrupted at a random place) is also put in as the draft: that reaches long
-accepted drafts, partial accepts, and EOS inside an accepted draft. Sampling: the distribution of
-whole outputs equals the exact AR sampling law, enumerated on a 6-token vocabulary.
+Greedy: the output must be AR's, token for token, whatever the widths (every width policy), the
+batch, the prompt lengths and where EOS falls. On random tiny models the masks' drafts are mostly
+wrong, so an "oracle" (AR's own continuation, corrupted at a random place) is also put in as the
+draft: that reaches long accepted drafts, partial accepts, and EOS inside an accepted draft. Sampling: the distribution of
+whole outputs equals the exact AR sampling law, enumerated on a 6-token vocabulary, with argmax and
+with sampled drafts. The cost policy runs on the fixed cost table of conftest.py, so that no test
+depends on timings; tests/test_widths.py covers the measured one.
 """
 
 import collections
@@ -27,7 +29,9 @@ CFG = dict(vocab_size=24, hidden_size=32, intermediate_size=64, num_layers=2, nu
            mask_token_id=MASK, eos_token_id=1)
 PROMPTS = [[2, 3, 4], [5, 6, 7, 8, 9, 10, 11], [12], [13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 2, 3]]
 WIDTHS = [dict(), dict(adaptive=False), dict(draft_length=3, mask_length=2, adaptive=False),
-          dict(draft_length=0), dict(draft_length=5, mask_length=0, adaptive=False), dict(draft_length=2)]
+          dict(draft_length=0), dict(draft_length=5, mask_length=0, adaptive=False), dict(draft_length=2),
+          dict(widths="adaptive"), dict(widths="adaptive", draft_length=2), dict(widths="cost", mask_length=3),
+          dict(widths="cost", draft_length=64)]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -72,12 +76,14 @@ def oracle(monkeypatch):
 def test_greedy_equals_ar_batched_and_alone(seed, widths):
     model = tiny_model(seed)
     ref = ar(model, PROMPTS, 24, [1])
-    together = generate_speculative(model, PROMPTS, SpeculativeParams(gen_length=24, **widths), eos_ids=[1])
+    params = SpeculativeParams(gen_length=24, **widths)
+    together = generate_speculative(model, PROMPTS, params, eos_ids=[1])
     for p, r, a in zip(PROMPTS, together, ref):
         assert r.tokens == a.tokens and r.positions == a.positions and r.finished == a.finished
-        (alone,) = generate_speculative(model, [p], SpeculativeParams(gen_length=24, **widths), eos_ids=[1])
-        assert (alone.tokens, alone.steps, alone.forwards, alone.tokens_fed) == (r.tokens, r.steps, r.forwards,
-                                                                                 r.tokens_fed)
+        (alone,) = generate_speculative(model, [p], params, eos_ids=[1])
+        assert (alone.tokens, alone.positions) == (r.tokens, r.positions)
+        if params.widths != "cost":  # per-sequence widths: the same steps alone as in the batch
+            assert (alone.steps, alone.forwards, alone.tokens_fed) == (r.steps, r.forwards, r.tokens_fed)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -158,10 +164,12 @@ def test_streaming_rebuilds_the_result_and_never_passes_eos():
         assert [t for _, tok in ev for t in tok] == r.tokens
 
 
-def test_continuous_batching_join_leave_and_cancel():
-    """Sequences that join late, leave early or are cancelled do not change anyone's output."""
+@pytest.mark.parametrize("policy", ["cost", "adaptive"])
+def test_continuous_batching_join_leave_and_cancel(policy):
+    """Sequences that join late, leave early or are cancelled do not change anyone's output (nor,
+    with per-sequence widths, its steps: the cost policy sizes every step for the batch it has)."""
     model = tiny_model(5)
-    p = SpeculativeParams(gen_length=20, draft_length=4)
+    p = SpeculativeParams(gen_length=20, draft_length=4, widths=policy)
     solo = {i: generate_speculative(model, [q], p, eos_ids=[1])[0] for i, q in enumerate(PROMPTS)}
     batch = SpeculativeBatch(model, eos_ids=[1])
     sids = {batch.add(PROMPTS[0], p): 0, batch.add(PROMPTS[1], p): 1}
@@ -178,7 +186,8 @@ def test_continuous_batching_join_leave_and_cancel():
             assert part is not None and part.tokens == solo[3].tokens[: len(part.tokens)]
     assert batch.cancel(12345) is None
     for i in (0, 1, 2):
-        assert done[i].tokens == solo[i].tokens and done[i].steps == solo[i].steps
+        assert done[i].tokens == solo[i].tokens
+        assert done[i].steps == solo[i].steps or policy == "cost"
     assert len(batch.running) == 0 and not batch.pending
 
 
@@ -188,8 +197,10 @@ def test_accept_prob_is_lossy_when_asked(oracle):
     free = ar(model, PROMPTS, 30, [])
     for p, f in zip(PROMPTS, free):
         oracle.truth[tuple(p)] = f.tokens
-    exact = generate_speculative(model, PROMPTS, SpeculativeParams(gen_length=30), eos_ids=[])
-    lossy = generate_speculative(model, PROMPTS, SpeculativeParams(gen_length=30, accept_prob=1e-9), eos_ids=[])
+    # (adaptive widths: the same width rule for both, whatever the acceptance pooled so far)
+    exact = generate_speculative(model, PROMPTS, SpeculativeParams(gen_length=30, widths="adaptive"), eos_ids=[])
+    lossy = generate_speculative(model, PROMPTS, SpeculativeParams(gen_length=30, widths="adaptive", accept_prob=1e-9),
+                                 eos_ids=[])
     assert [r.tokens for r in exact] == [f.tokens for f in free]
     assert [r.tokens for r in lossy] != [f.tokens for f in free]
     assert sum(r.forwards for r in lossy) < sum(r.forwards for r in exact)
@@ -275,8 +286,10 @@ def spec_samples(model, prompt, n, total, **kw) -> list[tuple]:
     return [out[sid] for sid in sids]
 
 
-@pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.7, top_k=4, top_p=0.9)],
-                         ids=["t1", "t0.7-k4-p0.9"])
+@pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.7, top_k=4, top_p=0.9),
+                                dict(temperature=1.0, sampled_drafts=True),
+                                dict(temperature=0.7, top_k=4, top_p=0.9, sampled_drafts=True)],
+                         ids=["t1", "t0.7-k4-p0.9", "t1-sampled-drafts", "t0.7-k4-p0.9-sampled-drafts"])
 def test_sampled_outputs_follow_the_ar_law(kw):
     model = Transformer(ModelConfig(**{**CFG, **V6})).init_weights(seed=7, std=0.25).eval()
     prompt, n, total = [1, 2, 3], 3, 12000
@@ -298,10 +311,13 @@ def test_sampled_outputs_follow_the_ar_law(kw):
     assert chi2(counts, law, total)[0] < threshold
 
 
-SAMPLED = [dict(temperature=0.9), dict(temperature=0.7, top_k=5, top_p=0.9), dict(temperature=1.4, top_p=0.6)]
+SAMPLED = [dict(temperature=0.9), dict(temperature=0.7, top_k=5, top_p=0.9), dict(temperature=1.4, top_p=0.6),
+           dict(temperature=0.9, sampled_drafts=True), dict(temperature=0.7, top_k=5, top_p=0.9, sampled_drafts=True)]
+AR_KEYS = ("temperature", "top_k", "top_p")
 
 
 def sampled_ar(model, prompt, kw, seed, n, eos):
+    kw = {k: v for k, v in kw.items() if k in AR_KEYS}
     return generate_ar(model, [prompt], ARParams(gen_length=n, **kw), eos_ids=eos, seed=seed)[0].tokens
 
 
@@ -378,3 +394,37 @@ def test_sampling_is_reproducible_and_batch_independent():
     assert [r.tokens for r in a] == [r.tokens for r in b]
     c = decode(model, PROMPTS, "speculative", seed=4, **kw)
     assert [r.tokens for r in a] != [r.tokens for r in c]
+
+
+@pytest.mark.parametrize("causal_first", [False, True])
+@pytest.mark.parametrize("sampled_drafts", [False, True])
+def test_the_masks_draft_their_argmax_or_the_draw_with_their_own_positions_uniform(monkeypatch, sampled_drafts,
+                                                                                   causal_first):
+    """The prefill feeds the prompt and 4 masks at response positions 0..3; their drafts are their
+    argmax, or (sampled_drafts) draw(q_t, u(seed, t)), with the uniform the output at t is drawn
+    with. (The first response token comes from the first mask, or with causal_first_token from the
+    prompt's last token, the first mask's draft then being a guess at the same position.)
+    Recomputed here with a plain causal forward."""
+    model = tiny_model(2, causal_first_token=causal_first)
+    prompt, seed, temperature = PROMPTS[1], 7, 1.0
+    seen = []
+    plain = spec.SpeculativeSeq.advance
+
+    def advance(self, j, extra, mask_preds):
+        seen.append(list(mask_preds))
+        plain(self, j, extra, mask_preds)
+
+    monkeypatch.setattr(spec.SpeculativeSeq, "advance", advance)
+    params = SpeculativeParams(gen_length=8, widths="fixed", draft_length=3, temperature=temperature,
+                               sampled_drafts=sampled_drafts)
+    generate_speculative(model, [prompt], params, eos_ids=[], seed=seed)
+    ids = prompt + [MASK] * 4
+    first = 0 if causal_first else 1  # the masks whose predictions are drafts
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids]), torch.arange(len(ids))[None])[0, len(prompt) + first:]
+    if sampled_drafts:
+        u = spec.position_uniforms(torch.tensor([seed]), torch.arange(first, 4)[None])[0]
+        want = spec.draw((logits / temperature).softmax(-1), u)
+    else:
+        want = logits.argmax(-1)
+    assert seen[0] == want.tolist()

@@ -96,8 +96,9 @@ def test_speculative_on_the_adapted_model_is_the_base_models_greedy_output(width
     assert all(MASK not in t for t in want)
     got = generate_speculative(model, prompts, SpeculativeParams(gen_length=24, **widths), eos_ids=[1])
     assert [r.tokens for r in got] == want
-    # not vacuous: the adapted masks were fed beside the clean tokens (and change logits: test above)
-    assert sum(r.tokens_fed for r in got) > 2 * sum(r.forwards for r in got)
+    # not vacuous: the adapted masks were fed beside the clean tokens (and change logits: test above),
+    # more than AR's prompts and one token per forward
+    assert sum(r.tokens_fed for r in got) > sum(map(len, prompts)) + sum(r.forwards for r in got)
 
 
 def test_adapter_round_trips_alone_and_inside_a_model_directory(tmp_path):

@@ -71,8 +71,9 @@ def test_a_shipped_adapter_by_name_decodes_the_bases_greedy_output(base_dir, cac
     got = json.loads(capsys.readouterr().out)
     want = generate_ar(load_model(base_dir), [prompt], ARParams(gen_length=24))[0].tokens
     assert got["decoder"] == "speculative" and got["tokens"] == want
-    # the masks were fed beside the clean tokens (drafts of a random adapter, all rejected)
-    assert got["tokens_fed"] > 2 * got["forwards"]
+    # the masks were fed beside the clean tokens (drafts of a random adapter, all rejected): more than
+    # AR's prompt and one token per forward
+    assert got["tokens_fed"] > len(prompt) + got["forwards"]
     assert load_model(got["model"]).config.mask_adapter == {"rank": 2, "alpha": 4.0}
 
 

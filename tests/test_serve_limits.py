@@ -140,14 +140,14 @@ def test_the_per_request_token_limit(tight):
     prompt = ids("Question: what is 2 + 3?\nAnswer:")
     P = len(prompt)
     assert client.models.list().data[0].model_extra["max_request_tokens"] == TIGHT
-    # speculative by default: prompt + max_tokens + 1 + (1 + draft_length 16 + mask_length 17) columns
-    most = TIGHT - P - 35
+    # speculative by default: prompt + max_tokens + 1 + (1 + draft_length 32 + mask_length 33) columns
+    most = TIGHT - P - 67
     body = {"max_tokens": most}
     assert complete(client, prompt, body).model_extra["refusion"]["token_ids"] == expected(prompt, body)
     err = refusal(client, prompt, {"max_tokens": most + 1})
     assert err["param"] == "max_tokens" and err["code"] == "request_too_large", err
-    assert err["message"] == (f"this request needs {TIGHT + 1} tokens (prompt {P} + max_tokens {most + 1} + 35 for "
-                              "one step's drafts and masks (1 + draft_length 16 + mask_length 17 + 1)); this "
+    assert err["message"] == (f"this request needs {TIGHT + 1} tokens (prompt {P} + max_tokens {most + 1} + 67 for "
+                              "one step's drafts and masks (1 + draft_length 32 + mask_length 33 + 1)); this "
                               f"server admits at most {TIGHT} tokens per request")
     err = refusal(client, prompt, {"max_tokens": 16, "draft_length": 200, "mask_length": 230})
     assert err["param"] == "mask_length" and f"needs {P + 16 + 432} tokens" in err["message"], err

@@ -103,22 +103,45 @@ def top_p_option():
 # ---- self-speculative ---------------------------------------------------------------------------
 
 
+WIDTH_POLICIES = ("cost", "adaptive", "fixed")
+COST_DRAFT_LENGTH = 32  # the cost policy's default bound: it picks narrower widths itself where they pay
+DRAFT_LENGTH = 16  # the adaptive and fixed policies' default
+
+
 @dataclass(frozen=True)
 class SpeculativeParams:
     """self-speculative: greedy output identical to ar, several tokens per forward"""
 
     gen_length: int = gen_length_option()
-    draft_length: int = option(16, "most draft tokens verified per forward (0: plain AR)")
+    draft_length: int | None = option(None, f"most draft tokens verified per forward (default: {COST_DRAFT_LENGTH} "
+                                            f"with --widths cost, else {DRAFT_LENGTH}; 0: plain AR)")
     mask_length: int | None = option(None, "masks fed per forward to draft ahead (default: draft width + 1)")
-    adaptive: bool = option(True, "each sequence's draft width follows its acceptance, within [1, draft_length]; "
-                                  "off: always draft_length", flag="--fixed-widths")
+    widths: str | None = option(None, "how each step sizes the drafts: cost (default) = the widths that maximise "
+                                      "expected tokens per second of measured forward cost, within draft_length; "
+                                      "adaptive = +2 after a fully accepted draft, -1 after a rejection; "
+                                      "fixed = always draft_length")
+    adaptive: bool = option(True, "off: fixed widths, the same as --widths fixed", flag="--fixed-widths")
     temperature: float = temperature_option()
     top_k: int | None = top_k_option()
     top_p: float | None = top_p_option()
+    sampled_drafts: bool = option(False, "sampling: each mask drafts a draw from its distribution with the uniform "
+                                         "its position's output is drawn with, not its argmax (exact either way; "
+                                         "fewer tokens per forward on the models measured)")
     accept_prob: float | None = option(None, "lossy: also accept a draft token whose probability is at least this "
                                              "(default: exact; greedy: only values < 0.5 matter)")
 
     def __post_init__(self) -> None:
+        # widths and draft_length default by each other (and adaptive=False, the older spelling of
+        # widths fixed); both are settled here, so every reader sees concrete values
+        if self.widths is not None and self.widths not in WIDTH_POLICIES:
+            raise ValueError(f"widths must be one of {', '.join(WIDTH_POLICIES)}, got {self.widths!r}")
+        if not self.adaptive and self.widths not in (None, "fixed"):
+            raise ValueError(f"adaptive=False (--fixed-widths) means widths fixed, not {self.widths!r}")
+        widths = self.widths or ("cost" if self.adaptive else "fixed")
+        object.__setattr__(self, "widths", widths)
+        object.__setattr__(self, "adaptive", widths != "fixed")
+        if self.draft_length is None:
+            object.__setattr__(self, "draft_length", COST_DRAFT_LENGTH if widths == "cost" else DRAFT_LENGTH)
         self.validate()
 
     def validate(self) -> None:
@@ -131,7 +154,8 @@ class SpeculativeParams:
         # (a draft that long is never accepted whole: it would only cost memory and time)
         if self.draft_length > MAX_DRAFT:
             raise ValueError(f"draft_length {self.draft_length} exceeds {MAX_DRAFT}, the most draft tokens a step may "
-                             "verify; lower draft_length (default 16)")
+                             f"verify; lower draft_length (default {COST_DRAFT_LENGTH} with widths cost, "
+                             f"else {DRAFT_LENGTH})")
         if self.mask_length is not None and self.mask_length > MAX_DRAFT:
             raise ValueError(f"mask_length {self.mask_length} exceeds {MAX_DRAFT}, the most masks a step may feed; "
                              "lower mask_length (default: the draft width + 1)")
@@ -238,7 +262,7 @@ def _ar_batch(p: ARParams, config) -> SpeculativeParams | None:
     # (tests/test_serve_engine.py), sampled too, since both draw with the seed's position-keyed uniforms.
     if config.mask_token_id is None or p.first_from_mask is False:
         return None
-    return SpeculativeParams(gen_length=p.gen_length, draft_length=0, mask_length=0, adaptive=False,
+    return SpeculativeParams(gen_length=p.gen_length, draft_length=0, mask_length=0, widths="fixed",
                              temperature=p.temperature, top_k=p.top_k, top_p=p.top_p)
 
 

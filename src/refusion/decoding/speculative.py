@@ -18,16 +18,21 @@ draw (sampling.py): the token at response position t is draw(p_t, u(seed, t)), a
 with a uniform that is a hash of the sequence's seed and t, so a draft token is accepted when it
 equals that draw and the first one that does not is replaced by it. The output is AR sampling's
 with the same uniforms (`ar` draws them so too: the same seed gives the same tokens), so it follows
-AR sampling's law exactly; a draft d is accepted with probability p(d), as min(1, p/q) speculative
-sampling with a greedy draft (q a point mass) would. And since nothing depends on how many numbers
+AR sampling's law exactly, whatever the drafts are. And since nothing depends on how many numbers
 were drawn before, a seeded sequence's output is the same whatever the widths, the rest of the
-batch, or when it joined. `accept_prob` is the opt-in lossy knob: also accept a draft token whose
-probability is >= it.
+batch, or when it joined. The masks draft their argmax by default, a token d accepted with
+probability p_t(d); with `sampled_drafts` a mask's draft for position t is draw(q_t, u(seed, t)),
+its own distribution q_t (filtered as p is) drawn with the very uniform the output at t will be
+drawn with, a coupling that accepts whenever the two inverse-CDF draws land on the same token. The
+masks' distributions are flatter than the causal ones, so on the models measured (the bundled
+model and the words fixture, T = 0.7 and 1.0) that accepted fewer tokens than the argmax.
+`accept_prob` is the opt-in lossy knob: also accept a draft token whose probability is >= it.
 
-Widths: a forward's cost grows with the tokens fed on a CPU and hardly at all on a GPU. With
-`adaptive` (the default) each sequence's draft width follows its own acceptance (+2 after a fully
-accepted draft, -1 after a rejection, within [1, draft_length]; masks = width + 1); otherwise the
-widths are fixed at draft_length and mask_length.
+Widths (widths.py): how many draft tokens and masks each sequence feeds. By default (`widths`
+cost) they are chosen before every step to maximise the batch's expected committed tokens per
+second of measured forward cost; `adaptive` grows a sequence's width by 2 after a fully accepted
+draft and shrinks it by 1 after a rejection (within [1, draft_length], masks = width + 1); `fixed`
+feeds draft_length and mask_length.
 
 Batched and ragged: each sequence accepts its own number of tokens and keeps its own cache length
 in a RaggedKVCache; one forward per step for the running sequences (plus one for sequences that
@@ -46,6 +51,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from refusion.decoding import widths
 from refusion.decoding.common import DecodeResult, packed_index
 from refusion.decoding.params import SpeculativeParams, check_prompts, check_seed
 from refusion.decoding.sampling import draw, position_uniforms, sampling_probs
@@ -55,8 +61,8 @@ from refusion.model.transformer import Transformer
 
 class SpeculativeSeq:
     """One sequence of a SpeculativeBatch: committed tokens (all but the newest, x, have their KV
-    in cache columns [0, c)), the draft for the positions after x, and the adaptive width. seed:
-    the key of its sampled draws."""
+    in cache columns [0, c)), the draft for the positions after x, its width (the most draft tokens
+    its next step feeds) and how far its drafts were accepted. seed: the key of its sampled draws."""
 
     def __init__(self, sid: int, prompt: list[int], p: SpeculativeParams, mask_id: int, eos: set[int],
                  seed: int, on_commit: Callable[[list[int], list[int]], None] | None,
@@ -70,7 +76,11 @@ class SpeculativeSeq:
         self.c = 0
         self.x: int | None = None  # None until the prefill has run
         self.draft: list[int] = []
-        self.width = p.draft_length if not p.adaptive else min(p.draft_length, 4)
+        # (the cost policy sets the width before every step, the first included)
+        self.width = p.draft_length if p.widths == "fixed" else min(p.draft_length, 4)
+        self.acceptance = widths.Acceptance()
+        self.kind = widths.FRESH  # of the draft its next step feeds
+        self.drafts_tried = 0  # steps that fed a draft
         self.done = False
         self.res = DecodeResult(prompt=list(prompt))
         self.start = time.perf_counter()
@@ -126,7 +136,10 @@ class SpeculativeSeq:
             # after a mismatch the rest of the old draft still guesses the positions after `extra`;
             # after a full accept `extra` took the first mask's position
             self.draft = self.draft[j + 1:] + mask_preds if j < k else mask_preds[1:]
-            if self.p.adaptive and self.p.draft_length > 0:
+            self.acceptance.record(self.kind, j, k)
+            self.drafts_tried += k > 0
+            self.kind = widths.FRESH if j == k else widths.AFTER_MISS
+            if self.p.widths == "adaptive" and self.p.draft_length > 0:
                 self._adapt(j, k)
         self.x = extra
         if self.on_commit is not None and commit:
@@ -154,7 +167,8 @@ class SpeculativeBatch:
     """
 
     def __init__(self, model: Transformer, eos_ids: list[int] | None = None, max_rows: int | None = None,
-                 max_row_tokens: int | None = None) -> None:
+                 max_row_tokens: int | None = None, cost: widths.CostModel | None = None) -> None:
+        """cost: what a forward costs, for the cost policy (default: measured, widths.cost_model)."""
         cfg = model.config
         # the cache grows geometrically but never past these (a server's limits on rows and columns)
         self.max_rows, self.max_row_tokens = max_rows, max_row_tokens
@@ -170,6 +184,8 @@ class SpeculativeBatch:
         self.running: list[SpeculativeSeq] = []
         self.pending: list[SpeculativeSeq] = []
         self.next_id = 0
+        self.cost = cost  # measured at the first step that needs it
+        self.prior = widths.prior_for(model)
 
     def __len__(self) -> int:
         return len(self.running) + len(self.pending)
@@ -211,9 +227,10 @@ class SpeculativeBatch:
             self._admit()
         if not self.running:
             return []
-        for lo, hi in ((0, old), (old, len(self.running))):
+        self._choose_widths()
+        for lo, hi, prefill in ((0, old, False), (old, len(self.running), True)):
             if hi > lo:
-                self._forward(lo, hi)
+                self._forward(lo, hi, prefill)
         done = [i for i, q in enumerate(self.running) if q.done]
         out = [(self.running[i].sid, self.running[i].result()) for i in done]
         for i in reversed(done):
@@ -240,7 +257,30 @@ class SpeculativeBatch:
             self.running[i] = self.running[last]
         self.running.pop()
 
-    def _forward(self, lo: int, hi: int) -> None:
+    def _choose_widths(self) -> None:
+        """The cost policy's widths for this step's rows (widths.best_widths); the others keep theirs."""
+        seqs = self.running
+        free = np.array([q.p.widths == "cost" for q in seqs])
+        if not free.any():
+            return
+        if self.cost is None:
+            self.cost = widths.cost_model(self.model)
+        # a row drafts at most draft_length tokens, and one fewer than the positions it has left
+        bound = np.array([max(0, min(q.p.draft_length, q.p.gen_length - len(q.res.tokens) - 1)) for q in seqs])
+        K = int(bound.max())
+        kind = np.array([q.kind for q in seqs])
+        reached = np.stack([q.acceptance.reached[q.kind, :K] for q in seqs])
+        rate = widths.rates(reached, np.stack([q.acceptance.accepted[q.kind, :K] for q in seqs]), kind, self.prior)
+        masks = np.array([-1 if q.p.mask_length is None else q.p.mask_length for q in seqs])
+        width = np.array([q.width for q in seqs])
+        # a sequence tries a few drafts of its own before the policy may stop it drafting
+        floor = np.minimum(np.array([q.drafts_tried < widths.EXPLORE for q in seqs], dtype=np.int64), bound)
+        for q, f, w in zip(seqs, free, widths.best_widths(rate, bound, masks, width, free, self.cost, floor)):
+            if f:
+                q.width = int(w)
+
+    def _forward(self, lo: int, hi: int, prefill: bool) -> None:
+        start = time.perf_counter()
         seqs = self.running[lo:hi]
         feeds = [q.next_feed() for q in seqs]
         B = len(seqs)
@@ -248,39 +288,48 @@ class SpeculativeBatch:
         need = max(len(ids) - q.anchor for q, (ids, _) in zip(seqs, feeds))  # logits from each anchor on
         # rows are right-aligned so that every row's anchor..end falls in the last `need` columns
         packed = np.zeros((3, B, W), dtype=np.int64)  # ids, positions, cache columns
-        # anchor's index among the last `need`, draft length, seed, response position the anchor predicts
-        meta = np.zeros((4, B), dtype=np.int64)
+        # anchor's index among the last `need`, draft length, seed, response position the anchor
+        # predicts, prompt length
+        meta = np.zeros((5, B), dtype=np.int64)
         for b, (q, (ids, pos)) in enumerate(zip(seqs, feeds)):
             w, off = len(ids), W - len(ids)
             packed[0, b], packed[1, b, off:] = self.pad, pos
             packed[0, b, off:] = ids
             # padding goes after the row's own columns, where no real query of the row looks
             packed[2, b] = np.r_[np.arange(q.c + w, q.c + W), np.arange(q.c, q.c + w)]
-            meta[:, b] = need - (w - q.anchor), q.fed_k, q.seed, len(q.res.tokens)
+            meta[:, b] = need - (w - q.anchor), q.fed_k, q.seed, len(q.res.tokens), q.P
         dev = torch.from_numpy(np.concatenate([packed.reshape(-1), meta.reshape(-1)])).to(self.device)
         ids_t, pos_t, col_t = dev[: 3 * B * W].view(3, B, W)
-        anchor_t, k_t, seed_t, g_t = dev[3 * B * W:].view(4, B)
+        anchor_t, k_t, seed_t, g_t, prompt_t = dev[3 * B * W:].view(5, B)
         used = max(q.c for q in seqs) + W
         cache = self.cache.at(col_t, keys=used, row0=lo)
         # a query sees every kept column of its row and its own row's fed tokens up to itself
         mask = torch.arange(used, device=self.device)[None, None, :] <= col_t[:, :, None]
         real = packed_index([len(ids) for ids, _ in feeds], W, self.device)  # ragged rows: only real tokens
         logits = self.model(ids_t, pos_t, attn_mask=mask[:, None], cache=cache, num_logits=need, real=real).float()
-        j, extra, amax = self._judge(seqs, logits, ids_t[:, W - need:], anchor_t, k_t, seed_t, g_t)
-        host = torch.cat([j[:, None], extra[:, None], amax], 1).cpu().numpy()  # the step's one transfer
+        j, extra, drafts = self._judge(seqs, logits, ids_t[:, W - need:], pos_t[:, W - need:] - prompt_t[:, None],
+                                       anchor_t, k_t, seed_t, g_t)
+        host = torch.cat([j[:, None], extra[:, None], drafts], 1).cpu().numpy()  # the step's one transfer
+        kinds = np.array([q.kind for q in seqs])
         for b, (q, (ids, _)) in enumerate(zip(seqs, feeds)):
             a, k = int(meta[0, b]), q.fed_k
             masks_from = a + 1 + k  # the masks after the anchor and the draft
             q.advance(int(host[b, 0]), int(host[b, 1]), host[b, 2 + masks_from: 2 + need].tolist())
+        if not prefill:
+            self.prior.record_many(kinds, host[:, 0], meta[1])
+            if self.cost is not None:  # what this step took, its host work included
+                fed = sum(len(ids) for ids, _ in feeds) if self.cost.packed else B * W
+                self.cost.observe(B, fed, time.perf_counter() - start)
 
-    def _judge(self, seqs: list[SpeculativeSeq], logits: Tensor, ids: Tensor, anchor: Tensor, k: Tensor,
-               seed: Tensor, g: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Per row: j (accepted draft tokens), the extra token, and the greedy prediction at every
-        column (the masks' ones are the next draft). logits/ids: the last N fed columns; the anchor
-        column predicts response position g, each column after it the next one."""
+    def _judge(self, seqs: list[SpeculativeSeq], logits: Tensor, ids: Tensor, own: Tensor, anchor: Tensor,
+               k: Tensor, seed: Tensor, g: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Per row: j (accepted draft tokens), the extra token, and every column's draft token (the
+        masks' ones are the next draft): its argmax, or with sampled_drafts its position-keyed draw.
+        logits/ids: the last N fed columns; own: each column's response position; the anchor column
+        predicts response position g, each draft column after it the next one, each mask its own."""
         B, N, _ = logits.shape
         amax = logits.argmax(-1)
-        want = amax  # the token each column's prediction commits: greedy, or the position-keyed draw
+        want = drafts = amax  # the token each column's prediction commits: greedy, or the position-keyed draw
         nxt = ids[:, 1:]  # the token fed after column t, which column t's logits predict
         col = torch.arange(N, device=logits.device)[None, :]
         sampling = [q.p.temperature > 0 for q in seqs]
@@ -292,8 +341,15 @@ class SpeculativeBatch:
             top_p = torch.tensor([q.p.top_p or 1.0 for q in seqs], device=logits.device)
             filtered = any(q.p.top_k is not None or q.p.top_p is not None for q in seqs)
             probs = sampling_probs(logits, temp, top_k, top_p, filtered)
-            u = position_uniforms(seed, (g[:, None] + col - anchor[:, None]).clamp(min=0))
-            want = torch.where(torch.tensor(sampling, device=logits.device)[:, None], draw(probs, u), amax)
+            # the position each column's draw is for: the next one up to the last draft token, then
+            # the masks' own (the uniforms the output at those positions will be drawn with)
+            a = anchor[:, None]
+            target = torch.where(col <= a + k[:, None], g[:, None] + col - a, own)
+            tok = draw(probs, position_uniforms(seed, target.clamp(min=0)))
+            want = torch.where(torch.tensor(sampling, device=logits.device)[:, None], tok, amax)
+            sampled = [s and q.p.sampled_drafts for q, s in zip(seqs, sampling)]
+            if any(sampled):
+                drafts = torch.where(torch.tensor(sampled, device=logits.device)[:, None], tok, amax)
         ok = nxt == want[:, :-1]
         if any(t is not None for t in taus):
             if probs is None:
@@ -307,17 +363,19 @@ class SpeculativeBatch:
         run = torch.where(c < a, True, torch.where(c < a + k[:, None], ok, False))
         j = run.long().cumprod(1).sum(1) - anchor
         extra = want.gather(1, (anchor + j)[:, None]).squeeze(1)  # the column after the accepted drafts
-        return j, extra, amax
+        return j, extra, drafts
 
 
 @torch.inference_mode()
 def generate_speculative(model: Transformer, prompts: list[list[int]], params: SpeculativeParams | None = None, *,
                          eos_ids: list[int] | None = None, seed: int | None = None,
-                         on_commit: Callable[[int, list[int], list[int]], None] | None = None) -> list[DecodeResult]:
+                         on_commit: Callable[[int, list[int], list[int]], None] | None = None,
+                         cost: widths.CostModel | None = None) -> list[DecodeResult]:
     """Self-speculative decoding of a batch of prompts; on_commit(row, positions, tokens) streams.
-    Every sampled sequence draws with the uniforms of `seed` (0 when None), as it would alone."""
+    Every sampled sequence draws with the uniforms of `seed` (0 when None), as it would alone.
+    cost: what a forward costs, for the cost policy (default: measured)."""
     p = params or SpeculativeParams()
-    batch = SpeculativeBatch(model, eos_ids)
+    batch = SpeculativeBatch(model, eos_ids, cost=cost)
     p.check_model(model.config)
     check_prompts(model.config, prompts, p.gen_length)
     sids = [batch.add(q, p, seed=seed, on_commit=None if on_commit is None else

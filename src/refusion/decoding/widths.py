@@ -1,0 +1,328 @@
+"""How wide each self-speculative step is: the draft tokens (and masks) each sequence feeds
+(SpeculativeParams.widths).
+
+- fixed: draft_length drafts and mask_length (default draft_length + 1) masks every step.
+- adaptive: a sequence's width goes +2 after a fully accepted draft and -1 after a rejection,
+  within [1, draft_length], with width + 1 masks (speculative.py).
+- cost (the default): before every step, the widths that maximise the batch's expected committed
+  tokens per second, within [0, draft_length], with width + 1 masks (none at width 0: an AR step).
+
+The cost policy weighs two measurements.
+
+What a forward costs (`CostModel`): seconds as a function of the batch's rows and of the tokens
+the forward computes, which is what the code really computes: on a CPU the sum of the rows' fed
+tokens (a ragged batch computes only its real tokens, common.packed_index), elsewhere rows x the
+widest row (rows are padded to one width). It is measured at first use for this device type,
+dtype, model shape, thread count and forward (compiled or eager): timed forwards on a scratch
+cache, widths 1..64 at 1 and 8 rows (wider ones extrapolated once a row count has taken
+CALIBRATION_SECONDS), each the fastest of three, smoothed into a nondecreasing convex curve (a
+busy machine's spikes taken out), interpolated linearly and extrapolated past the grid. It is then
+kept up to date from the decode's own step timings: every decode forward already ends in a host
+transfer, so timing it adds no sync, and each step moves the table's nearest cells a little
+towards what the step took (its host work included). `CostModel.of` makes a fixed table from a
+function (`SpeculativeBatch(cost=...)`, `generate_speculative(cost=...)`; tests/conftest.py
+gives every test one).
+
+What a draft is worth (`Acceptance`): per sequence, kind of draft (the masks' fresh predictions
+after a fully accepted draft, or what follows a rejection, which is accepted far less often) and
+draft position, how often a draft reached that position (every earlier draft token accepted) and
+how often it was accepted there. The rate a(i) is their ratio shrunk towards the same ratio
+pooled over the sequences this model decoded lately, so a new sequence starts from what the
+model's drafts usually do, and a position no draft has reached yet from the pooled mean. A draft
+of width w then commits 1 + sum_{i<=w} prod_{l<=i} a(l) tokens in expectation (its accepted
+prefix and one more). Every sequence feeds its first EXPLORE drafts whatever they are expected to
+be worth, so that a model whose drafts were poor on other prompts is still tried on this one.
+
+The choice. On a CPU the cost grows with the total tokens: the rows are widened one draft token
+at a time, the most expected tokens per fed token first, and of all those widenings the one with
+the best ratio of expected tokens to measured cost is taken (exact whatever the cost's shape).
+Elsewhere the forward is as wide as its widest row, so every row drafts up to one common width,
+the one with the best ratio. Either way a few numpy operations on [rows, draft_length] arrays per
+step, on the host. Rows whose policy is fixed or adaptive (a server's batch mixes requests) keep
+their widths and count in the cost and the rate. The choice is myopic (one step's ratio) and
+steady-state (a row is valued as if its draft filled its width: masks fed now draft the next
+step), and sized for the rows running now: as rows join and leave, the widths follow.
+
+Widths never change an output: greedy output is AR's whatever the widths, and sampled tokens are
+position-keyed draws (sampling.py). They do change the counters (forwards, tokens fed), which under
+the cost policy follow measured timings: use widths fixed or adaptive where counters must repeat.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from refusion.decoding.params import MAX_DRAFT
+from refusion.model.cache import RaggedKVCache
+from refusion.model.transformer import Transformer
+
+CALIBRATION_ROWS = (1, 8)
+CALIBRATION_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
+CALIBRATION_CONTEXT = 64  # cached columns the calibration's queries attend to
+CALIBRATION_SECONDS = 0.15  # per row count; at least two widths are measured whatever they take
+REFRESH_RATE = 0.1  # how far one step's timing moves the table (in log seconds)
+PRIOR_WEIGHT = 2.0  # the pooled rates' weight in a sequence's own, in draft observations
+PRIOR_MEMORY = 0.99  # the pooled counts' decay per step: they follow the sequences of late
+EXPLORE = 2  # a sequence drafts at least one token until it has fed this many drafts
+
+
+# ---- what a forward costs -------------------------------------------------------------------------
+
+
+def _line(x: np.ndarray, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
+    """Piecewise-linear through (xs, ys), extended linearly past both ends."""
+    y = np.interp(x, xs, ys)
+    if len(xs) < 2:
+        return y
+    lo = ys[0] + (x - xs[0]) * (ys[1] - ys[0]) / (xs[1] - xs[0])
+    hi = ys[-1] + (x - xs[-1]) * (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+    return np.where(x < xs[0], lo, np.where(x > xs[-1], hi, y))
+
+
+def _smooth(xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
+    """The greatest nondecreasing convex function below the points (xs ascending), at xs: what is
+    left of timings once a busy machine's spikes, which only ever add time, are taken out. A
+    forward's cost has that shape: flat while the device has room (an accelerator), then linear."""
+    ys = np.minimum.accumulate(ys[::-1])[::-1]  # nondecreasing: a point is no dearer than any to its right
+    hull = [0]
+    for i in range(1, len(xs)):  # the lower convex hull, left to right
+        while len(hull) >= 2:
+            a, b = hull[-2], hull[-1]
+            if (ys[b] - ys[a]) * (xs[i] - xs[a]) >= (ys[i] - ys[a]) * (xs[b] - xs[a]):
+                hull.pop()  # b lies on or above the chord from a to i
+            else:
+                break
+        hull.append(i)
+    return np.interp(xs, xs[hull], ys[hull])
+
+
+def _bracket(xs: np.ndarray, x: float) -> tuple[int, float]:
+    """(i, f): x lies a fraction f of the way from xs[i] to xs[i + 1] (f outside [0, 1] past the ends)."""
+    if len(xs) < 2:
+        return 0, 0.0
+    i = int(np.clip(np.searchsorted(xs, x) - 1, 0, len(xs) - 2))
+    return i, (x - xs[i]) / (xs[i + 1] - xs[i])
+
+
+class CostModel:
+    """Seconds a forward takes, from a table: for each of a few row counts, seconds at a few token
+    counts (the tokens the forward computes). packed: a ragged batch computes its rows' real tokens
+    (a CPU) rather than rows x its widest row. frozen: never refreshed by observe()."""
+
+    def __init__(self, rows: Sequence[int], tokens: Sequence[Sequence[float]], seconds: Sequence[Sequence[float]],
+                 packed: bool, frozen: bool = False) -> None:
+        self.rows = np.asarray(rows, dtype=float)
+        self.tokens = [np.asarray(t, dtype=float) for t in tokens]
+        self.seconds = [_smooth(t, np.asarray(s, dtype=float)) for t, s in zip(self.tokens, seconds)]
+        self.packed, self.frozen = packed, frozen
+        self.floor = 0.5 * min(float(s.min()) for s in self.seconds)  # no estimate below it, extrapolated or not
+
+    @classmethod
+    def of(cls, seconds: Callable[[int, int], float], packed: bool = True) -> CostModel:
+        """A frozen table of seconds(rows, tokens) on the calibration grid: a cost that does not
+        depend on timings (tests)."""
+        tokens = [[r * w for w in CALIBRATION_WIDTHS] for r in CALIBRATION_ROWS]
+        return cls(CALIBRATION_ROWS, tokens, [[seconds(r, t) for t in ts] for r, ts in zip(CALIBRATION_ROWS, tokens)],
+                   packed, frozen=True)
+
+    def __call__(self, rows: int, tokens) -> np.ndarray:
+        """Seconds of forwards of `rows` rows computing `tokens` tokens (an array: one estimate each)."""
+        t = np.asarray(tokens, dtype=float)
+        i, f = _bracket(self.rows, rows)
+        y = _line(t, self.tokens[i], self.seconds[i])
+        if len(self.rows) > 1:  # (more rows never cost less for as many tokens, extrapolated or not)
+            y = y + f * (np.maximum(_line(t, self.tokens[i + 1], self.seconds[i + 1]), y) - y)
+        return np.maximum(y, self.floor)
+
+    def observe(self, rows: int, tokens: int, seconds: float) -> None:
+        """A decode forward took `seconds`: move the nearest cells towards it, each by its share of the
+        interpolation (a step's noise moves the table by a few percent at most)."""
+        if self.frozen or not seconds > 0:
+            return
+        ratio = float(np.clip(seconds / float(self(rows, tokens)), 0.5, 2.0))
+        i, f = _bracket(self.rows, rows)
+        for r, wr in zip((i, i + 1), _shares(f)) if len(self.rows) > 1 else ((0, 1.0),):
+            j, g = _bracket(self.tokens[r], tokens)
+            for c, wc in zip((j, j + 1), _shares(g)):
+                if c < len(self.seconds[r]):
+                    self.seconds[r][c] *= ratio ** (REFRESH_RATE * wr * wc)
+            np.maximum.accumulate(self.seconds[r], out=self.seconds[r])
+
+
+def _shares(f: float) -> tuple[float, float]:
+    """How much of an observation each of the two cells around it takes: their interpolation
+    weights, or all of it each past the grid's ends, where both extrapolate it (scaling both
+    scales the estimate there; moving only the nearer one would tilt the table)."""
+    return (1 - f, f) if 0 <= f <= 1 else (1.0, 1.0)
+
+
+def cost_key(model: Transformer) -> tuple:
+    """What a forward's cost depends on: device type, dtype, the model's shape, threads, compiled."""
+    c, w = model.config, model.embed_tokens.weight
+    return (w.device.type, str(w.dtype), c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads,
+            c.num_kv_heads, c.head_dim, c.vocab_size, torch.get_num_threads(), model.compiled is not None)
+
+
+COSTS: dict[tuple, CostModel] = {}  # cost_key -> its CostModel, measured once per process
+
+
+def cost_model(model: Transformer) -> CostModel:
+    """The model's CostModel for the current settings, measured on first use."""
+    key = cost_key(model)
+    if key not in COSTS:
+        COSTS[key] = measure_cost(model)
+    return COSTS[key]
+
+
+@torch.inference_mode()
+def measure_cost(model: Transformer) -> CostModel:
+    """Time forwards the way a speculative step runs them (a RaggedKVCache, a bool mask, logits of
+    every fed token, their argmax brought to the host), on a scratch cache: nothing of any decode
+    is touched."""
+    cfg, weight = model.config, model.embed_tokens.weight
+    limit = cfg.max_position_embeddings
+    ctx = min(CALIBRATION_CONTEXT, limit // 2)
+    widths = [w for w in CALIBRATION_WIDTHS if ctx + w <= limit] or [1, 2]
+    tokens, seconds = [], []
+    for rows in CALIBRATION_ROWS:
+        cache = RaggedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, weight.dtype, weight.device,
+                              rows=rows, capacity=ctx + widths[-1])
+        for w in widths[:2]:  # a shape's first call allocates (or compiles: width 1 and wider are two graphs)
+            _timed_forward(model, cache, rows, w, ctx)
+        start, measured = time.perf_counter(), []
+        for w in widths:
+            if len(measured) >= 2 and time.perf_counter() - start > CALIBRATION_SECONDS:
+                break  # the rest is extrapolated (and refreshed as real steps run)
+            measured.append(min(_timed_forward(model, cache, rows, w, ctx) for _ in range(3)))
+        tokens.append([rows * w for w in widths[: len(measured)]])
+        seconds.append(measured)
+    return CostModel(CALIBRATION_ROWS, tokens, seconds, packed=weight.device.type == "cpu")
+
+
+def _timed_forward(model: Transformer, cache: RaggedKVCache, rows: int, width: int, ctx: int) -> float:
+    dev = cache.device
+    cols = torch.arange(ctx, ctx + width, device=dev).repeat(rows, 1)
+    ids = torch.full((rows, width), model.config.mask_token_id or 0, device=dev)
+    mask = torch.arange(ctx + width, device=dev)[None, None, :] <= cols[:, :, None]
+    start = time.perf_counter()
+    logits = model(ids, cols, attn_mask=mask[:, None], cache=cache.at(cols, keys=ctx + width), num_logits=width)
+    logits.float().argmax(-1).cpu()  # the step's host transfer, which waits for the device
+    return time.perf_counter() - start
+
+
+# ---- what a draft is worth ------------------------------------------------------------------------
+
+
+FRESH, AFTER_MISS = 0, 1  # the kinds of draft a step feeds (Acceptance)
+
+
+class Acceptance:
+    """Per kind of draft and draft position (0 = the first draft token): how often a draft reached
+    it (every earlier draft token accepted) and how often it was accepted there. The kinds: FRESH,
+    the masks' predictions after a fully accepted draft; AFTER_MISS, after a rejection: the rest of
+    the old draft (drafted beside the token that was rejected), then the masks'. They are counted
+    apart because they are accepted very differently."""
+
+    def __init__(self, n: int = MAX_DRAFT) -> None:
+        self.reached = np.zeros((2, n))
+        self.accepted = np.zeros((2, n))
+
+    def record(self, kind: int, j: int, k: int) -> None:
+        """A draft of k tokens of which the first j were accepted."""
+        self.reached[kind, : min(j + 1, k)] += 1
+        self.accepted[kind, :j] += 1
+
+    def record_many(self, kind: np.ndarray, j: np.ndarray, k: np.ndarray) -> None:
+        """Several drafts at once (a step's rows), after the counts so far decay by PRIOR_MEMORY."""
+        n = self.reached.shape[1]
+        self.reached *= PRIOR_MEMORY
+        self.accepted *= PRIOR_MEMORY
+        for s in (FRESH, AFTER_MISS):
+            mine = kind == s
+            # position i was reached by the drafts with min(j + 1, k) > i, accepted by those with j > i
+            self.reached[s] += _at_least(np.minimum(np.minimum(j + 1, k), n)[mine], n)
+            self.accepted[s] += _at_least(np.minimum(j, n)[mine], n)
+
+    def mean(self) -> np.ndarray:
+        """Per kind, the rate over every position (with one acceptance and one rejection as its prior)."""
+        return (self.accepted.sum(1) + 1) / (self.reached.sum(1) + 2)
+
+    def prior(self, n: int) -> np.ndarray:
+        """Per kind, pooled rates of the first n positions [2, n], each shrunk towards its kind's mean
+        (so a position no draft has reached gets the mean)."""
+        return (self.accepted[:, :n] + PRIOR_WEIGHT * self.mean()[:, None]) / (self.reached[:, :n] + PRIOR_WEIGHT)
+
+
+def _at_least(counts: np.ndarray, n: int) -> np.ndarray:
+    """[n]: how many of `counts` exceed each position 0..n-1."""
+    return np.bincount(counts, minlength=n + 1)[::-1].cumsum()[::-1][1:]
+
+
+PRIORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its pooled Acceptance
+
+
+def prior_for(model: Transformer) -> Acceptance:
+    """The acceptance pooled over the sequences this model decoded lately (it outlives a batch, so a
+    decode() call starts from what the calls before it saw)."""
+    if model not in PRIORS:
+        PRIORS[model] = Acceptance()
+    return PRIORS[model]
+
+
+def rates(reached: np.ndarray, accepted: np.ndarray, kind: np.ndarray, pool: Acceptance) -> np.ndarray:
+    """Each row's acceptance rate per draft position for the kind of draft it feeds next (kind [B]),
+    from its own counts of that kind [B, n] shrunk towards the pooled rates, scaled by how the row
+    does against the pool overall: a sequence whose drafts do better than the model's usual ones
+    expects that at the positions it has not reached yet too."""
+    mean = pool.mean()[kind]
+    own = (accepted.sum(1) + PRIOR_WEIGHT * mean) / (reached.sum(1) + PRIOR_WEIGHT)
+    base = np.minimum(pool.prior(reached.shape[1])[kind] * (own / mean)[:, None], 0.99)
+    return (accepted + PRIOR_WEIGHT * base) / (reached + PRIOR_WEIGHT)
+
+
+# ---- the choice -------------------------------------------------------------------------------------
+
+
+def best_widths(rate: np.ndarray, bound: np.ndarray, masks: np.ndarray, width: np.ndarray, free: np.ndarray,
+                cost: CostModel, floor: np.ndarray | None = None) -> np.ndarray:
+    """The widths [B] with the most expected committed tokens per second of one forward.
+
+    rate [B, K]: each row's acceptance rate per draft position; bound [B]: the most draft tokens
+    each row may feed (<= K); masks [B]: a row's fixed number of masks, or -1 for width + 1 (none
+    at width 0); width [B]: the widths now; free [B]: the rows whose width is chosen here (the
+    others keep theirs); floor [B]: the least width of each free row (<= bound). Widths are as if
+    the draft were there: a row with a shorter draft feeds fewer draft tokens but its masks, which
+    draft that far for the next step.
+    """
+    B, K = rate.shape
+    w = np.arange(K + 1)
+    value = np.concatenate([np.ones((B, 1)), 1 + np.cumsum(np.cumprod(rate, axis=1), axis=1)], axis=1)
+    fed = 1 + w + np.where(masks[:, None] >= 0, masks[:, None], np.where(w > 0, w + 1, 0))  # [B, K+1]
+    pinned = np.minimum(width, bound)
+    floor = np.zeros(B, dtype=np.int64) if floor is None else floor
+    rows = np.arange(B)
+    if not cost.packed:  # padded to the widest row: every row drafts up to one common width
+        common = np.maximum(np.minimum(w[:, None], bound[None, :]), floor[None, :])
+        idx = np.where(free[None, :], common, pinned[None, :])  # [K+1, B]
+        ratio = value[rows, idx].sum(1) / cost(B, B * fed[rows, idx].max(1))
+        return idx[int(ratio.argmax())]
+    # a CPU computes the rows' tokens: widen one row by one draft token at a time, the best value
+    # per token first, and keep the count with the best ratio. Each row's steps are ordered by the
+    # running minimum of their value per token, so that every count widens each row by a prefix
+    # (its gains shrink with depth; only its first step, which adds a draft and two masks, costs more)
+    start = np.where(free, floor, pinned)
+    gain, cost_in_tokens = np.diff(value, axis=1), np.diff(fed, axis=1)  # [B, K]: of widening w-1 -> w
+    valid = free[:, None] & (w[None, 1:] > start[:, None]) & (w[None, 1:] <= bound[:, None])
+    key = np.minimum.accumulate(np.where(valid, gain / cost_in_tokens, np.inf), axis=1)
+    order = np.argsort(-key.ravel(), kind="stable")
+    order = order[valid.ravel()[order]]
+    gains, tokens = gain.ravel()[order], cost_in_tokens.ravel()[order]
+    v = value[rows, start].sum() + np.r_[0.0, np.cumsum(gains)]
+    t = fed[rows, start].sum() + np.r_[0, np.cumsum(tokens)]
+    n = int((v / cost(B, t)).argmax())
+    return start + np.bincount(order[:n] // K, minlength=B)

@@ -1,0 +1,247 @@
+"""The cost width policy (decoding/widths.py): its cost table, its acceptance counts, its choice
+against a brute-force search, and the measured policy end to end (AR's tokens whatever it picks)."""
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from refusion.decoding import ARParams, generate_ar, widths
+from refusion.decoding import speculative as spec
+from refusion.decoding.speculative import SpeculativeBatch, SpeculativeParams, generate_speculative
+from refusion.decoding.widths import Acceptance, CostModel, best_widths
+from refusion.model.config import ModelConfig
+from refusion.model.transformer import Transformer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+MEASURED = widths.cost_model  # (conftest.py gives every test a fixed table instead)
+
+PROMPTS = [[2, 3, 4], [5, 6, 7, 8, 9, 10, 11], [12], [13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 2, 3]]
+
+
+def tiny(seed: int = 0, **over) -> Transformer:
+    cfg = dict(vocab_size=24, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+               mask_token_id=23, eos_token_id=1)
+    return Transformer(ModelConfig(**{**cfg, **over})).init_weights(seed=seed, std=0.5).eval()
+
+
+def linear(c0=1e-3, per_row=2e-4, per_token=4e-5):
+    return lambda rows, tokens: c0 + per_row * rows + per_token * tokens
+
+
+# ---- the cost table -------------------------------------------------------------------------------
+
+
+def test_a_linear_cost_is_interpolated_and_extrapolated_exactly():
+    f = linear()
+    cost = CostModel.of(f)
+    for rows, tokens in [(1, 2), (1, 1), (1, 37), (1, 300), (3, 5), (8, 512), (8, 2000), (16, 40), (64, 900)]:
+        assert cost(rows, [tokens])[0] == pytest.approx(f(rows, tokens), rel=1e-9), (rows, tokens)
+
+
+def test_timings_are_smoothed_into_a_nondecreasing_convex_curve():
+    xs = np.array([1.0, 2, 4, 8, 16, 32, 64])
+    flat_then_linear = np.array([1.0, 1, 1, 1, 1, 2, 4])  # an accelerator: room, then full
+    assert widths._smooth(xs, flat_then_linear).tolist() == flat_then_linear.tolist()
+    spiked = np.array([1.0, 1.1, 5.0, 1.4, 2.2, 3.8, 7.0])  # a busy machine's spike at 4, and a noisy 2
+    got = widths._smooth(xs, spiked)
+    assert got[2] < 1.4 and got[0] == 1.0 and got[-1] == 7.0
+    assert (np.diff(got) >= 0).all() and (np.diff(np.diff(got) / np.diff(xs)) >= -1e-12).all()
+    assert (got <= spiked + 1e-12).all()
+
+
+def test_observed_step_times_move_the_table_and_a_frozen_one_stays():
+    f = linear()
+    frozen = CostModel.of(f)
+    live = CostModel(frozen.rows, frozen.tokens, frozen.seconds, packed=True)
+    before = float(live(4, [100])[0])
+    seen = []
+    for _ in range(60):  # the steps take twice what the table says
+        live.observe(4, 100, 2 * before)
+        frozen.observe(4, 100, 2 * before)
+        seen.append(float(live(4, [100])[0]))
+    assert all(b >= a for a, b in zip(seen, seen[1:])) and before < seen[0] < seen[-1] <= 2 * before * 1.001
+    assert seen[-1] > 1.8 * before
+    assert float(frozen(4, [100])[0]) == pytest.approx(before)
+    for s in live.seconds:  # still more seconds for more tokens
+        assert (np.diff(s) >= 0).all()
+
+
+def test_calibration_measures_the_grid_and_fits_a_short_context():
+    model = tiny()
+    cost = widths.measure_cost(model)
+    assert cost.packed and not cost.frozen and list(cost.rows) == list(widths.CALIBRATION_ROWS)
+    for rows, tokens, seconds in zip(cost.rows, cost.tokens, cost.seconds):
+        assert len(tokens) >= 2 and list(tokens) == [rows * w for w in widths.CALIBRATION_WIDTHS[: len(tokens)]]
+        assert tokens[0] == rows  # a plain AR step's cost is measured, not extrapolated
+        assert (seconds > 0).all() and (np.diff(seconds) >= 0).all()
+    short = widths.measure_cost(tiny(max_position_embeddings=40))  # 20 cached columns, widths up to 16
+    assert max(short.tokens[0]) <= 16
+
+
+# ---- acceptance -----------------------------------------------------------------------------------
+
+
+def test_acceptance_counts_by_hand():
+    F, M = widths.FRESH, widths.AFTER_MISS
+    a = Acceptance(6)
+    a.record(F, 2, 4)  # positions 0, 1 accepted, 2 rejected, 3 never reached
+    a.record(F, 3, 3)  # all accepted
+    a.record(F, 0, 0)  # no draft
+    a.record(M, 0, 5)  # after a miss: rejected at once
+    assert a.reached[F].tolist() == [2, 2, 2, 0, 0, 0] and a.accepted[F].tolist() == [2, 2, 1, 0, 0, 0]
+    assert a.reached[M].tolist() == [1, 0, 0, 0, 0, 0] and a.accepted[M].tolist() == [0] * 6
+    pooled = Acceptance(6)
+    pooled.record_many(np.array([F, F, F, M]), np.array([2, 3, 0, 0]), np.array([4, 3, 0, 5]))
+    m = widths.PRIOR_MEMORY
+    pooled.record_many(np.array([F]), np.array([5]), np.array([5]))
+    assert pooled.reached[F].tolist() == pytest.approx([2 * m + 1, 2 * m + 1, 2 * m + 1, 1, 1, 0])
+    assert pooled.accepted[F].tolist() == pytest.approx([2 * m + 1, 2 * m + 1, 1 * m + 1, 1, 1, 0])
+    assert pooled.reached[M].tolist() == pytest.approx([m, 0, 0, 0, 0, 0]) and not pooled.accepted[M].any()
+
+
+def test_rates_follow_a_rows_own_counts_its_kind_of_draft_and_its_standing_against_the_pool():
+    F, M = widths.FRESH, widths.AFTER_MISS
+    pool = Acceptance(8)
+    for _ in range(50):
+        pool.record(F, 1, 4)  # the model's fresh drafts: the first token accepted, the second not
+        pool.record(M, 0, 4)  # after a miss: nothing accepted
+    good = Acceptance(8)
+    for _ in range(20):
+        good.record(F, 3, 3)  # this sequence's: all three accepted, every time
+    new = Acceptance(8)
+    r = widths.rates(np.stack([good.reached[F], new.reached[F], new.reached[M]]),
+                     np.stack([good.accepted[F], new.accepted[F], new.accepted[M]]), np.array([F, F, M]), pool)
+    assert (r[0, :3] > 0.9).all()  # its own counts
+    # a position no draft reached: a new sequence expects the pool's mean there, this one more
+    assert r[1, 3] == pytest.approx(pool.mean()[F]) and r[0, 3] > 0.9
+    assert r[1, 0] > 0.9 > 0.1 > r[1, 1]  # a new sequence: the pool's rates
+    assert r[2, 0] < 0.05  # and after a miss, the pool's rates after a miss
+
+
+# ---- the choice -----------------------------------------------------------------------------------
+
+
+def brute_force(rate, bound, masks, width, free, floor, cost):
+    B, K = rate.shape
+    value = np.concatenate([np.ones((B, 1)), 1 + np.cumsum(np.cumprod(rate, 1), 1)], 1)
+    choices = [range(floor[b], bound[b] + 1) if free[b] else [min(width[b], bound[b])] for b in range(B)]
+    best = 0.0
+    for ws in itertools.product(*choices):
+        fed = [1 + w + (masks[b] if masks[b] >= 0 else (w + 1 if w else 0)) for b, w in enumerate(ws)]
+        total = sum(fed) if cost.packed else B * max(fed)
+        best = max(best, sum(value[b, w] for b, w in enumerate(ws)) / cost(B, [total])[0])
+    return best
+
+
+def ratio(ws, rate, masks, cost):
+    B = len(ws)
+    value = np.concatenate([np.ones((B, 1)), 1 + np.cumsum(np.cumprod(rate, 1), 1)], 1)
+    fed = [1 + w + (masks[b] if masks[b] >= 0 else (w + 1 if w else 0)) for b, w in enumerate(ws)]
+    total = sum(fed) if cost.packed else B * max(fed)
+    return sum(value[b, w] for b, w in enumerate(ws)) / cost(B, [total])[0]
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_the_choice_is_the_best_ratio_of_a_brute_force_search(packed):
+    rng = np.random.default_rng(0)
+    # a CPU's cost (a fixed part, a part per token) and a GPU's (nearly flat until the tokens fill it)
+    cost = CostModel.of(linear(), packed) if packed else CostModel.of(lambda r, t: 1e-3 * (1 + max(0, t - 96) / 64),
+                                                                       packed)
+    for trial in range(300):
+        B, K = int(rng.integers(1, 4)), int(rng.integers(1, 6))
+        rate = rng.uniform(0.05, 1.0, (B, K)) ** rng.uniform(0.2, 2)
+        bound = rng.integers(0, K + 1, B)
+        masks = np.where(rng.random(B) < 0.2, rng.integers(0, 4, B), -1)
+        width = rng.integers(0, K + 1, B)
+        free = rng.random(B) < 0.8
+        floor = np.minimum(rng.integers(0, 2, B), bound)
+        ws = best_widths(rate, bound, masks, width, free, cost, floor)
+        assert all(floor[b] <= ws[b] <= bound[b] if free[b] else ws[b] == min(width[b], bound[b]) for b in range(B))
+        best = brute_force(rate, bound, masks, width, free, floor, cost)
+        assert ratio(ws, rate, masks, cost) >= best * (1 - 1e-9), trial
+
+
+def test_a_flat_cost_drafts_as_far_as_allowed_and_a_dear_token_not_at_all():
+    rate = np.full((3, 8), 0.3)
+    bound, masks, width, free = np.array([8, 5, 2]), np.full(3, -1), np.zeros(3, dtype=int), np.ones(3, bool)
+    for packed in (True, False):
+        flat = CostModel.of(lambda r, t: 1e-3, packed)
+        assert best_widths(rate, bound, masks, width, free, flat).tolist() == [8, 5, 2]
+        dear = CostModel.of(lambda r, t: 1e-3 * t, packed)
+        assert best_widths(rate, bound, masks, width, free, dear).tolist() == [0, 0, 0]
+
+
+def test_more_rows_draft_less_on_a_cpu():
+    """A forward's fixed cost is shared by the rows of a batch, so per row a draft token costs more
+    of the step at batch 8 than alone: the same acceptance gets narrower widths."""
+    cost = CostModel.of(linear())
+    rate = np.full((1, 32), 0.8)
+    one = best_widths(rate, np.array([32]), np.array([-1]), np.array([4]), np.array([True]), cost)[0]
+    eight = best_widths(np.repeat(rate, 8, 0), np.full(8, 32), np.full(8, -1), np.full(8, 4), np.ones(8, bool), cost)
+    assert len(set(eight.tolist())) == 1 and 0 < eight[0] < one
+
+
+# ---- the measured policy, end to end ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_the_cost_policy_keeps_ar_tokens_with_measured_and_injected_costs(monkeypatch, packed):
+    model = tiny(3)
+    monkeypatch.setattr(widths, "COSTS", {})
+    monkeypatch.setattr(widths, "cost_model", MEASURED)
+    want = generate_ar(model, PROMPTS, ARParams(gen_length=24), eos_ids=[1])
+    fed = []
+    plain = spec.SpeculativeSeq.next_feed
+
+    def next_feed(self):
+        ids, pos = plain(self)
+        fed.append((self.width, self.fed_k, len(ids), self.p.draft_length))
+        return ids, pos
+
+    monkeypatch.setattr(spec.SpeculativeSeq, "next_feed", next_feed)
+    injected = None if packed else CostModel.of(lambda r, t: 1e-3, packed=False)  # a GPU's flat cost
+    for draft_length in (3, None):
+        got = generate_speculative(model, PROMPTS, SpeculativeParams(gen_length=24, draft_length=draft_length),
+                                   eos_ids=[1], cost=injected)
+        assert [r.tokens for r in got] == [r.tokens for r in want]
+        sampled = SpeculativeParams(gen_length=24, draft_length=draft_length, temperature=0.9, top_p=0.9)
+        got = generate_speculative(model, PROMPTS, sampled, eos_ids=[1], seed=11, cost=injected)
+        for p, r in zip(PROMPTS, got):
+            alone = generate_ar(model, [p], ARParams(gen_length=24, temperature=0.9, top_p=0.9), eos_ids=[1], seed=11)
+            assert r.tokens == alone[0].tokens
+    assert all(k <= w <= d for w, k, _, d in fed)  # within draft_length, and no more drafts than the width
+    if packed:  # measured once for this model's shape and threads, then refreshed by the decodes' steps
+        (cost,) = widths.COSTS.values()
+        assert not cost.frozen and cost.packed
+    else:  # a flat cost: every row drafts as far as it may
+        assert max(w for w, _, _, d in fed if d == 32) == 23  # (gen_length 24: at most 23 drafts after a token)
+
+
+def test_rows_joining_and_leaving_are_sized_with_the_batch_they_are_in():
+    """The server's continuous batch: the policy sizes every step for the rows running then."""
+    model = tiny(4)
+    cost = CostModel.of(linear())
+    batch = SpeculativeBatch(model, eos_ids=[], cost=cost)
+    p = SpeculativeParams(gen_length=30)
+    sizes = []
+    plain = SpeculativeBatch._choose_widths
+
+    def choose(self):
+        plain(self)
+        sizes.append(len(self.running))
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(SpeculativeBatch, "_choose_widths", choose)
+        sids = [batch.add(PROMPTS[0], p)]
+        step = 0
+        results = {}
+        while len(batch):
+            results.update(batch.step())
+            step += 1
+            if step in (2, 3):
+                sids.append(batch.add(PROMPTS[step - 1], p))
+    assert sizes[:4] == [1, 1, 2, 3] and len(results) == 3
+    want = generate_ar(model, PROMPTS[:3], ARParams(gen_length=30), eos_ids=[])
+    assert [results[s].tokens for s in sids] == [r.tokens for r in want]
