@@ -61,7 +61,9 @@ def page(live):
 
 @pytest.mark.parametrize("decoder,settings", [
     ("refusion", {"#slot_size": "8", "#serial_blocks": "1"}),
-    ("speculative", {}),
+    # adaptive widths: the default (cost) policy's steps follow measured timings and what earlier
+    # requests taught it, so the API's repeat of the page's request could take other steps
+    ("speculative", {"#widths": "adaptive"}),
     ("mdm-threshold", {"#block_length": "32"}),
 ])
 def test_the_page_shows_the_api_answer(live, page, decoder, settings):
@@ -81,6 +83,8 @@ def test_the_page_shows_the_api_answer(live, page, decoder, settings):
     steps = {int(t.split("step ")[1]) for t in page.locator("#slots span.filled").evaluate_all(
         "els => els.map(e => e.title)")}
     assert steps == set(api["refusion"]["steps"])
+    if "#widths" in settings:
+        page.fill("#widths", "")  # back to its default (none: the cost policy; typed values outlive the test)
 
 
 def test_the_page_reports_errors(page):
@@ -92,7 +96,7 @@ def test_the_page_reports_errors(page):
     page.click("#run")
     page.wait_for_selector("body[data-state=error]", timeout=30_000)
     assert "tokens fed per step exceeds the model's context" in page.inner_text("#error")
-    page.fill("#draft_length", "16")  # back to its default
+    page.fill("#draft_length", "")  # back to its default (none: the widths policy's own bound)
     page.fill("#mask_length", "")
 
 
@@ -236,6 +240,9 @@ def test_two_decoders_side_by_side(live, page, shots, left, right):
     prompt = next(p for p in task_prompts(1) if p.startswith("Add"))
     page.fill("#prompt", prompt)
     page.fill("#max_tokens", "96")  # the whole working of an addition
+    # adaptive widths, so that the API's repeat of a speculative request takes the page's steps
+    page.select_option("#decoder", "speculative")
+    page.fill("#widths", "adaptive")
     page.select_option("#cmp_a", left)
     page.select_option("#cmp_b", right)
     page.click("#compare")
@@ -279,3 +286,5 @@ def test_two_decoders_side_by_side(live, page, shots, left, right):
     n = [len(s) for s in snaps]
     if n[0] != n[1]:
         assert (done[0] < done[1]) == (n[0] < n[1])
+    page.select_option("#decoder", "speculative")
+    page.fill("#widths", "")  # back to its default (none: the cost policy; typed values outlive the test)
