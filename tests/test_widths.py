@@ -245,3 +245,22 @@ def test_rows_joining_and_leaving_are_sized_with_the_batch_they_are_in():
     assert sizes[:4] == [1, 1, 2, 3] and len(results) == 3
     want = generate_ar(model, PROMPTS[:3], ARParams(gen_length=30), eos_ids=[])
     assert [results[s].tokens for s in sids] == [r.tokens for r in want]
+
+
+def test_a_draft_that_predicts_its_end_bounds_the_width():
+    """Draft tokens past the draft's own EOS would be committed after the answer ended: the cost
+    policy's bound stops at it (and with no EOS in the draft, only draft_length bounds it)."""
+    m = tiny()
+    batch = SpeculativeBatch(m, eos_ids=[1], cost=CostModel.of(lambda rows, tokens: 1e-3))  # tokens cost nothing
+    batch.add([2, 3, 4], SpeculativeParams(gen_length=40, draft_length=16))
+    batch.step()  # the prefill: the sequence now has a draft
+    q = batch.running[0]
+    q.draft = [5, 6, 1, 7, 8, 9]
+    assert q.draft_end() == 3
+    q.drafts_tried = widths.EXPLORE
+    batch._choose_widths()
+    assert q.width == 3  # a free cost would take all 16
+    q.draft = [5, 6, 7, 8, 9]
+    assert q.draft_end() == spec.MAX_DRAFT
+    batch._choose_widths()
+    assert q.width == 16

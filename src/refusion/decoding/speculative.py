@@ -53,7 +53,7 @@ from torch import Tensor
 
 from refusion.decoding import widths
 from refusion.decoding.common import DecodeResult, packed_index
-from refusion.decoding.params import SpeculativeParams, check_prompts, check_seed
+from refusion.decoding.params import MAX_DRAFT, SpeculativeParams, check_prompts, check_seed
 from refusion.decoding.sampling import draw, position_uniforms, sampling_probs
 from refusion.model.cache import RaggedKVCache
 from refusion.model.transformer import Transformer
@@ -144,6 +144,11 @@ class SpeculativeSeq:
         self.x = extra
         if self.on_commit is not None and commit:
             self.on_commit(positions, commit)
+
+    def draft_end(self) -> int:
+        """How many draft tokens are worth feeding before the draft's own EOS (every one, with
+        none): a draft predicting that the answer ends there makes wider ones a waste."""
+        return next((i + 1 for i, t in enumerate(self.draft) if t in self.eos), MAX_DRAFT)
 
     def _adapt(self, j: int, k: int) -> None:
         self.width = min(self.p.draft_length, self.width + 2) if j == k else max(1, self.width - 1)
@@ -266,7 +271,7 @@ class SpeculativeBatch:
         if self.cost is None:
             self.cost = widths.cost_model(self.model)
         # a row drafts at most draft_length tokens, and one fewer than the positions it has left
-        bound = np.array([max(0, min(q.p.draft_length, q.p.gen_length - len(q.res.tokens) - 1)) for q in seqs])
+        bound = np.array([max(0, min(q.p.draft_length, q.p.gen_length - len(q.res.tokens) - 1, q.draft_end())) for q in seqs])
         K = int(bound.max())
         kind = np.array([q.kind for q in seqs])
         reached = np.stack([q.acceptance.reached[q.kind, :K] for q in seqs])

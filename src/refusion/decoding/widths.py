@@ -42,6 +42,8 @@ step, on the host. Rows whose policy is fixed or adaptive (a server's batch mixe
 their widths and count in the cost and the rate. The choice is myopic (one step's ratio) and
 steady-state (a row is valued as if its draft filled its width: masks fed now draft the next
 step), and sized for the rows running now: as rows join and leave, the widths follow.
+A row whose draft predicts its own EOS drafts no further than it: tokens past an answer's end
+are never committed, and counting them made wide drafts look cheap near every answer's end.
 
 Widths never change an output: greedy output is AR's whatever the widths, and sampled tokens are
 position-keyed draws (sampling.py). They do change the counters (forwards, tokens fed), which under
