@@ -18,6 +18,7 @@ from refusion.training.objectives import (IGNORE, ar_inputs, ar_token_count, com
                                          mdm_inputs, refusion_inputs, token_ce)
 from refusion.training.packing import first_fit_decreasing, pack
 from refusion.training.trainer import train
+from train_helpers import write_jsonl
 
 MASK, PAD, EOS = 99, 0, 2
 X = IGNORE
@@ -180,9 +181,7 @@ def data_file(tmp_path_factory) -> Path:
         a, b = rng.randint(1, 30), rng.randint(1, 30)
         words = " ".join(["and so"] * rng.randint(0, 12))
         recs.append({"query": f"What is {a} plus {b}?", "response": f"{a} + {b} {words} = {a + b}."})
-    path = tmp_path_factory.mktemp("data") / "add.jsonl"
-    path.write_text("\n".join(json.dumps(r) for r in recs))
-    return path
+    return write_jsonl(tmp_path_factory, recs)
 
 
 def run_losses(data_file: Path, out: Path, **kw) -> list[dict]:

@@ -11,6 +11,12 @@ from refusion.training.config import TrainConfig
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2}
 
 
+def write_jsonl(tmp_path_factory, recs: list[dict]) -> Path:
+    path = tmp_path_factory.mktemp("data") / "add.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in recs))
+    return path
+
+
 @pytest.fixture(scope="module")
 def data_file(tmp_path_factory) -> Path:
     """Addition problems with a worked answer: learnable in a few dozen steps."""
@@ -19,9 +25,7 @@ def data_file(tmp_path_factory) -> Path:
     for _ in range(300):
         a, b = rng.randint(1, 30), rng.randint(1, 30)
         recs.append({"query": f"What is {a} plus {b}?", "response": f"{a} + {b} = {a + b}. The answer is {a + b}."})
-    path = tmp_path_factory.mktemp("data") / "add.jsonl"
-    path.write_text("\n".join(json.dumps(r) for r in recs))
-    return path
+    return write_jsonl(tmp_path_factory, recs)
 
 
 def tiny_config(data_file: Path, out: Path, **kw) -> TrainConfig:
