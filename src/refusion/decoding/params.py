@@ -127,6 +127,9 @@ class SpeculativeParams:
     sampled_drafts: bool = option(False, "sampling: each mask drafts a draw from its distribution with the uniform "
                                          "its position's output is drawn with, not its argmax (exact either way; "
                                          "fewer tokens per forward on the models measured)")
+    lookup: bool = option(False, "also draft by prompt lookup: copy what followed the latest earlier occurrence of "
+                                 "the last few tokens (prompt or answer); each step feeds whichever draft, "
+                                 "lookup or masks, is expected to be accepted further (exact either way)")
     accept_prob: float | None = option(None, "lossy: also accept a draft token whose probability is at least this "
                                              "(default: exact; greedy: only values < 0.5 matter)")
 

@@ -53,6 +53,7 @@ from torch import Tensor
 
 from refusion.decoding import widths
 from refusion.decoding.common import DecodeResult, packed_index
+from refusion.decoding.lookup import NgramIndex
 from refusion.decoding.params import MAX_DRAFT, SpeculativeParams, check_prompts, check_seed
 from refusion.decoding.sampling import draw, position_uniforms, sampling_probs
 from refusion.model.cache import RaggedKVCache
@@ -85,9 +86,13 @@ class SpeculativeSeq:
         self.res = DecodeResult(prompt=list(prompt))
         self.start = time.perf_counter()
         self.fed_k = 0  # draft tokens fed in the step now running
+        self.index = NgramIndex(prompt) if p.lookup else None  # the text lookup drafts copy from
+        self.bare = False  # this step feeds its draft without masks behind it (a copy: _choose_widths)
         self.anchor = 0  # feed index whose logits give the first token of this step
 
     def _masks(self) -> int:
+        if self.bare:
+            return 0
         if self.p.mask_length is not None:
             return self.p.mask_length
         return self.width + 1 if self.width > 0 else 0
@@ -142,6 +147,8 @@ class SpeculativeSeq:
             if self.p.widths == "adaptive" and self.p.draft_length > 0:
                 self._adapt(j, k)
         self.x = extra
+        if self.index is not None:
+            self.index.extend(commit)
         if self.on_commit is not None and commit:
             self.on_commit(positions, commit)
 
@@ -277,12 +284,25 @@ class SpeculativeBatch:
         reached = np.stack([q.acceptance.reached[q.kind, :K] for q in seqs])
         rate = widths.rates(reached, np.stack([q.acceptance.accepted[q.kind, :K] for q in seqs]), kind, self.prior)
         masks = np.array([-1 if q.p.mask_length is None else q.p.mask_length for q in seqs])
+        # a copy accepted whole is followed by more of the copy, for free: masks behind it pay only
+        # where this model's mask drafts are expected to go further than its copies
+        bare = free & (kind >= widths.LOOKUP) & (masks < 0) & self._copies_beat_masks(kind, K)
+        if bare.any():
+            masks = np.where(bare, 0, masks)
+            bound = np.where(bare, np.minimum(bound, [len(q.draft) for q in seqs]), bound)
         width = np.array([q.width for q in seqs])
         # a sequence tries a few drafts of its own before the policy may stop it drafting
         floor = np.minimum(np.array([q.drafts_tried < widths.EXPLORE for q in seqs], dtype=np.int64), bound)
-        for q, f, w in zip(seqs, free, widths.best_widths(rate, bound, masks, width, free, self.cost, floor)):
+        for q, f, b, w in zip(seqs, free, bare, widths.best_widths(rate, bound, masks, width, free, self.cost, floor)):
             if f:
-                q.width = int(w)
+                q.width, q.bare = int(w), bool(b)
+
+    def _copies_beat_masks(self, kind: np.ndarray, n: int) -> np.ndarray:
+        """[B]: whether each row's kind of draft is expected (pooled over this model's sequences) to
+        be accepted at least as far as its masks' fresh drafts, over n positions."""
+        n = max(n, 1)
+        value = widths.expected_accepted(self.prior.prior(n), np.full(widths.KINDS, n))
+        return value[kind] >= value[widths.FRESH]
 
     def _forward(self, lo: int, hi: int, prefill: bool) -> None:
         start = time.perf_counter()
@@ -320,11 +340,32 @@ class SpeculativeBatch:
             a, k = int(meta[0, b]), q.fed_k
             masks_from = a + 1 + k  # the masks after the anchor and the draft
             q.advance(int(host[b, 0]), int(host[b, 1]), host[b, 2 + masks_from: 2 + need].tolist())
+        self._offer_lookups(seqs)
         if not prefill:
             self.prior.record_many(kinds, host[:, 0], meta[1])
             if self.cost is not None:  # what this step took, its host work included
                 fed = sum(len(ids) for ids, _ in feeds) if self.cost.packed else B * W
                 self.cost.observe(B, fed, time.perf_counter() - start)
+
+    def _offer_lookups(self, seqs: list[SpeculativeSeq]) -> None:
+        """Rows drafting by lookup too (SpeculativeParams.lookup): where the text offers a copy, the
+        row's next draft is that copy if its expected accepted prefix (the row's own acceptance of
+        each kind, shrunk towards the model's pooled one) beats the masks' draft's."""
+        offers = [(q, *q.index.propose(q.p.draft_length)) for q in seqs if q.index is not None and not q.done]
+        offers = [(q, copy, widths.lookup_kind(n)) for q, copy, n in offers if copy]
+        if not offers:
+            return
+        n = max(q.p.draft_length for q, _, _ in offers)
+        pick = [[q.kind, kind] for q, _, kind in offers]
+        reached = np.concatenate([q.acceptance.reached[p, :n] for (q, _, _), p in zip(offers, pick)])
+        accepted = np.concatenate([q.acceptance.accepted[p, :n] for (q, _, _), p in zip(offers, pick)])
+        lengths = np.array([(min(len(q.draft), q.draft_end()), min(len(copy), q.p.draft_length))
+                            for q, copy, _ in offers]).ravel()
+        rate = widths.rates(reached, accepted, np.array(pick).ravel(), self.prior)
+        value = widths.expected_accepted(rate, lengths).reshape(-1, 2)
+        for (q, copy, kind), (masks, lookup) in zip(offers, value):
+            if lookup > masks:
+                q.draft, q.kind = copy, kind
 
     def _judge(self, seqs: list[SpeculativeSeq], logits: Tensor, ids: Tensor, own: Tensor, anchor: Tensor,
                k: Tensor, seed: Tensor, g: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -59,6 +59,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from refusion.decoding.lookup import LOOKUP_NGRAMS
 from refusion.decoding.params import MAX_DRAFT
 from refusion.model.cache import RaggedKVCache
 from refusion.model.transformer import Transformer
@@ -220,19 +221,26 @@ def _timed_forward(model: Transformer, cache: RaggedKVCache, rows: int, width: i
 # ---- what a draft is worth ------------------------------------------------------------------------
 
 
-FRESH, AFTER_MISS = 0, 1  # the kinds of draft a step feeds (Acceptance)
+FRESH, AFTER_MISS, LOOKUP = 0, 1, 2  # the kinds of draft a step feeds (Acceptance)
+KINDS = LOOKUP + max(LOOKUP_NGRAMS)  # a copy's kind is LOOKUP + its match's length - 1 (lookup_kind)
+
+
+def lookup_kind(n: int) -> int:
+    """The kind of a copy found by matching the text's last n tokens."""
+    return LOOKUP + n - 1
 
 
 class Acceptance:
     """Per kind of draft and draft position (0 = the first draft token): how often a draft reached
     it (every earlier draft token accepted) and how often it was accepted there. The kinds: FRESH,
     the masks' predictions after a fully accepted draft; AFTER_MISS, after a rejection: the rest of
-    the old draft (drafted beside the token that was rejected), then the masks'. They are counted
+    the old draft (drafted beside the token that was rejected), then the masks'; lookup_kind(n), a
+    copy of what followed the same n last tokens earlier in the text (lookup.py). They are counted
     apart because they are accepted very differently."""
 
     def __init__(self, n: int = MAX_DRAFT) -> None:
-        self.reached = np.zeros((2, n))
-        self.accepted = np.zeros((2, n))
+        self.reached = np.zeros((KINDS, n))
+        self.accepted = np.zeros((KINDS, n))
 
     def record(self, kind: int, j: int, k: int) -> None:
         """A draft of k tokens of which the first j were accepted."""
@@ -244,7 +252,7 @@ class Acceptance:
         n = self.reached.shape[1]
         self.reached *= PRIOR_MEMORY
         self.accepted *= PRIOR_MEMORY
-        for s in (FRESH, AFTER_MISS):
+        for s in range(KINDS):
             mine = kind == s
             # position i was reached by the drafts with min(j + 1, k) > i, accepted by those with j > i
             self.reached[s] += _at_least(np.minimum(np.minimum(j + 1, k), n)[mine], n)
@@ -255,7 +263,7 @@ class Acceptance:
         return (self.accepted.sum(1) + 1) / (self.reached.sum(1) + 2)
 
     def prior(self, n: int) -> np.ndarray:
-        """Per kind, pooled rates of the first n positions [2, n], each shrunk towards its kind's mean
+        """Per kind, pooled rates of the first n positions [KINDS, n], each shrunk towards its kind's mean
         (so a position no draft has reached gets the mean)."""
         return (self.accepted[:, :n] + PRIOR_WEIGHT * self.mean()[:, None]) / (self.reached[:, :n] + PRIOR_WEIGHT)
 
@@ -285,6 +293,14 @@ def rates(reached: np.ndarray, accepted: np.ndarray, kind: np.ndarray, pool: Acc
     own = (accepted.sum(1) + PRIOR_WEIGHT * mean) / (reached.sum(1) + PRIOR_WEIGHT)
     base = np.minimum(pool.prior(reached.shape[1])[kind] * (own / mean)[:, None], 0.99)
     return (accepted + PRIOR_WEIGHT * base) / (reached + PRIOR_WEIGHT)
+
+
+def expected_accepted(rate: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """[B]: the expected accepted prefix of drafts of `lengths` [B] tokens, with per-position
+    acceptance rates [B, K] (K >= every length): the sum over positions of the chance that every
+    draft token up to it is accepted."""
+    run = np.cumprod(rate, axis=1)
+    return np.where(np.arange(rate.shape[1])[None, :] < lengths[:, None], run, 0.0).sum(1)
 
 
 # ---- the choice -------------------------------------------------------------------------------------

@@ -1,0 +1,120 @@
+"""Prompt-lookup drafts (decoding/lookup.py) and how the speculative decoder uses them: the index
+finds the latest earlier occurrence of the longest suffix; a decode with `lookup` is still AR's
+output (tests/test_decoding_speculative.py runs every width setting with it too), feeds copies
+where the text repeats, counts their acceptance under their own kind, and drops the masks behind a
+copy when copies are this model's better drafts."""
+
+import numpy as np
+import pytest
+
+from refusion.decoding import ARParams, generate_ar, widths
+from refusion.decoding import speculative as spec
+from refusion.decoding.lookup import NgramIndex
+from refusion.decoding.speculative import SpeculativeParams, generate_speculative
+from refusion.model.config import ModelConfig
+from refusion.model.transformer import Transformer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def brute_force(tokens: list[int], k: int, ngrams=(4, 3, 2, 1)) -> tuple[list[int], int]:
+    """The definition: for the longest n whose last-n suffix occurred earlier, what followed its
+    latest earlier occurrence, continued periodically past the end of the text."""
+    for n in ngrams:
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if len(tokens) > n and tokens[start:start + n] == tokens[-n:]:
+                period = len(tokens) - (start + n)
+                return [tokens[start + n + i % period] for i in range(k)], n
+    return [], 0
+
+
+def test_the_index_by_hand():
+    idx = NgramIndex([5, 6, 7, 8, 5, 6, 9])
+    assert idx.propose(3) == ([], 0)  # 9 never occurred before
+    idx.extend([5, 6])
+    assert idx.propose(3) == ([9, 5, 6], 2)  # the latest "5 6" is followed by 9, not the first one's 7
+    idx.extend([9])
+    assert idx.propose(2) == ([5, 6], 3)  # "5 6 9" matched whole (3 tokens), cut to k
+    assert idx.propose(4) == ([5, 6, 9, 5], 3)
+    assert NgramIndex([1, 1, 1]).propose(3) == ([1, 1, 1], 2)  # the latest "1 1" ends just before the suffix
+    assert NgramIndex([7, 1, 2, 3, 1, 2]).propose(5) == ([3, 1, 2, 3, 1], 2)  # and "1 2 3" repeats
+    assert NgramIndex([3]).propose(4) == ([], 0)  # a suffix is never its own match
+    assert NgramIndex([4, 2, 4], ngrams=(2,)).propose(4) == ([], 0)  # only the lengths asked for
+
+
+def test_the_index_matches_the_definition_as_it_grows():
+    rng = np.random.default_rng(0)
+    for vocab in (3, 8, 50):
+        seq = rng.integers(0, vocab, 300).tolist()
+        idx = NgramIndex(seq[:5])
+        for i in range(5, len(seq)):
+            for k in (1, 4, 9):
+                assert idx.propose(k) == brute_force(seq[:i], k), (vocab, i, k)
+            idx.extend(seq[i:i + 1])
+
+
+MASK = 23
+CFG = dict(vocab_size=24, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+           mask_token_id=MASK, eos_token_id=1)
+PROMPTS = [[2, 3, 4, 5, 6, 7, 2, 3], [8, 9, 10, 11, 8, 9], [12, 13]]
+
+
+def looping_model() -> Transformer:
+    """A random tiny model: its greedy continuations fall into short loops (which a copy drafts)
+    while its untrained masks draft badly."""
+    return Transformer(ModelConfig(**CFG)).init_weights(seed=3, std=0.5).eval()
+
+
+def test_copies_are_fed_accepted_and_counted_under_their_own_kind(monkeypatch):
+    model = looping_model()
+    want = generate_ar(model, PROMPTS, ARParams(gen_length=48), eos_ids=[])
+    fed = []
+    plain = spec.SpeculativeSeq.next_feed
+
+    def next_feed(self):
+        fed.append(self.kind)
+        return plain(self)
+
+    monkeypatch.setattr(spec.SpeculativeSeq, "next_feed", next_feed)
+    widths.PRIORS.pop(model, None)
+    params = dict(gen_length=48, draft_length=8, adaptive=False)
+    masks = generate_speculative(model, PROMPTS, SpeculativeParams(**params), eos_ids=[])
+    assert all(k < widths.LOOKUP for k in fed)
+    fed.clear()
+    copies = generate_speculative(model, PROMPTS, SpeculativeParams(lookup=True, **params), eos_ids=[])
+    assert [r.tokens for r in copies] == [r.tokens for r in masks] == [r.tokens for r in want]
+    assert any(k >= widths.LOOKUP for k in fed)
+    assert sum(r.forwards for r in copies) < 0.75 * sum(r.forwards for r in masks)  # loops are copied
+    pool = widths.prior_for(model)
+    assert pool.accepted[widths.LOOKUP:].sum() > pool.accepted[:widths.LOOKUP].sum()
+
+
+def test_a_copy_goes_without_masks_where_copies_beat_the_masks(monkeypatch):
+    model = looping_model()
+    widths.PRIORS.pop(model, None)
+    pool = widths.prior_for(model)
+    seen = []
+    plain = spec.SpeculativeSeq.next_feed
+
+    def next_feed(self):
+        ids, pos = plain(self)
+        if self.x is not None:
+            seen.append((self.kind, self.bare, ids.count(MASK)))
+        return ids, pos
+
+    monkeypatch.setattr(spec.SpeculativeSeq, "next_feed", next_feed)
+    cheap = widths.CostModel.of(lambda rows, tokens: 1.0 + 0.01 * tokens)
+    # the masks' fresh drafts known to be rejected, copies to be accepted: a copy feeds no masks
+    pool.reached[widths.FRESH, :8], pool.accepted[widths.FRESH, :8] = 1000, 0
+    pool.reached[widths.LOOKUP:, :8], pool.accepted[widths.LOOKUP:, :8] = 1000, 900
+    generate_speculative(model, PROMPTS[:1], SpeculativeParams(lookup=True, gen_length=32), eos_ids=[], cost=cheap)
+    copy_steps = [(bare, masks) for kind, bare, masks in seen if kind >= widths.LOOKUP]
+    assert copy_steps and all(bare and masks == 0 for bare, masks in copy_steps)
+    # and the other way round: masks behind every copy
+    seen.clear()
+    pool.reached[:], pool.accepted[:] = 0, 0
+    pool.reached[widths.FRESH, :8], pool.accepted[widths.FRESH, :8] = 1000, 990
+    pool.reached[widths.LOOKUP:, :8], pool.accepted[widths.LOOKUP:, :8] = 1000, 500
+    generate_speculative(model, PROMPTS[:1], SpeculativeParams(lookup=True, gen_length=32), eos_ids=[], cost=cheap)
+    assert all(not bare for _, bare, _ in seen)
+    assert all(masks > 0 for kind, _, masks in seen if kind >= widths.LOOKUP)
