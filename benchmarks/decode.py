@@ -7,7 +7,7 @@
 
 For each torch thread count and batch size, every decoder setting decodes the same held-out (test
 split) prompts of each task family; outputs are scored by the task. The speculative width policies
-(the default `cost`, `adaptive`, fixed widths 4 to 32) and `ar` also run sampled at each
+(the default `cost`, the same with `--lookup` drafts, `adaptive`, fixed widths 4 to 32) and `ar` also run sampled at each
 --temperatures value above 0 (seed 0: the same tokens as `ar` at that temperature). Writes JSON (one
 row per threads x batch x setting x task, with the outputs' token counts, forwards, tokens fed,
 seconds, correct) and prints a markdown table. TPF = committed tokens / forward passes (every pass
@@ -37,9 +37,11 @@ FIXED_WIDTHS = (4, 8, 16, 32)
 
 
 def width_policies(L: int, **sampling) -> list[tuple[str, str, dict]]:
-    """ar and the speculative width policies: the default (cost), adaptive, fixed widths."""
+    """ar and the speculative width policies: the default (cost), with prompt-lookup drafts too,
+    adaptive, fixed widths."""
     return [("ar", "ar", dict(max_new_tokens=L, **sampling)),
             ("speculative", "speculative", dict(gen_length=L, **sampling)),
+            ("speculative lookup", "speculative", dict(gen_length=L, lookup=True, **sampling)),
             ("speculative adaptive", "speculative", dict(gen_length=L, widths="adaptive", **sampling))] + [
         (f"speculative fixed {w}", "speculative", dict(gen_length=L, draft_length=w, widths="fixed", **sampling))
         for w in FIXED_WIDTHS]

@@ -28,6 +28,14 @@ masks' distributions are flatter than the causal ones, so on the models measured
 model and the words fixture, T = 0.7 and 1.0) that accepted fewer tokens than the argmax.
 `accept_prob` is the opt-in lossy knob: also accept a draft token whose probability is >= it.
 
+Lookup (`lookup`, lookup.py): a second source of drafts, with no forward: the tokens that followed
+the latest earlier occurrence of the sequence's last few tokens in its prompt or answer. After each
+step a row feeds whichever of the two drafts, the masks' or the copy, has the longer expected
+accepted prefix (acceptance is counted per kind of draft, a copy's by its match length). Where this
+model's copies go further than its masks' drafts, a copy is fed with no masks behind it (what
+follows an accepted copy is copied too): a model whose masks draft poorly still gains where its
+answers repeat their context.
+
 Widths (widths.py): how many draft tokens and masks each sequence feeds. By default (`widths`
 cost) they are chosen before every step to maximise the batch's expected committed tokens per
 second of measured forward cost; `adaptive` grows a sequence's width by 2 after a fully accepted
