@@ -28,6 +28,7 @@ import refusion.training.setup as setup_module
 from refusion.cli import main as refusion
 from refusion.training.checkpointing import save_checkpoint
 from refusion.training.config import TrainConfig
+from train_worker import finish
 
 
 def refuse(*args, **kwargs):
@@ -73,9 +74,9 @@ def main() -> None:
             write(setup_module.setup(TrainConfig(**fields)), out, name + "-resumed")
             fsdp.load_hf_shards = recording
     rc = refusion(["train", *train])
-    if rc:
-        sys.exit(rc)
-    dist.destroy_process_group()
+    if rc == 0:
+        dist.destroy_process_group()
+    finish(rc)
 
 
 if __name__ == "__main__":
