@@ -1,13 +1,16 @@
 """torchrun worker of test_fsdp_meta.py: set up FSDP runs that start from Hugging Face directories,
-with every way of reading a whole model made to fail, and write what each process built and read.
+with every way of reading a whole model made to fail, and write what each process built and read;
+then train one such run with `refusion train`, every whole-model read still failing.
 
-    torchrun --nproc-per-node 2 tests/fsdp_meta_worker.py OUT CASES_JSON
+    torchrun --nproc-per-node 2 tests/fsdp_meta_worker.py OUT CASES_JSON TRAIN_JSON
 
 CASES_JSON: {name: [TrainConfig fields, resume]}. For each case, OUT/<name>-<rank>.json holds the
 elements this process read from the safetensors files and the rows of every parameter its slice
 holds, and rank 0 writes OUT/<name>.pt: every parameter gathered whole, the buffers and the model's
 config. With resume, the run is checkpointed and set up again from that checkpoint, with the Hugging
-Face files made unreadable: OUT/<name>-resumed.pt (and .json) hold that model.
+Face files made unreadable: OUT/<name>-resumed.pt (and .json) hold that model. TRAIN_JSON: the
+arguments of `refusion train` (one launch for both: each launch starts Python, torch and the
+process group again).
 """
 
 import dataclasses
@@ -22,8 +25,10 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 import refusion.model.checkpoint as checkpoint
 import refusion.training.fsdp as fsdp
 import refusion.training.setup as setup_module
+from refusion.cli import main as refusion
 from refusion.training.checkpointing import save_checkpoint
 from refusion.training.config import TrainConfig
+from train_worker import finish
 
 
 def refuse(*args, **kwargs):
@@ -57,7 +62,7 @@ def write(run, out: Path, name: str) -> None:
 
 
 def main() -> None:
-    out, cases = Path(sys.argv[1]), json.loads(sys.argv[2])
+    out, cases, train = Path(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3])
     for name, (fields, resume) in cases.items():
         readers.clear()
         run = setup_module.setup(TrainConfig(**fields))
@@ -68,7 +73,10 @@ def main() -> None:
             readers.clear()
             write(setup_module.setup(TrainConfig(**fields)), out, name + "-resumed")
             fsdp.load_hf_shards = recording
-    dist.destroy_process_group()
+    rc = refusion(["train", *train])
+    if rc == 0:
+        dist.destroy_process_group()
+    finish(rc)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,10 @@ Tolerance: FSDP sums the two processes' gradients in another order than one proc
 reduce-scatter per micro-batch), so float32 results differ by rounding: losses and gradient norms
 within rel 1e-5, weights after 12 steps within 1e-5 absolute (seen: under 1e-7 relative, 3e-7). A
 resumed FSDP run equals the uninterrupted FSDP run exactly.
+
+Every 2-process training here but the one killed runs in one torchrun launch (`runs`), and the
+one-process references run in this process: each launch of its own would start Python, torch and
+the process group again, which takes far longer than the few steps each run takes.
 """
 
 import json
@@ -23,6 +27,7 @@ import torch
 import transformers
 
 import refusion.training.sharded_checkpoint as sharded_checkpoint
+from refusion.cli import main
 from refusion.model.checkpoint import INDEX, CheckpointError, load_model, save_model, weight_files
 from refusion.model.config import ModelConfig
 from refusion.decoding import decode, default_decoder
@@ -31,6 +36,7 @@ from refusion.training.sharded_checkpoint import export_checkpoint
 from refusion.model.tokenizer import Tokenizer
 from refusion.training.setup import setup
 from test_train import TINY, _tokenizer_without_mask, data_file, losses, tiny_config  # noqa: F401 (data_file: a fixture)
+from train_helpers import torchrun_train, train_here
 
 STEPS = 12
 # micro-batches of 2 (accumulation), activation checkpointing and a clip that bites at every step:
@@ -38,48 +44,97 @@ STEPS = 12
 COMMON = ["--set=vocab_size=300", f"--set=model={json.dumps(TINY)}", "--set=batch_size=8", "--set=micro_batch_size=2",
           "--set=max_steps=1000", "--set=warmup_steps=3", "--set=save_every=4", "--set=grad_clip=0.5",
           "--set=gradient_checkpointing=true", "--no-progress"]
-ENV = dict(os.environ, OMP_NUM_THREADS="1")
+LORA = '--set=lora={"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}'
 
 
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "refusion.cli", *args]
+def _fsdp(data_file: Path, out: Path, *extra: str) -> list[str]:
+    """The arguments of `refusion train` for COMMON's run under FSDP, into `out`."""
+    return [f"--data={data_file}", *COMMON, "--strategy=fsdp", f"--out={out}", *extra]
 
 
-def _torchrun(*args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-            "-m", "refusion.cli", *args]
-
-
-def _run(cmd: list[str]) -> None:
-    r = subprocess.run(cmd, capture_output=True, text=True, env=ENV)
-    assert r.returncode == 0, r.stderr[-3000:]
+def _lora(data_file: Path, base: Path, out: Path, *extra: str) -> list[str]:
+    """The arguments of `refusion train` for 4 steps of LoRA on `base`, into `out`."""
+    return [f"--init={base}", f"--data={data_file}", "--set=batch_size=8", "--set=max_steps=4", "--set=warmup_steps=1",
+            "--set=save_every=2", "--no-progress", LORA, f"--out={out}", *extra]
 
 
 @pytest.fixture(scope="module")
-def fsdp_run(data_file, tmp_path_factory) -> Path:
-    """12 steps (of a 1000-step schedule) on 2 processes, checkpoints every 4."""
-    out = tmp_path_factory.mktemp("fsdp") / "run"
-    _run(_torchrun("train", f"--data={data_file}", *COMMON, "--strategy=fsdp", f"--out={out}",
-                   f"--set=stop_after={STEPS}"))
+def lora_base(data_file, tmp_path_factory) -> Path:
+    """A causal model whose tokenizer has no mask token (LoRA's run adds it)."""
+    tok = _tokenizer_without_mask(data_file)
+    n = max(tok.tok.get_vocab().values()) + 1
+    base = Transformer(ModelConfig(vocab_size=n, eos_token_id=tok.eos_id, model_type="llama", qk_norm=False,
+                                   **TINY)).init_weights(seed=1)
+    return save_model(base, tmp_path_factory.mktemp("lora") / "base", tok)
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL torchrun and its workers (torchrun starts each worker in a session of its own)."""
+    victims = psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]
+    for p in victims:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait()
+    psutil.wait_procs(victims, timeout=10)
+
+
+@pytest.fixture(scope="module")
+def killed(data_file, tmp_path_factory) -> tuple[Path, list[int]]:
+    """COMMON's run on 2 processes, killed with SIGKILL after its sixth step: its directory (which
+    `runs` resumes) and the steps of the checkpoints it left."""
+    run = tmp_path_factory.mktemp("killed") / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "refusion.cli",
+           "train", *_fsdp(data_file, run)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    metrics = run / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 6):
+        time.sleep(0.002)
+    _kill_tree(proc)
+    return run, sorted(int(p.name.split("-")[1]) for p in run.glob("checkpoint-*"))
+
+
+@pytest.fixture(scope="module")
+def runs(data_file, lora_base, killed, tmp_path_factory) -> dict[str, Path]:
+    """The run directories of every 2-process training of this file, trained in one torchrun launch:
+    fsdp: COMMON's run, 12 steps (of a 1000-step schedule), checkpoints every 4;
+    cpu_offload, no_checkpointing, bfloat16: its first 6 steps with one setting changed;
+    lora: 4 steps of LoRA on lora_base;
+    resumed: the killed run, resumed up to step 12."""
+    root = tmp_path_factory.mktemp("fsdp")
+    out = {name: root / name for name in ("fsdp", "cpu_offload", "no_checkpointing", "bfloat16", "lora")}
+    out["resumed"] = killed[0]
+    torchrun_train(2, {
+        "fsdp": _fsdp(data_file, out["fsdp"], f"--set=stop_after={STEPS}"),
+        "cpu_offload": _fsdp(data_file, out["cpu_offload"], "--set=stop_after=6", "--set=cpu_offload=true"),
+        "no_checkpointing": _fsdp(data_file, out["no_checkpointing"], "--set=stop_after=6",
+                                  "--set=gradient_checkpointing=false"),
+        "bfloat16": _fsdp(data_file, out["bfloat16"], "--set=stop_after=6", '--set=dtype="bfloat16"'),
+        "lora": _lora(data_file, lora_base, out["lora"], "--strategy=fsdp"),
+        "resumed": _fsdp(data_file, out["resumed"], f"--set=stop_after={STEPS}"),
+    }, root / "log.json")
     return out
 
 
-def test_fsdp_matches_one_process_and_exports_a_model(fsdp_run, data_file, tmp_path):
+def test_fsdp_matches_one_process_and_exports_a_model(runs, data_file, tmp_path):
     one = tmp_path / "one"
-    _run(_cli("train", f"--data={data_file}", *COMMON, f"--out={one}", f"--set=stop_after={STEPS}"))
-    la, lb = losses(one), losses(fsdp_run)
+    train_here(f"--data={data_file}", *COMMON, f"--out={one}", f"--set=stop_after={STEPS}")
+    la, lb = losses(one), losses(runs["fsdp"])
     assert len(la) == len(lb) == STEPS
     for a, b in zip(la, lb):
         assert a["tokens"] == b["tokens"] and a["lr"] == b["lr"]
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5) and a["grad_norm"] > 0.5  # clipped
     # the sharded checkpoint, consolidated, holds one process's weights
-    ckpt = fsdp_run / f"checkpoint-{STEPS}"
+    ckpt = runs["fsdp"] / f"checkpoint-{STEPS}"
     assert {p.name for p in ckpt.iterdir()} >= {"dcp", "rng-0.pt", "rng-1.pt", "training_state.pt", "config.json",
                                               "tokenizer.json"}
     with pytest.raises(CheckpointError, match="sharded training checkpoint.*refusion export"):
         load_model(ckpt)
-    _run(_cli("export", str(ckpt), str(tmp_path / "export")))
+    assert main(["export", str(ckpt), str(tmp_path / "export")]) == 0
     ref, got = load_model(one / f"checkpoint-{STEPS}"), load_model(tmp_path / "export")
     assert got.config.tie_word_embeddings and got.lm_head.weight is got.embed_tokens.weight  # still one parameter
     for (k, x), y in zip(ref.state_dict().items(), got.state_dict().values()):
@@ -96,8 +151,8 @@ def test_fsdp_matches_one_process_and_exports_a_model(fsdp_run, data_file, tmp_p
         torch.testing.assert_close(hf(input_ids=x).logits, got(x, torch.arange(x.shape[1])[None]), atol=1e-5, rtol=0)
 
 
-def test_export_reads_one_unit_at_a_time_and_writes_shards(fsdp_run, tmp_path, monkeypatch):
-    ckpt = fsdp_run / f"checkpoint-{STEPS}"
+def test_export_reads_one_unit_at_a_time_and_writes_shards(runs, tmp_path, monkeypatch):
+    ckpt = runs["fsdp"] / f"checkpoint-{STEPS}"
     whole = load_model(export_checkpoint(ckpt, tmp_path / "whole"))
     loads = []
     real = sharded_checkpoint.dcp.load
@@ -118,86 +173,52 @@ def test_export_reads_one_unit_at_a_time_and_writes_shards(fsdp_run, tmp_path, m
         torch.testing.assert_close(hf(input_ids=x).logits, got(x, torch.arange(4)[None]), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("change", ["--set=cpu_offload=true", "--set=gradient_checkpointing=false"])
-def test_fsdp_cpu_offload_and_activation_checkpointing_change_no_loss(change, fsdp_run, data_file, tmp_path):
-    """fsdp_run checkpoints activations and keeps its shards where it computes; offloading them to
-    the host (a copy on a CPU-only process, yet all of FSDP's offload path) or recomputing nothing
+@pytest.mark.parametrize("change", ["cpu_offload", "no_checkpointing"])
+def test_fsdp_cpu_offload_and_activation_checkpointing_change_no_loss(change, runs):
+    """runs["fsdp"] checkpoints activations and keeps its shards where it computes; offloading them
+    to the host (a copy on a CPU-only process, yet all of FSDP's offload path) or recomputing nothing
     gives the same numbers to the bit."""
-    out = tmp_path / "run"
-    _run(_torchrun("train", f"--data={data_file}", *COMMON, "--strategy=fsdp", f"--out={out}", "--set=stop_after=6",
-                   change))
-    assert losses(out) == losses(fsdp_run)[:6]
+    assert losses(runs[change]) == losses(runs["fsdp"])[:6]
 
 
-def _kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL torchrun and its workers (torchrun starts each worker in a session of its own)."""
-    victims = psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]
-    for p in victims:
-        try:
-            p.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
-    proc.wait()
-    psutil.wait_procs(victims, timeout=10)
-
-
-def test_fsdp_resume_after_kill_equals_the_uninterrupted_run(fsdp_run, data_file, tmp_path):
-    run = tmp_path / "run"
-    args = ["train", f"--data={data_file}", *COMMON, "--strategy=fsdp", f"--out={run}"]
-    proc = subprocess.Popen(_torchrun(*args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV)
-    metrics = run / "metrics.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 6):
-        time.sleep(0.002)
-    _kill_tree(proc)
-    ckpts = sorted(int(p.name.split("-")[1]) for p in run.glob("checkpoint-*"))
+def test_fsdp_resume_after_kill_equals_the_uninterrupted_run(killed, runs, tmp_path):
+    ckpts = killed[1]
     assert ckpts and ckpts[-1] < STEPS, f"the run was not killed in time (checkpoints {ckpts})"
-    _run(_torchrun(*args, f"--set=stop_after={STEPS}"))
-    assert losses(run) == losses(fsdp_run)  # every logged number, exactly
-    a, b = (load_model(export_checkpoint(d / f"checkpoint-{STEPS}", tmp_path / f"export{i}"))
-            for i, d in enumerate((run, fsdp_run)))
+    assert losses(runs["resumed"]) == losses(runs["fsdp"])  # every logged number, exactly
+    a, b = (load_model(export_checkpoint(runs[name] / f"checkpoint-{STEPS}", tmp_path / name))
+            for name in ("resumed", "fsdp"))
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
 
 
-def test_fsdp_needs_torchrun_and_strategies_do_not_mix(fsdp_run, data_file, tmp_path, monkeypatch):
+def test_fsdp_needs_torchrun_and_strategies_do_not_mix(runs, data_file, tmp_path, monkeypatch):
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     with pytest.raises(ValueError, match=r"strategy fsdp .* torchrun --nproc-per-node N .*\(N = 1 works too\)"):
         setup(tiny_config(data_file, tmp_path / "x", strategy="fsdp"))
     assert not (tmp_path / "x").exists()
-    cfg = tiny_config(data_file, fsdp_run, model={}, vocab_size=300)
+    cfg = tiny_config(data_file, runs["fsdp"], model={}, vocab_size=300)
     with pytest.raises(ValueError, match=f"checkpoint-{STEPS} was written with strategy fsdp: resume it with "
                                          "--strategy fsdp"):
         setup(cfg)
 
 
-def test_fsdp_bfloat16_keeps_float32_master_weights(fsdp_run, data_file, tmp_path):
-    out = tmp_path / "bf16"
-    _run(_torchrun("train", f"--data={data_file}", *COMMON, "--strategy=fsdp", f"--out={out}",
-                   "--set=stop_after=6", '--set=dtype="bfloat16"'))
-    bf, f32 = losses(out), losses(fsdp_run)[:6]
+def test_fsdp_bfloat16_keeps_float32_master_weights(runs):
+    bf, f32 = losses(runs["bfloat16"]), losses(runs["fsdp"])[:6]
     # bf16 compute: close to the float32 run, yet not equal to it
     assert all(a["loss"] == pytest.approx(b["loss"], rel=3e-2) for a, b in zip(bf, f32))
     assert any(a["loss"] != b["loss"] for a, b in zip(bf, f32))
     # the shards (weights and Adam moments) stay float32
-    meta = torch.distributed.checkpoint.FileSystemReader(str(out / "checkpoint-6" / "dcp")).read_metadata()
+    meta = torch.distributed.checkpoint.FileSystemReader(str(runs["bfloat16"] / "checkpoint-6" / "dcp")).read_metadata()
     dtypes = {md.properties.dtype for md in meta.state_dict_metadata.values() if hasattr(md, "properties")}
     assert dtypes == {torch.float32}
 
 
-def test_fsdp_lora_matches_one_process(data_file, tmp_path):
-    tok = _tokenizer_without_mask(data_file)
-    n = max(tok.tok.get_vocab().values()) + 1
-    base = Transformer(ModelConfig(vocab_size=n, eos_token_id=tok.eos_id, model_type="llama", qk_norm=False,
-                                   **TINY)).init_weights(seed=1)
-    save_model(base, tmp_path / "base", tok)
-    args = [f"--init={tmp_path / 'base'}", f"--data={data_file}", "--set=batch_size=8", "--set=max_steps=4",
-            "--set=warmup_steps=1", "--set=save_every=2", "--no-progress",
-            '--set=lora={"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}']
-    _run(_cli("train", *args, f"--out={tmp_path / 'one'}"))
-    _run(_torchrun("train", *args, "--strategy=fsdp", f"--out={tmp_path / 'two'}"))
-    for a, b in zip(losses(tmp_path / "one"), losses(tmp_path / "two"), strict=True):
+def test_fsdp_lora_matches_one_process(runs, lora_base, data_file, tmp_path):
+    train_here(*_lora(data_file, lora_base, tmp_path / "one"))
+    for a, b in zip(losses(tmp_path / "one"), losses(runs["lora"]), strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
-    ref, got = load_model(tmp_path / "one" / "model"), load_model(tmp_path / "two" / "model")
+    base = load_model(lora_base)
+    n = base.config.vocab_size
+    ref, got = load_model(tmp_path / "one" / "model"), load_model(runs["lora"] / "model")
     assert got.config.mask_token_id == n
     for (k, x), y in zip(ref.state_dict().items(), got.state_dict().values()):
         torch.testing.assert_close(y, x, atol=1e-5, rtol=0, msg=k)

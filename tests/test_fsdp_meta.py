@@ -2,8 +2,8 @@
 2 gloo processes reads only its own rows of the safetensors files, and the sharded model they build
 is, gathered, exactly the model one process builds the whole way (load_model, add_mask_token,
 seeded LoRA), which is what every FSDP process built before sharding until now. One torchrun
-launch sets up every case (tests/fsdp_meta_worker.py), with load_model and load_state_dict made to
-fail in the workers.
+launch sets up every case and trains one run (tests/fsdp_meta_worker.py), with load_model and
+load_state_dict made to fail in the workers.
 """
 
 import dataclasses
@@ -23,9 +23,9 @@ from refusion.model.tokenizer import Tokenizer
 from refusion.model.transformer import Transformer
 from refusion.training.config import TrainConfig
 from refusion.training.setup import setup
-from test_fsdp import _cli, _run, _torchrun
 from test_train import data_file, losses  # noqa: F401 (data_file: a fixture)
 from tiny_causal_lm import SHAPE, addition_records, make_causal_lm, tokenizer_without_mask
+from train_helpers import train_here
 
 WORKER = Path(__file__).with_name("fsdp_meta_worker.py")
 # adapters on parts of both fused projections (k of q/k/v, up of gate/up) and on a plain one
@@ -60,13 +60,21 @@ def _fields(data_file: Path, init: Path, out: Path, options: dict, strategy: str
                 strategy=strategy, **options)
 
 
+def _train_args(models: Path, data_file: Path, out: Path) -> list[str]:
+    """The arguments of `refusion train` for 4 steps from the tied model, saving every 2, into `out`."""
+    return [f"--init={models / 'tied'}", f"--data={data_file}", "--set=batch_size=8", "--set=max_steps=4",
+            "--set=warmup_steps=1", "--set=save_every=2", "--no-progress", f"--out={out}"]
+
+
 @pytest.fixture(scope="module")
 def sharded(models, data_file, tmp_path_factory) -> Path:
+    """The worker's OUT: every case set up, and OUT/trained: _train_args' run on 2 FSDP processes."""
     out = tmp_path_factory.mktemp("sharded")
     cases = {name: [_fields(data_file, models / d, out / f"run-{name}", options, "fsdp"), resume]
              for name, (d, options, resume) in CASES.items()}
+    train = [*_train_args(models, data_file, out / "trained"), "--strategy=fsdp"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(WORKER),
-           str(out), json.dumps(cases)]
+           str(out), json.dumps(cases), json.dumps(train)]
     r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 0, r.stderr[r.stderr.find("Traceback"):][:4000]
     return out
@@ -130,16 +138,13 @@ def test_resumed_sharded_setup_reads_the_checkpoint_not_the_model(sharded):
     assert all(json.loads((sharded / f"tied-lora-resumed-{r}.json").read_text())["elements_read"] == 0 for r in (0, 1))
 
 
-def test_fsdp_from_a_model_directory_trains_as_one_process(models, data_file, tmp_path):
+def test_fsdp_from_a_model_directory_trains_as_one_process(models, data_file, sharded, tmp_path):
     """Every parameter trained (the tied bf16 model, sharded files, a new mask row): the losses of one
     process, to FSDP's rounding (test_fsdp.py), and the exported model its weights."""
-    args = [f"--init={models / 'tied'}", f"--data={data_file}", "--set=batch_size=8", "--set=max_steps=4",
-            "--set=warmup_steps=1", "--set=save_every=2", "--no-progress"]
-    _run(_cli("train", *args, f"--out={tmp_path / 'one'}"))
-    _run(_torchrun("train", *args, "--strategy=fsdp", f"--out={tmp_path / 'two'}"))
-    for a, b in zip(losses(tmp_path / "one"), losses(tmp_path / "two"), strict=True):
+    train_here(*_train_args(models, data_file, tmp_path / "one"))
+    for a, b in zip(losses(tmp_path / "one"), losses(sharded / "trained"), strict=True):
         assert a["tokens"] == b["tokens"] and a["loss"] == pytest.approx(b["loss"], rel=1e-5)
-    ref, got = load_model(tmp_path / "one" / "model"), load_model(tmp_path / "two" / "model")
+    ref, got = load_model(tmp_path / "one" / "model"), load_model(sharded / "trained" / "model")
     assert got.lm_head.weight is got.embed_tokens.weight
     for (k, x), y in zip(ref.state_dict().items(), got.state_dict().values(), strict=True):
         torch.testing.assert_close(y, x, atol=1e-5, rtol=0, msg=k)

@@ -8,12 +8,13 @@ float32 rounding, and so do the steps after it (seen: equal losses, gradient nor
 relative, weights within 1.2e-7). Losses and gradient norms are compared within rel 1e-6, weights
 within 1e-6, tokens and learning rates exactly. A checkpoint resharded wrongly moves them by far
 more (AdamW's moments lost: the first resumed loss by 1e-3 relative).
+
+The runs train in three torchrun launches (`runs`), as few as the order allows: a resumed run
+needs the run it resumes, and each launch starts Python, torch and the process group again.
 """
 
 import random
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,52 +25,57 @@ from refusion.model.checkpoint import load_model
 from refusion.training.setup import setup
 from refusion.training.sharded_checkpoint import export_checkpoint
 from refusion.training.step import train_step
-from test_fsdp import COMMON, ENV, _cli, _run
+from test_fsdp import COMMON, _fsdp
 from test_train import data_file, losses, tiny_config  # noqa: F401 (data_file: a fixture)
+from train_helpers import torchrun_train, train_here
 
 STEPS, CKPT = 8, 4  # COMMON saves every 4 steps and keeps the last two checkpoints
 
 
-def _torchrun(n: int, *args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-            "-m", "refusion.cli", *args]
-
-
-def _train(n: int, data_file: Path, out: Path) -> str:
-    """Train `out` with n processes up to STEPS; its log (stderr)."""
-    r = subprocess.run(_torchrun(n, "train", f"--data={data_file}", *COMMON, "--strategy=fsdp", f"--out={out}",
-                                 f"--set=stop_after={STEPS}"), capture_output=True, text=True, env=ENV)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return r.stderr
-
-
-@pytest.fixture(scope="module")
-def runs(data_file, tmp_path_factory) -> dict[int, Path]:
-    """Uninterrupted FSDP runs of STEPS steps on 1 and on 2 processes."""
-    root = tmp_path_factory.mktemp("reshard")
-    for n in (1, 2):
-        _train(n, data_file, root / f"run{n}")
-    return {n: root / f"run{n}" for n in (1, 2)}
-
-
-def _resume_on(n: int, run: Path, data_file: Path, out: Path) -> str:
-    """`run` copied to `out`, cut back to its checkpoint at step CKPT and resumed by n processes up
-    to STEPS; the resumed run's log."""
+def _cut_back(run: Path, out: Path) -> Path:
+    """`run` copied to `out` and cut back to its checkpoint at step CKPT."""
     shutil.copytree(run, out)
     for later in out.glob("checkpoint-*"):
         if int(later.name.split("-")[1]) > CKPT:
             shutil.rmtree(later)
-    return _train(n, data_file, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(data_file, tmp_path_factory) -> tuple[dict[str, Path], dict[str, str]]:
+    """The run directories and the logs (stderr) of these runs, by name:
+    run1, run2: uninterrupted FSDP runs of STEPS steps on 1 and on 2 processes;
+    run2-on-1, run1-on-2: run2 (run1) cut back to its checkpoint at step CKPT and resumed by 1 (2)
+    processes up to STEPS;
+    ddp: a one-process run (ddp: whole checkpoints) up to CKPT, then resumed by 2 DDP processes up to STEPS;
+    ddp-as-fsdp: the one-process run resumed as fsdp before that, which is refused."""
+    root = tmp_path_factory.mktemp("reshard")
+    dirs = {name: root / name for name in ("run1", "run2", "run2-on-1", "run1-on-2", "ddp")}
+    dirs["ddp-as-fsdp"] = dirs["ddp"]
+    until = f"--set=stop_after={STEPS}"
+    train_here(f"--data={data_file}", *COMMON, f"--out={dirs['ddp']}", f"--set=stop_after={CKPT}")
+    logs = torchrun_train(1, {"run1": _fsdp(data_file, dirs["run1"], until),
+                              "ddp-as-fsdp": _fsdp(data_file, dirs["ddp"], until)},
+                          root / "log1.json", refused="ddp-as-fsdp")
+    _cut_back(dirs["run1"], dirs["run1-on-2"])
+    logs |= torchrun_train(2, {"run2": _fsdp(data_file, dirs["run2"], until),
+                               "run1-on-2": _fsdp(data_file, dirs["run1-on-2"], until),
+                               "ddp": [f"--data={data_file}", *COMMON, f"--out={dirs['ddp']}", until]},
+                           root / "log2.json")
+    _cut_back(dirs["run2"], dirs["run2-on-1"])
+    logs |= torchrun_train(1, {"run2-on-1": _fsdp(data_file, dirs["run2-on-1"], until)}, root / "log3.json")
+    return dirs, logs
 
 
 @pytest.mark.parametrize("before, after", [(2, 1), (1, 2)])
-def test_resume_on_another_number_of_processes(runs, data_file, tmp_path, before, after):
-    out = tmp_path / "resumed"
-    log = _resume_on(after, runs[before], data_file, out)
-    assert f"checkpoint-{CKPT} was written by {before} processes, resumed by {after}: DCP reshards" in log
-    got, want = losses(out), losses(runs[after])
+def test_resume_on_another_number_of_processes(runs, tmp_path, before, after):
+    dirs, logs = runs
+    name = f"run{before}-on-{after}"
+    out = dirs[name]
+    assert f"checkpoint-{CKPT} was written by {before} processes, resumed by {after}: DCP reshards" in logs[name]
+    got, want = losses(out), losses(dirs[f"run{after}"])
     assert len(got) == len(want) == STEPS
-    assert got[:CKPT] == losses(runs[before])[:CKPT]  # the steps taken before the checkpoint, as they were logged
+    assert got[:CKPT] == losses(dirs[f"run{before}"])[:CKPT]  # the steps taken before the checkpoint, as they were logged
     for a, b in zip(got[CKPT:], want[CKPT:]):
         assert (a["step"], a["tokens"], a["lr"]) == (b["step"], b["tokens"], b["lr"])
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
@@ -77,7 +83,7 @@ def test_resume_on_another_number_of_processes(runs, data_file, tmp_path, before
     ckpt = out / f"checkpoint-{STEPS}"
     assert sorted(p.name for p in ckpt.glob("rng-*.pt")) == [f"rng-{r}.pt" for r in range(after)]
     a, b = (load_model(export_checkpoint(d / f"checkpoint-{STEPS}", tmp_path / f"export{i}"))
-            for i, d in enumerate((out, runs[after])))
+            for i, d in enumerate((out, dirs[f"run{after}"])))
     for (k, x), y in zip(a.state_dict().items(), b.state_dict().values()):
         torch.testing.assert_close(x, y, atol=1e-6, rtol=0, msg=k)
 
@@ -98,18 +104,12 @@ def test_a_step_draws_nothing_from_the_global_generators(data_file, tmp_path, ob
     assert torch.equal(run.layout_gen.get_state(), layout) == (objective == "ar")  # AR's layout is not random
 
 
-def test_ddp_resumes_on_another_number_of_processes_but_not_as_fsdp(runs, data_file, tmp_path):
+def test_ddp_resumes_on_another_number_of_processes_but_not_as_fsdp(runs):
     """A one-process run (ddp: whole checkpoints) resumed by 2 DDP processes continues as a run of 2
     does (here the FSDP one, equal to DDP up to rounding: rel 1e-5 as in test_fsdp); resuming it as
-    fsdp is refused."""
-    out = tmp_path / "ddp"
-    args = ["train", f"--data={data_file}", *COMMON, f"--out={out}"]
-    _run(_cli(*args, f"--set=stop_after={CKPT}"))
-    r = subprocess.run(_torchrun(1, *args, "--strategy=fsdp", f"--set=stop_after={STEPS}"), capture_output=True,
-                       text=True, env=ENV)
-    assert r.returncode != 0
-    assert f"checkpoint-{CKPT} was written with strategy ddp: resume it with --strategy ddp" in r.stderr
-    _run(_torchrun(2, *args, f"--set=stop_after={STEPS}"))
-    for a, b in zip(losses(out)[CKPT:], losses(runs[2])[CKPT:], strict=True):
+    fsdp is refused (torchrun_train checks that it fails)."""
+    dirs, logs = runs
+    assert f"checkpoint-{CKPT} was written with strategy ddp: resume it with --strategy ddp" in logs["ddp-as-fsdp"]
+    for a, b in zip(losses(dirs["ddp"])[CKPT:], losses(dirs["run2"])[CKPT:], strict=True):
         assert (a["step"], a["tokens"], a["lr"]) == (b["step"], b["tokens"], b["lr"])
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)

@@ -3,7 +3,6 @@
 import dataclasses
 import json
 import math
-import os
 import random
 import shutil
 import signal
@@ -28,7 +27,7 @@ from refusion.training.optimizer import lr_at
 from refusion.training.setup import setup
 from refusion.training.trainer import TrainConfig, fit, load_train_config, train
 from tiny_causal_lm import tokenizer_without_mask
-from train_helpers import TINY, data_file, tiny_config  # noqa: F401 (data_file: a fixture; test_fsdp imports them from here)
+from train_helpers import TINY, data_file, tiny_config, torchrun_train, train_here  # noqa: F401 (data_file: a fixture; test_fsdp imports them from here)
 
 def losses(out: Path) -> list[dict]:
     keep = ("step", "loss", "ar_loss", "mdm_loss", "grad_norm", "lr", "tokens")
@@ -212,19 +211,16 @@ def test_lora_trains_the_new_token_rows_and_nothing_else_of_the_embedding(tied):
         torch.testing.assert_close(plain(ids, pos), m(ids, pos), atol=1e-5, rtol=1e-5)
 
 
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "refusion.cli", "train", *args]
-
-
 def test_resume_after_kill_is_bit_exact(data_file, tmp_path):
     common = [f"--data={data_file}", "--set=vocab_size=300", f"--set=model={json.dumps(TINY)}", "--set=batch_size=8",
               "--set=max_steps=1000", "--set=warmup_steps=3", "--set=save_every=5", "--no-progress"]
     # an uninterrupted run of 20 steps (of a 1000-step schedule)
     ref = tmp_path / "ref"
-    subprocess.run(_cli(*common, f"--out={ref}", "--set=stop_after=20"), check=True, capture_output=True)
+    train_here(*common, f"--out={ref}", "--set=stop_after=20")
     # the same run, killed with SIGKILL some steps after its first checkpoint
     run = tmp_path / "run"
-    proc = subprocess.Popen(_cli(*common, f"--out={run}"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, "-m", "refusion.cli", "train", *common, f"--out={run}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     metrics = run / "metrics.jsonl"
     deadline = time.time() + 120
     while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 7):
@@ -236,7 +232,7 @@ def test_resume_after_kill_is_bit_exact(data_file, tmp_path):
     # its lock file still names it, yet blocks nothing: the lock went with the process
     assert (run / ".lock").read_text().startswith(f"pid {proc.pid} on ")
     # resume to step 20: every logged number equals the uninterrupted run's
-    subprocess.run(_cli(*common, f"--out={run}", "--set=stop_after=20"), check=True, capture_output=True)
+    train_here(*common, f"--out={run}", "--set=stop_after=20")
     assert losses(run) == losses(ref)
     a, b = load_model(ref / "checkpoint-20"), load_model(run / "checkpoint-20")
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
@@ -246,12 +242,8 @@ def test_two_processes_match_one(data_file, tmp_path):
     common = [f"--data={data_file}", "--set=vocab_size=300", f"--set=model={json.dumps(TINY)}", "--set=batch_size=8",
               "--set=max_steps=6", "--set=warmup_steps=2", "--no-progress"]
     one, two = tmp_path / "one", tmp_path / "two"
-    subprocess.run(_cli(*common, f"--out={one}"), check=True, capture_output=True)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "-m", "refusion.cli", "train", *common, f"--out={two}"]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    assert r.returncode == 0, r.stderr[-2000:]
+    train_here(*common, f"--out={one}")
+    torchrun_train(2, {"two": [*common, f"--out={two}"]}, tmp_path / "log.json")
     la, lb = losses(one), losses(two)
     assert len(la) == len(lb) == 6
     for a, b in zip(la, lb):

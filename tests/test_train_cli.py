@@ -1,5 +1,6 @@
 """`refusion train` as a user meets it: a line for each setup stage, one CPU thread for a small model,
-a warning where bfloat16 would be emulated, a seed torch can take."""
+a warning where bfloat16 would be emulated, a seed torch can take. The trainings run in this process
+(refusion.cli.main, as the command does), their threads set back when the module ends."""
 
 import json
 import platform
@@ -9,12 +10,14 @@ import sys
 import pytest
 import torch
 
+from refusion.cli import main
 from refusion.model.checkpoint import load_model
 from refusion.model.config import ConfigError
 from refusion.runtime import count_parameters
 from refusion.training.config import TrainConfig
 from refusion.training.setup import cpu_bf16_is_emulated
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # (--threads=2 below sets torch's threads)
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2}
 
 
@@ -26,17 +29,18 @@ def data_file(tmp_path_factory):
     return path
 
 
-def _train(data_file, out, *extra: str) -> subprocess.CompletedProcess:
+def _train(data_file, out, capsys, *extra: str) -> str:
+    """`refusion train` for one step, in this process; what it wrote on stderr."""
+    capsys.readouterr()
     argv = ["train", f"--data={data_file}", "--set=vocab_size=300", f"--set=model={json.dumps(TINY)}",
             "--set=batch_size=8", "--max-steps=1", f"--out={out}", "--no-progress", *extra]
-    p = subprocess.run([sys.executable, "-m", "refusion.cli", *argv], capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-2000:]
-    return p
+    assert main(argv) == 0
+    return capsys.readouterr().err
 
 
-def test_setup_stages_one_thread_for_a_small_model_and_the_bfloat16_warning(data_file, tmp_path):
-    p = _train(data_file, tmp_path / "a", "--set=dtype=\"bfloat16\"")
-    lines = [ln.removeprefix("refusion train: ") for ln in p.stderr.splitlines()]
+def test_setup_stages_one_thread_for_a_small_model_and_the_bfloat16_warning(data_file, tmp_path, capsys):
+    err = _train(data_file, tmp_path / "a", capsys, "--set=dtype=\"bfloat16\"")
+    lines = [ln.removeprefix("refusion train: ") for ln in err.splitlines()]
     n = count_parameters(load_model(tmp_path / "a" / "model"))
     stages = [f"reading {data_file}", "training a BPE tokenizer on 40 records", "building a new model",
               f"{n:,} parameters, 1 CPU thread", "tokenizing 40 records",
@@ -48,9 +52,9 @@ def test_setup_stages_one_thread_for_a_small_model_and_the_bfloat16_warning(data
     assert (warning in lines) == cpu_bf16_is_emulated()
     assert json.loads((tmp_path / "a" / "train_config.json").read_text())["dtype"] == "bfloat16"  # kept, as asked
     # --threads overrides the rule; float32 has nothing to warn about
-    p = _train(data_file, tmp_path / "b", "--threads=2")
-    assert f"refusion train: {n:,} parameters, 2 CPU threads" in p.stderr.splitlines()
-    assert "bfloat16" not in p.stderr
+    err = _train(data_file, tmp_path / "b", capsys, "--threads=2")
+    assert f"refusion train: {n:,} parameters, 2 CPU threads" in err.splitlines()
+    assert "bfloat16" not in err
 
 
 @pytest.mark.parametrize("machine, avx512_bf16, amx, emulated", [

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from refusion.cli import main
 from refusion.model.config import ConfigError, ModelConfig
 from refusion.model.transformer import Transformer
 from refusion.training.config import load_train_config
@@ -135,27 +136,36 @@ def test_steps_per_epoch_from_a_local_data_file(tmp_path):
     assert (p["records"], p["steps_per_epoch"], p["epochs"]) == (10, 2, 2.5)
 
 
-def _cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    env.pop("WORLD_SIZE", None)
-    env.pop("LOCAL_WORLD_SIZE", None)
-    return subprocess.run([sys.executable, "-m", "refusion.cli", "train", *args], capture_output=True, text=True,
-                          env=env, cwd=cwd, timeout=120)
+@pytest.fixture
+def cli(capsys, monkeypatch):
+    """`refusion train ARGS` in this process, from the repository's root and outside torchrun (whose
+    environment the plan reads): its exit status, stdout and stderr."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        capsys.readouterr()
+        rc = main(["train", *args])
+        out = capsys.readouterr()
+        return subprocess.CompletedProcess(args, rc, out.out, out.err)
+
+    return run
 
 
-def test_cli_prints_the_verdict_and_json_and_exits_0():
+def test_cli_prints_the_verdict_and_json_and_exits_0(cli):
     base = ["--config", str(PAPER), "--init", str(QWEN3_8B), "--plan", "--nproc", "8"]
-    fits = _cli(*base, "--device-memory", "80GB")
+    fits = cli(*base, "--device-memory", "80GB")
     assert fits.returncode == 0, fits.stderr
     assert "\nFITS: peak" in fits.stdout and "8,190,735,360 parameters" in fits.stdout
-    small = _cli(*base, "--device-memory", "16GB", "--json")
+    small = cli(*base, "--device-memory", "16GB", "--json")
     assert small.returncode == 0, small.stderr
     p = json.loads(small.stdout)
     conf = [s for s in p["settings"] if s["configured"]]
     assert len(conf) == 1 and (conf[0]["strategy"], conf[0]["checkpointing"]) == ("fsdp", True)
     assert conf[0]["fits"] is False and conf[0]["largest_micro_batch"] == 0
     assert p["processes"] == {"per_node": 8, "nodes": 1, "total": 8}
-    tiny_gpu = _cli(*base, "--device-memory", "16GB")
+    tiny_gpu = cli(*base, "--device-memory", "16GB")
     assert tiny_gpu.returncode == 0 and "\nDOES NOT FIT: peak" in tiny_gpu.stdout
 
 
@@ -163,17 +173,17 @@ def test_cli_prints_the_verdict_and_json_and_exits_0():
     (["--init", "{empty}", "--device-memory", "80GB"], "init {empty} has no config.json (the plan reads only that file)"),
     (["--init", "{qwen}", "--device-memory", "80 gigs"], "device memory '80 gigs': write a size such as 80GB, 80GiB or 81559MiB"),
 ])
-def test_cli_bad_inputs_are_one_line_errors(tmp_path, args, message):
+def test_cli_bad_inputs_are_one_line_errors(cli, tmp_path, args, message):
     empty = tmp_path / "empty"
     empty.mkdir()
     fill = {"empty": str(empty), "qwen": str(QWEN3_8B)}
-    r = _cli("--config", str(PAPER), "--plan", *[a.format(**fill) for a in args])
+    r = cli("--config", str(PAPER), "--plan", *[a.format(**fill) for a in args])
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.splitlines() == [f"refusion: error: {message.format(**fill)}"]
 
 
-def test_plan_flags_need_plan():
-    r = _cli("--device-memory", "80GB")
+def test_plan_flags_need_plan(cli):
+    r = cli("--device-memory", "80GB")
     assert r.returncode == 2 and r.stderr.strip() == "refusion: error: --device-memory goes with --plan"
 
 

@@ -35,8 +35,12 @@ def cli_args(data_file: Path, out: Path, *extra: str) -> list[str]:
             "--no-progress", *extra]
 
 
-def _cli(*argv: str, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "refusion.cli", *argv], capture_output=True, text=True, **kw)
+def _cli(capsys, *argv: str) -> subprocess.CompletedProcess:
+    """`refusion ARGV` in this process: its exit status, stdout and stderr."""
+    capsys.readouterr()
+    rc = main(list(argv))
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(argv, rc, out.out, out.err)
 
 
 def one_line_error(p: subprocess.CompletedProcess) -> str:
@@ -107,23 +111,23 @@ def test_allow_changed_names_only_fields_that_may_change():
         check_allow_changed(["model"])
 
 
-def test_resume_checks_the_configuration_through_the_command_line(data_file, tmp_path):
+def test_resume_checks_the_configuration_through_the_command_line(data_file, tmp_path, capsys):
     out = tmp_path / "run"
     train(small_run(data_file, out), progress=False)
     saved = (out / "train_config.json").read_text()
     metrics = (out / "metrics.jsonl").read_text()
     # another shape: refused, and the run directory is as it was
-    p = _cli(*cli_args(data_file, out, "--set=max_steps=6", "--set=model.num_layers=3"), timeout=300)
+    p = _cli(capsys, *cli_args(data_file, out, "--set=max_steps=6", "--set=model.num_layers=3"))
     assert one_line_error(p) == (f"refusion: error: cannot resume {out} with another configuration (model.num_layers "
                                  "2 -> 3): model sets what the run trains and cannot change within a run; train into a "
                                  "new --out")
-    p = _cli(*cli_args(data_file, out, "--set=max_steps=10", "--set=lr=1e-3"), timeout=300)
+    p = _cli(capsys, *cli_args(data_file, out, "--set=max_steps=10", "--set=lr=1e-3"))
     assert "(max_steps 6 -> 10, lr 0.003 -> 0.001)" in one_line_error(p)
     assert "To accept, pass --allow-changed max_steps,lr;" in p.stderr
     assert (out / "train_config.json").read_text() == saved and (out / "metrics.jsonl").read_text() == metrics
     # accepted on request: the run goes on from step 6 on the new schedule, and records the new configuration
-    p = _cli(*cli_args(data_file, out, "--set=max_steps=10", "--set=lr=1e-3", "--allow-changed=max_steps,stop_after",
-                       "--allow-changed", "lr"), timeout=300)
+    p = _cli(capsys, *cli_args(data_file, out, "--set=max_steps=10", "--set=lr=1e-3",
+                               "--allow-changed=max_steps,stop_after", "--allow-changed", "lr"))
     assert p.returncode == 0, p.stderr[-2000:]
     assert "resuming with a changed configuration: max_steps 6 -> 10, lr 0.003 -> 0.001" in p.stderr
     new = small_run(data_file, out, max_steps=10, lr=1e-3)
@@ -132,7 +136,7 @@ def test_resume_checks_the_configuration_through_the_command_line(data_file, tmp
     assert [r["lr"] for r in recs[6:]] == [lr_at(s, new) for s in range(6, 10)]
     assert json.loads((out / "train_config.json").read_text()) == dataclasses.asdict(new)
     # the same configuration again (a finished run): nothing to refuse
-    p = _cli(*cli_args(data_file, out, "--set=max_steps=10", "--set=lr=1e-3"), timeout=300)
+    p = _cli(capsys, *cli_args(data_file, out, "--set=max_steps=10", "--set=lr=1e-3"))
     assert p.returncode == 0 and "changed configuration" not in p.stderr, p.stderr[-2000:]
 
 
