@@ -41,9 +41,9 @@ the one with the best ratio. Either way a few numpy operations on [rows, draft_l
 step, on the host (plain Python for a batch of one, where numpy's cost per call would be most of
 it), the costs looked up in the table evaluated at every whole token count once per refresh.
 Rows whose policy is fixed or adaptive (a server's batch mixes requests) keep their widths and
-count in the cost and the rate. The choice is myopic (one step's ratio) and
-steady-state (a row is valued as if its draft filled its width: masks fed now draft the next
-step), and sized for the rows running now: as rows join and leave, the widths follow.
+count in the cost and the rate. The choice is myopic (one step's ratio) and steady-state (a row
+is valued as if its draft filled its width: masks fed now draft the next step), and sized for
+the rows running now: as rows join and leave, the widths follow.
 A row whose draft predicts its own EOS drafts no further than it: tokens past an answer's end
 are never committed, and counting them made wide drafts look cheap near every answer's end.
 
@@ -147,8 +147,8 @@ class CostModel:
         return np.maximum(y, self.floor)
 
     def grid(self, rows: int, n: int) -> np.ndarray:
-        """self(rows, [0, 1, ..., m - 1]) for some m >= n, computed once until observe() next moves
-        the table: the choice's costs at whole token counts are then lookups, the same numbers."""
+        """self(rows, [0, 1, ..., m - 1]) for some m >= n, kept until observe() moves the table: a
+        CPU's choice looks its costs up here (the same numbers), and so does the step's observe()."""
         g = self.grids.get(rows)
         if g is None or len(g) < n:
             g = self.grids[rows] = self(rows, np.arange(max(n, 2 * len(g) if g is not None else 0)))
@@ -159,9 +159,13 @@ class CostModel:
         interpolation (a step's noise moves the table by a few percent at most)."""
         if self.frozen or not seconds > 0:
             return
-        ratio = min(max(seconds / float(self.grid(rows, tokens + 1)[tokens]), 0.5), 2.0)
+        g = self.grids.get(rows)
+        estimate = float(g[tokens] if g is not None and tokens < len(g) else self(rows, tokens))
+        ratio = min(max(seconds / estimate, 0.5), 2.0)
         i, f = _bracket(self.rows, rows)
         for r, wr in zip((i, i + 1), _shares(f)) if len(self.rows) > 1 else ((0, 1.0),):
+            if wr == 0:
+                continue  # (no share: its cells would be multiplied by 1)
             j, g = _bracket(self.tokens[r], tokens)
             for c, wc in zip((j, j + 1), _shares(g)):
                 if c < len(self.seconds[r]):
@@ -352,36 +356,46 @@ def best_widths(rate: np.ndarray, bound: np.ndarray, masks: np.ndarray, width: n
     if B == 1:  # (numpy's cost per call is most of the work at one row)
         return np.array([best_width(rate[0].tolist(), int(bound[0]), int(masks[0]), int(width[0]), bool(free[0]),
                                     cost, int(floor[0]))])
-    w = np.arange(K + 1)
+    # value[b, w]: the tokens a draft of w commits in expectation (ufuncs' own accumulate and reduce:
+    # what np.cumsum and .sum() call, without their cost per call)
     value = np.ones((B, K + 1))
-    value[:, 1:] += np.cumsum(np.cumprod(rate, axis=1), axis=1)
-    fed = 1 + w + np.where(masks[:, None] >= 0, masks[:, None], np.where(w > 0, w + 1, 0))  # [B, K+1]
+    value[:, 1:] += np.add.accumulate(np.multiply.accumulate(rate, axis=1), axis=1)
     pinned = np.minimum(width, bound)
     rows = np.arange(B)
     if not cost.packed:  # padded to the widest row: every row drafts up to one common width
+        w = np.arange(K + 1)
+        fed = 1 + w + np.where(masks[:, None] >= 0, masks[:, None], np.where(w > 0, w + 1, 0))  # [B, K+1]: fed_tokens
         common = np.maximum(np.minimum(w[:, None], bound[None, :]), floor[None, :])
         idx = np.where(free[None, :], common, pinned[None, :])  # [K+1, B]
-        tokens = B * fed[rows, idx].max(1)
-        ratio = value[rows, idx].sum(1) / cost.grid(B, int(tokens.max()) + 1)[tokens]
+        # (the cost at these K + 1 token counts only: rows x width would make a long grid)
+        ratio = np.add.reduce(value[rows, idx], axis=1) / cost(B, B * fed[rows, idx].max(1))
         return idx[int(ratio.argmax())]
     # a CPU computes the rows' tokens: widen one row by one draft token at a time, the best value
     # per token first, and keep the count with the best ratio. Each row's steps are ordered by the
     # running minimum of their value per token, so that every count widens each row by a prefix
     # (its gains shrink with depth; only its first step, which adds a draft and two masks, costs more)
     start = np.where(free, floor, pinned)
-    gain, cost_in_tokens = np.diff(value, axis=1), np.diff(fed, axis=1)  # [B, K]: of widening w-1 -> w
-    valid = free[:, None] & (w[None, 1:] > start[:, None]) & (w[None, 1:] <= bound[:, None])
-    key = np.minimum.accumulate(np.where(valid, gain / cost_in_tokens, np.inf), axis=1)
-    order = np.argsort(-key.ravel(), kind="stable")
-    order = order[valid.ravel()[order]]
+    w = np.arange(1, K + 1)  # [K]: the width each widening reaches
+    gain = value[:, 1:] - value[:, :-1]
+    tokens = np.where(masks[:, None] >= 0, 1, np.where(w == 1, 3, 2))  # what it adds to fed_tokens
+    valid = (w > np.where(free, start, bound)[:, None]) & (w <= bound[:, None])
+    key = np.minimum.accumulate(np.where(valid, gain / tokens, np.inf), axis=1)
+    order = np.flatnonzero(valid)
+    order = order[np.argsort(-key.ravel()[order], kind="stable")]
     v = np.zeros(len(order) + 1)  # the value and the tokens after each widening in turn
     t = np.zeros(len(order) + 1, dtype=np.int64)
-    np.cumsum(gain.ravel()[order], out=v[1:])
-    np.cumsum(cost_in_tokens.ravel()[order], out=t[1:])
-    v += value[rows, start].sum()
-    t += fed[rows, start].sum()
+    np.add.accumulate(gain.ravel()[order], out=v[1:])
+    np.add.accumulate(tokens.ravel()[order], out=t[1:])
+    v += np.add.reduce(value[rows, start])
+    t += sum(fed_tokens(s, m) for s, m in zip(start.tolist(), masks.tolist()))
     n = int((v / cost.grid(B, int(t[-1]) + 1)[t]).argmax())
     return start + np.bincount(order[:n] // K, minlength=B)
+
+
+def fed_tokens(width: int, masks: int) -> int:
+    """What a row feeds at this width: its newest token, the drafts and the masks (masks < 0: width
+    + 1, none at width 0)."""
+    return 1 + width + (masks if masks >= 0 else (width + 1 if width else 0))
 
 
 def best_width(rate: list[float], bound: int, masks: int, width: int, free: bool, cost: CostModel,
@@ -398,7 +412,7 @@ def best_width(rate: list[float], bound: int, masks: int, width: int, free: bool
         run *= r
         total += run
         value.append(1 + total)
-    fed = [1 + w + (masks if masks >= 0 else (w + 1 if w else 0)) for w in range(bound + 1)]
+    fed = [fed_tokens(w, masks) for w in range(bound + 1)]
     seconds = cost.grid(1, fed[bound] + 1)
     best, best_ratio = floor, value[floor] / seconds[fed[floor]]
     gained = 0.0  # the packed choice sums the widenings' gains onto value[floor]
