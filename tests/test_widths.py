@@ -1,10 +1,12 @@
 """The cost width policy (decoding/widths.py): its cost table, its acceptance counts, its choice
 against a brute-force search, and the measured policy end to end (AR's tokens whatever it picks)."""
 
+import copy
 import itertools
 
 import numpy as np
 import pytest
+import reference_widths as reference
 import torch
 
 from refusion.decoding import ARParams, generate_ar, widths
@@ -181,6 +183,141 @@ def test_more_rows_draft_less_on_a_cpu():
     one = best_widths(rate, np.array([32]), np.array([-1]), np.array([4]), np.array([True]), cost)[0]
     eight = best_widths(np.repeat(rate, 8, 0), np.full(8, 32), np.full(8, -1), np.full(8, 4), np.ones(8, bool), cost)
     assert len(set(eight.tolist())) == 1 and 0 < eight[0] < one
+
+
+# ---- the per-step arithmetic is the arithmetic as first written (tests/reference_widths.py) --------
+
+
+def random_table(rng, packed=None, frozen=False) -> CostModel:
+    """A cost table with 1 to 3 row counts and 2 to 7 token counts each, seconds increasing."""
+    rows = sorted(rng.choice(np.arange(1, 17), size=int(rng.integers(1, 4)), replace=False).tolist())
+    tokens = [[r * w for w in widths.CALIBRATION_WIDTHS[: int(rng.integers(2, 8))]] for r in rows]
+    seconds = [np.cumsum(rng.uniform(1e-4, 1e-3, len(t))) for t in tokens]
+    packed = bool(rng.integers(2)) if packed is None else packed
+    return CostModel(rows, tokens, seconds, packed, frozen)
+
+
+def test_cost_lookups_and_refreshes_are_the_formulas_as_first_written():
+    rng = np.random.default_rng(1)
+    for trial in range(30):
+        live = random_table(rng)
+        ref = copy.deepcopy(live)  # moved by reference.observe only
+        for _ in range(30):
+            rows, n = int(rng.integers(1, 20)), int(rng.integers(1, 300))
+            grid = live.grid(rows, n)
+            assert len(grid) >= n and np.array_equal(grid, reference.cost(ref, rows, np.arange(len(grid))))
+            t = np.r_[rng.integers(0, 400, 5), rng.uniform(0, 400, 5)]
+            assert np.array_equal(live(rows, t), reference.cost(ref, rows, t))
+            tokens = int(rng.integers(1, 600))
+            seconds = rng.uniform(0.2, 3) * float(reference.cost(ref, rows, [tokens])[0])
+            live.observe(rows, tokens, seconds)
+            reference.observe(ref, rows, tokens, seconds)
+            assert all(np.array_equal(a, b) for a, b in zip(live.seconds, ref.seconds)), trial
+
+
+def test_pooled_counts_and_rates_are_the_formulas_as_first_written():
+    rng = np.random.default_rng(2)
+    pool, ref = Acceptance(), Acceptance()  # ref: moved by reference.record_many, read by reference.*
+    for step in range(300):
+        B = int(rng.choice([1, 1, 2, 8]))
+        kind = rng.integers(0, widths.KINDS, B)
+        k = rng.integers(0, 300, B)  # (past the counts' 256 positions too)
+        j = rng.integers(0, k + 1)
+        pool.record_many(kind, j, k)
+        reference.record_many(ref, kind, j, k)
+        assert np.array_equal(pool.reached, ref.reached) and np.array_equal(pool.accepted, ref.accepted), step
+        n = int(rng.integers(1, 257))
+        assert np.array_equal(pool.mean(), reference.mean(ref))
+        assert np.array_equal(pool.prior(n), reference.prior(ref, n))
+        want = reference.expected_accepted(reference.prior(ref, n), np.full(widths.KINDS, n))
+        assert np.array_equal(pool.expected(n), want)
+        own = Acceptance()
+        for _ in range(int(rng.integers(0, 20))):
+            kk = int(rng.integers(0, 40))
+            own.record(int(rng.integers(widths.KINDS)), int(rng.integers(0, kk + 1)), kk)
+        kinds = rng.integers(0, widths.KINDS, B)
+        K = int(rng.integers(0, 65))
+        reached, accepted = own.reached[kinds, :K], own.accepted[kinds, :K]
+        want = reference.rates(reached, accepted, kinds, ref)
+        assert np.array_equal(widths.rates(reached, accepted, kinds, pool), want)
+
+
+def random_choice_inputs(rng, B: int, K: int):
+    """rate, bound, masks, width, free, floor for best_widths; rates from a few values half the time
+    (ties in value per token, within and across rows)."""
+    if rng.random() < 0.5:
+        rate = rng.choice([0.0, 0.3, 0.5, 0.9, 0.99, 1.0], (B, K))
+        if rng.random() < 0.3:
+            rate[:] = rate[0]
+    else:
+        rate = rng.uniform(0.0, 1.0, (B, K)) ** rng.uniform(0.1, 3)
+    bound = rng.integers(0, K + 1, B)
+    masks = np.where(rng.random(B) < 0.2, rng.integers(0, 5, B), -1)
+    width = rng.integers(0, K + 4, B)
+    free = rng.random(B) < 0.8
+    floor = None if rng.random() < 0.2 else np.minimum(rng.integers(0, 2, B), bound)
+    return rate, bound, masks, width, free, floor
+
+
+def test_the_choice_is_the_choice_as_first_written():
+    """best_widths (one row: best_width, in plain Python) picks exactly the reference's widths, at
+    batch 1 and 8 and in between, on frozen and refreshed tables, packed and padded."""
+    rng = np.random.default_rng(3)
+    tables = [CostModel.of(linear(), packed) for packed in (True, False)]
+    tables += [CostModel.of(lambda r, t: 1e-3 * (1 + max(0, t - 96) / 64), packed=False)]
+    for _ in range(6):
+        table = random_table(rng)
+        for _ in range(20):
+            table.observe(int(rng.integers(1, 10)), int(rng.integers(1, 300)), float(rng.uniform(1e-4, 1e-2)))
+        tables.append(table)
+    for trial in range(1500):
+        B = int(rng.choice([1, 1, 8, 8, int(rng.integers(2, 8))]))
+        K = int(rng.integers(0, 65))
+        rate, bound, masks, width, free, floor = random_choice_inputs(rng, B, K)
+        cost = tables[int(rng.integers(len(tables)))]
+        want = reference.best_widths(rate, bound, masks, width, free, cost, floor)
+        got = best_widths(rate, bound, masks, width, free, cost, floor)
+        assert got.tolist() == want.tolist(), trial
+        if B == 1:
+            one = widths.best_width(rate[0].tolist(), int(bound[0]), int(masks[0]), int(width[0]), bool(free[0]), cost,
+                                    0 if floor is None else int(floor[0]))
+            assert one == want[0], trial
+
+
+@pytest.mark.parametrize("live, packed", [(False, True), (True, True), (False, False)])
+def test_every_steps_widths_are_the_widths_as_first_written(monkeypatch, live, packed):
+    """A decode's every choice, rows of every width policy and lookup mixed, joining and leaving,
+    against reference.choose_widths on the same state (a live table is refreshed by real timings)."""
+    model = tiny(5)
+    frozen = CostModel.of(linear(), packed)
+    cost = CostModel(frozen.rows, frozen.tokens, frozen.seconds, packed) if live else frozen
+    checked, bare = [], 0
+    plain = SpeculativeBatch._choose_widths
+
+    def choose(self):
+        nonlocal bare
+        want = reference.choose_widths(self)
+        plain(self)
+        assert [(q.width, q.bare) for q in self.running] == want
+        checked.append(len(self.running))
+        bare += sum(q.bare for q in self.running)
+
+    monkeypatch.setattr(SpeculativeBatch, "_choose_widths", choose)
+    widths.PRIORS.pop(model, None)
+    batch = SpeculativeBatch(model, eos_ids=[1], cost=cost)
+    settings = [dict(), dict(lookup=True), dict(draft_length=5), dict(lookup=True, draft_length=12, temperature=0.8),
+                dict(mask_length=3), dict(widths="adaptive", lookup=True), dict(widths="fixed", draft_length=4)]
+    prompts = PROMPTS + [[2, 3, 4, 2, 3, 4, 2, 3], [5, 6, 5, 6, 5]]
+    for i in range(3):
+        batch.add(prompts[i], SpeculativeParams(gen_length=40, **settings[i]))
+    added = 3
+    while len(batch):
+        batch.step()
+        if added < 12 and len(checked) % 2 == 0:  # joining while others run
+            params = SpeculativeParams(gen_length=40, **settings[added % len(settings)])
+            batch.add(prompts[added % len(prompts)], params, seed=added)
+            added += 1
+    assert len(checked) > 20 and max(checked) >= 4 and bare > 0  # (copies fed without masks too)
 
 
 # ---- the measured policy, end to end ----------------------------------------------------------------

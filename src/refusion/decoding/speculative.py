@@ -163,6 +163,8 @@ class SpeculativeSeq:
     def draft_end(self) -> int:
         """How many draft tokens are worth feeding before the draft's own EOS (every one, with
         none): a draft predicting that the answer ends there makes wider ones a waste."""
+        if self.eos.isdisjoint(self.draft):
+            return MAX_DRAFT
         return next((i + 1 for i, t in enumerate(self.draft) if t in self.eos), MAX_DRAFT)
 
     def _adapt(self, j: int, k: int) -> None:
@@ -280,37 +282,41 @@ class SpeculativeBatch:
     def _choose_widths(self) -> None:
         """The cost policy's widths for this step's rows (widths.best_widths); the others keep theirs."""
         seqs = self.running
-        free = np.array([q.p.widths == "cost" for q in seqs])
-        if not free.any():
+        free = [q.p.widths == "cost" for q in seqs]
+        if not any(free):
             return
         if self.cost is None:
             self.cost = widths.cost_model(self.model)
         # a row drafts at most draft_length tokens, and one fewer than the positions it has left
-        bound = np.array([max(0, min(q.p.draft_length, q.p.gen_length - len(q.res.tokens) - 1, q.draft_end())) for q in seqs])
-        K = int(bound.max())
-        kind = np.array([q.kind for q in seqs])
-        reached = np.stack([q.acceptance.reached[q.kind, :K] for q in seqs])
-        rate = widths.rates(reached, np.stack([q.acceptance.accepted[q.kind, :K] for q in seqs]), kind, self.prior)
-        masks = np.array([-1 if q.p.mask_length is None else q.p.mask_length for q in seqs])
+        bound = [max(0, min(q.p.draft_length, q.p.gen_length - len(q.res.tokens) - 1, q.draft_end())) for q in seqs]
+        K = max(bound)
+        kind = [q.kind for q in seqs]
+        reached = np.array([q.acceptance.reached[q.kind, :K] for q in seqs])
+        accepted = np.array([q.acceptance.accepted[q.kind, :K] for q in seqs])
+        rate = widths.rates(reached, accepted, np.array(kind), self.prior)
+        masks = [-1 if q.p.mask_length is None else q.p.mask_length for q in seqs]
         # a copy accepted whole is followed by more of the copy, for free: masks behind it pay only
         # where this model's mask drafts are expected to go further than its copies
-        bare = free & (kind >= widths.LOOKUP) & (masks < 0) & self._copies_beat_masks(kind, K)
-        if bare.any():
-            masks = np.where(bare, 0, masks)
-            bound = np.where(bare, np.minimum(bound, [len(q.draft) for q in seqs]), bound)
-        width = np.array([q.width for q in seqs])
+        bare = [f and k >= widths.LOOKUP and m < 0 for f, k, m in zip(free, kind, masks)]
+        if any(bare):
+            beat = self._copies_beat_masks(K)
+            bare = [b and bool(beat[k]) for b, k in zip(bare, kind)]
+            for i, q in enumerate(seqs):
+                if bare[i]:
+                    masks[i], bound[i] = 0, min(bound[i], len(q.draft))
         # a sequence tries a few drafts of its own before the policy may stop it drafting
-        floor = np.minimum(np.array([q.drafts_tried < widths.EXPLORE for q in seqs], dtype=np.int64), bound)
-        for q, f, b, w in zip(seqs, free, bare, widths.best_widths(rate, bound, masks, width, free, self.cost, floor)):
+        floor = [min(int(q.drafts_tried < widths.EXPLORE), b) for q, b in zip(seqs, bound)]
+        chosen = widths.best_widths(rate, np.array(bound), np.array(masks), np.array([q.width for q in seqs]),
+                                    np.array(free), self.cost, np.array(floor))
+        for q, f, b, w in zip(seqs, free, bare, chosen.tolist()):
             if f:
-                q.width, q.bare = int(w), bool(b)
+                q.width, q.bare = w, b
 
-    def _copies_beat_masks(self, kind: np.ndarray, n: int) -> np.ndarray:
-        """[B]: whether each row's kind of draft is expected (pooled over this model's sequences) to
-        be accepted at least as far as its masks' fresh drafts, over n positions."""
-        n = max(n, 1)
-        value = widths.expected_accepted(self.prior.prior(n), np.full(widths.KINDS, n))
-        return value[kind] >= value[widths.FRESH]
+    def _copies_beat_masks(self, n: int) -> np.ndarray:
+        """[KINDS]: whether each kind of draft is expected (pooled over this model's sequences) to be
+        accepted at least as far as the masks' fresh drafts, over n positions."""
+        value = self.prior.expected(max(n, 1))
+        return value >= value[widths.FRESH]
 
     def _forward(self, lo: int, hi: int, prefill: bool) -> None:
         start = time.perf_counter()

@@ -38,10 +38,12 @@ at a time, the most expected tokens per fed token first, and of all those wideni
 the best ratio of expected tokens to measured cost is taken (exact whatever the cost's shape).
 Elsewhere the forward is as wide as its widest row, so every row drafts up to one common width,
 the one with the best ratio. Either way a few numpy operations on [rows, draft_length] arrays per
-step, on the host. Rows whose policy is fixed or adaptive (a server's batch mixes requests) keep
-their widths and count in the cost and the rate. The choice is myopic (one step's ratio) and
-steady-state (a row is valued as if its draft filled its width: masks fed now draft the next
-step), and sized for the rows running now: as rows join and leave, the widths follow.
+step, on the host (plain Python for a batch of one, where numpy's cost per call would be most of
+it), the costs looked up in the table evaluated at every whole token count once per refresh.
+Rows whose policy is fixed or adaptive (a server's batch mixes requests) keep their widths and
+count in the cost and the rate. The choice is myopic (one step's ratio) and steady-state (a row
+is valued as if its draft filled its width: masks fed now draft the next step), and sized for
+the rows running now: as rows join and leave, the widths follow.
 A row whose draft predicts its own EOS drafts no further than it: tokens past an answer's end
 are never committed, and counting them made wide drafts look cheap near every answer's end.
 
@@ -52,6 +54,7 @@ the cost policy follow measured timings: use widths fixed or adaptive where coun
 
 from __future__ import annotations
 
+import bisect
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -108,7 +111,7 @@ def _bracket(xs: np.ndarray, x: float) -> tuple[int, float]:
     """(i, f): x lies a fraction f of the way from xs[i] to xs[i + 1] (f outside [0, 1] past the ends)."""
     if len(xs) < 2:
         return 0, 0.0
-    i = int(np.clip(np.searchsorted(xs, x) - 1, 0, len(xs) - 2))
+    i = min(max(bisect.bisect_left(xs, x) - 1, 0), len(xs) - 2)
     return i, (x - xs[i]) / (xs[i + 1] - xs[i])
 
 
@@ -124,6 +127,7 @@ class CostModel:
         self.seconds = [_smooth(t, np.asarray(s, dtype=float)) for t, s in zip(self.tokens, seconds)]
         self.packed, self.frozen = packed, frozen
         self.floor = 0.5 * min(float(s.min()) for s in self.seconds)  # no estimate below it, extrapolated or not
+        self.grids: dict[int, np.ndarray] = {}  # rows -> self(rows, [0, 1, 2, ...]) until observe() moves the table
 
     @classmethod
     def of(cls, seconds: Callable[[int, int], float], packed: bool = True) -> CostModel:
@@ -138,23 +142,36 @@ class CostModel:
         t = np.asarray(tokens, dtype=float)
         i, f = _bracket(self.rows, rows)
         y = _line(t, self.tokens[i], self.seconds[i])
-        if len(self.rows) > 1:  # (more rows never cost less for as many tokens, extrapolated or not)
+        if f != 0:  # (more rows never cost less for as many tokens, extrapolated or not; f = 0 would add 0)
             y = y + f * (np.maximum(_line(t, self.tokens[i + 1], self.seconds[i + 1]), y) - y)
         return np.maximum(y, self.floor)
+
+    def grid(self, rows: int, n: int) -> np.ndarray:
+        """self(rows, [0, 1, ..., m - 1]) for some m >= n, kept until observe() moves the table: a
+        CPU's choice looks its costs up here (the same numbers), and so does the step's observe()."""
+        g = self.grids.get(rows)
+        if g is None or len(g) < n:
+            g = self.grids[rows] = self(rows, np.arange(max(n, 2 * len(g) if g is not None else 0)))
+        return g
 
     def observe(self, rows: int, tokens: int, seconds: float) -> None:
         """A decode forward took `seconds`: move the nearest cells towards it, each by its share of the
         interpolation (a step's noise moves the table by a few percent at most)."""
         if self.frozen or not seconds > 0:
             return
-        ratio = float(np.clip(seconds / float(self(rows, tokens)), 0.5, 2.0))
+        g = self.grids.get(rows)
+        estimate = float(g[tokens] if g is not None and tokens < len(g) else self(rows, tokens))
+        ratio = min(max(seconds / estimate, 0.5), 2.0)
         i, f = _bracket(self.rows, rows)
         for r, wr in zip((i, i + 1), _shares(f)) if len(self.rows) > 1 else ((0, 1.0),):
+            if wr == 0:
+                continue  # (no share: its cells would be multiplied by 1)
             j, g = _bracket(self.tokens[r], tokens)
             for c, wc in zip((j, j + 1), _shares(g)):
                 if c < len(self.seconds[r]):
                     self.seconds[r][c] *= ratio ** (REFRESH_RATE * wr * wc)
             np.maximum.accumulate(self.seconds[r], out=self.seconds[r])
+        self.grids.clear()
 
 
 def _shares(f: float) -> tuple[float, float]:
@@ -236,41 +253,58 @@ class Acceptance:
     the masks' predictions after a fully accepted draft; AFTER_MISS, after a rejection: the rest of
     the old draft (drafted beside the token that was rejected), then the masks'; lookup_kind(n), a
     copy of what followed the same n last tokens earlier in the text (lookup.py). They are counted
-    apart because they are accepted very differently."""
+    apart because they are accepted very differently. Counts change through record and
+    record_many only: what is read from them is kept until they do."""
 
     def __init__(self, n: int = MAX_DRAFT) -> None:
         self.reached = np.zeros((KINDS, n))
         self.accepted = np.zeros((KINDS, n))
+        self.kept: dict = {}  # mean(), prior(), expected() as last computed
 
     def record(self, kind: int, j: int, k: int) -> None:
         """A draft of k tokens of which the first j were accepted."""
         self.reached[kind, : min(j + 1, k)] += 1
         self.accepted[kind, :j] += 1
+        self.kept.clear()
 
     def record_many(self, kind: np.ndarray, j: np.ndarray, k: np.ndarray) -> None:
         """Several drafts at once (a step's rows), after the counts so far decay by PRIOR_MEMORY."""
         n = self.reached.shape[1]
         self.reached *= PRIOR_MEMORY
         self.accepted *= PRIOR_MEMORY
-        for s in range(KINDS):
-            mine = kind == s
-            # position i was reached by the drafts with min(j + 1, k) > i, accepted by those with j > i
-            self.reached[s] += _at_least(np.minimum(np.minimum(j + 1, k), n)[mine], n)
-            self.accepted[s] += _at_least(np.minimum(j, n)[mine], n)
+        if len(kind) == 1:  # (the same sums: one draft adds one to each position it reached)
+            return self.record(int(kind[0]), int(j[0]), int(k[0]))
+        # position i was reached by the drafts with min(j + 1, k) > i, accepted by those with j > i
+        for counts, out in ((np.minimum(np.minimum(j + 1, k), n), self.reached), (np.minimum(j, n), self.accepted)):
+            m = int(counts.max(initial=0))  # (no count past it: those positions stay as they are)
+            out[:, :m] += _at_least(kind, counts, m)
+        self.kept.clear()
 
     def mean(self) -> np.ndarray:
         """Per kind, the rate over every position (with one acceptance and one rejection as its prior)."""
-        return (self.accepted.sum(1) + 1) / (self.reached.sum(1) + 2)
+        if "mean" not in self.kept:
+            self.kept["mean"] = (self.accepted.sum(1) + 1) / (self.reached.sum(1) + 2)
+        return self.kept["mean"]
 
     def prior(self, n: int) -> np.ndarray:
         """Per kind, pooled rates of the first n positions [KINDS, n], each shrunk towards its kind's mean
         (so a position no draft has reached gets the mean)."""
-        return (self.accepted[:, :n] + PRIOR_WEIGHT * self.mean()[:, None]) / (self.reached[:, :n] + PRIOR_WEIGHT)
+        if "prior" not in self.kept:
+            self.kept["prior"] = (self.accepted + PRIOR_WEIGHT * self.mean()[:, None]) / (self.reached + PRIOR_WEIGHT)
+        return self.kept["prior"][:, :n]
+
+    def expected(self, n: int) -> np.ndarray:
+        """Per kind, the expected accepted prefix of a draft of n tokens at the pooled rates."""
+        if ("expected", n) not in self.kept:
+            self.kept["expected", n] = expected_accepted(self.prior(n), np.full(KINDS, n))
+        return self.kept["expected", n]
 
 
-def _at_least(counts: np.ndarray, n: int) -> np.ndarray:
-    """[n]: how many of `counts` exceed each position 0..n-1."""
-    return np.bincount(counts, minlength=n + 1)[::-1].cumsum()[::-1][1:]
+def _at_least(kind: np.ndarray, counts: np.ndarray, m: int) -> np.ndarray:
+    """[KINDS, m]: per kind, how many of the drafts of that kind (kind [B]) have counts [B] (<= m)
+    exceeding each position 0..m-1."""
+    per_kind = np.bincount(kind * (m + 1) + counts, minlength=KINDS * (m + 1)).reshape(KINDS, m + 1)
+    return per_kind[:, ::-1].cumsum(1)[:, ::-1][:, 1:]
 
 
 PRIORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its pooled Acceptance
@@ -318,29 +352,73 @@ def best_widths(rate: np.ndarray, bound: np.ndarray, masks: np.ndarray, width: n
     draft that far for the next step.
     """
     B, K = rate.shape
-    w = np.arange(K + 1)
-    value = np.concatenate([np.ones((B, 1)), 1 + np.cumsum(np.cumprod(rate, axis=1), axis=1)], axis=1)
-    fed = 1 + w + np.where(masks[:, None] >= 0, masks[:, None], np.where(w > 0, w + 1, 0))  # [B, K+1]
-    pinned = np.minimum(width, bound)
     floor = np.zeros(B, dtype=np.int64) if floor is None else floor
+    if B == 1:  # (numpy's cost per call is most of the work at one row)
+        return np.array([best_width(rate[0].tolist(), int(bound[0]), int(masks[0]), int(width[0]), bool(free[0]),
+                                    cost, int(floor[0]))])
+    # value[b, w]: the tokens a draft of w commits in expectation (ufuncs' own accumulate and reduce:
+    # what np.cumsum and .sum() call, without their cost per call)
+    value = np.ones((B, K + 1))
+    value[:, 1:] += np.add.accumulate(np.multiply.accumulate(rate, axis=1), axis=1)
+    pinned = np.minimum(width, bound)
     rows = np.arange(B)
     if not cost.packed:  # padded to the widest row: every row drafts up to one common width
+        w = np.arange(K + 1)
+        fed = 1 + w + np.where(masks[:, None] >= 0, masks[:, None], np.where(w > 0, w + 1, 0))  # [B, K+1]: fed_tokens
         common = np.maximum(np.minimum(w[:, None], bound[None, :]), floor[None, :])
         idx = np.where(free[None, :], common, pinned[None, :])  # [K+1, B]
-        ratio = value[rows, idx].sum(1) / cost(B, B * fed[rows, idx].max(1))
+        # (the cost at these K + 1 token counts only: rows x width would make a long grid)
+        ratio = np.add.reduce(value[rows, idx], axis=1) / cost(B, B * fed[rows, idx].max(1))
         return idx[int(ratio.argmax())]
     # a CPU computes the rows' tokens: widen one row by one draft token at a time, the best value
     # per token first, and keep the count with the best ratio. Each row's steps are ordered by the
     # running minimum of their value per token, so that every count widens each row by a prefix
     # (its gains shrink with depth; only its first step, which adds a draft and two masks, costs more)
     start = np.where(free, floor, pinned)
-    gain, cost_in_tokens = np.diff(value, axis=1), np.diff(fed, axis=1)  # [B, K]: of widening w-1 -> w
-    valid = free[:, None] & (w[None, 1:] > start[:, None]) & (w[None, 1:] <= bound[:, None])
-    key = np.minimum.accumulate(np.where(valid, gain / cost_in_tokens, np.inf), axis=1)
-    order = np.argsort(-key.ravel(), kind="stable")
-    order = order[valid.ravel()[order]]
-    gains, tokens = gain.ravel()[order], cost_in_tokens.ravel()[order]
-    v = value[rows, start].sum() + np.r_[0.0, np.cumsum(gains)]
-    t = fed[rows, start].sum() + np.r_[0, np.cumsum(tokens)]
-    n = int((v / cost(B, t)).argmax())
+    w = np.arange(1, K + 1)  # [K]: the width each widening reaches
+    gain = value[:, 1:] - value[:, :-1]
+    tokens = np.where(masks[:, None] >= 0, 1, np.where(w == 1, 3, 2))  # what it adds to fed_tokens
+    valid = (w > np.where(free, start, bound)[:, None]) & (w <= bound[:, None])
+    key = np.minimum.accumulate(np.where(valid, gain / tokens, np.inf), axis=1)
+    order = np.flatnonzero(valid)
+    order = order[np.argsort(-key.ravel()[order], kind="stable")]
+    v = np.zeros(len(order) + 1)  # the value and the tokens after each widening in turn
+    t = np.zeros(len(order) + 1, dtype=np.int64)
+    np.add.accumulate(gain.ravel()[order], out=v[1:])
+    np.add.accumulate(tokens.ravel()[order], out=t[1:])
+    v += np.add.reduce(value[rows, start])
+    t += sum(fed_tokens(s, m) for s, m in zip(start.tolist(), masks.tolist()))
+    n = int((v / cost.grid(B, int(t[-1]) + 1)[t]).argmax())
     return start + np.bincount(order[:n] // K, minlength=B)
+
+
+def fed_tokens(width: int, masks: int) -> int:
+    """What a row feeds at this width: its newest token, the drafts and the masks (masks < 0: width
+    + 1, none at width 0)."""
+    return 1 + width + (masks if masks >= 0 else (width + 1 if width else 0))
+
+
+def best_width(rate: list[float], bound: int, masks: int, width: int, free: bool, cost: CostModel,
+               floor: int = 0) -> int:
+    """best_widths for one row, in plain Python: the same width, from the same roundings (its
+    rate's running products and sums, each widening's gain, one division per width). One row's
+    widenings come in order of depth: their value per token never grows (the running minimum)."""
+    if not free:
+        return min(width, bound)
+    if floor >= bound:
+        return floor
+    value, run, total = [1.0], 1.0, 0.0  # value[w]: as 1 + np.cumsum(np.cumprod(rate))[w - 1]
+    for r in rate[:bound]:
+        run *= r
+        total += run
+        value.append(1 + total)
+    fed = [fed_tokens(w, masks) for w in range(bound + 1)]
+    seconds = cost.grid(1, fed[bound] + 1)
+    best, best_ratio = floor, value[floor] / seconds[fed[floor]]
+    gained = 0.0  # the packed choice sums the widenings' gains onto value[floor]
+    for w in range(floor + 1, bound + 1):
+        gained += value[w] - value[w - 1]
+        ratio = (value[floor] + gained if cost.packed else value[w]) / seconds[fed[w]]
+        if ratio > best_ratio:
+            best, best_ratio = w, ratio
+    return best

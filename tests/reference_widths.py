@@ -1,0 +1,142 @@
+"""The cost width policy's arithmetic as first written (decoding/widths.py before its per-step host
+work was made cheap): numpy over whole arrays, nothing kept between calls. tests/test_widths.py
+checks that the package's versions give exactly these numbers and widths."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from refusion.decoding.widths import KINDS, PRIOR_MEMORY, PRIOR_WEIGHT, REFRESH_RATE, Acceptance, CostModel
+
+
+def _line(x: np.ndarray, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
+    y = np.interp(x, xs, ys)
+    if len(xs) < 2:
+        return y
+    lo = ys[0] + (x - xs[0]) * (ys[1] - ys[0]) / (xs[1] - xs[0])
+    hi = ys[-1] + (x - xs[-1]) * (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+    return np.where(x < xs[0], lo, np.where(x > xs[-1], hi, y))
+
+
+def _bracket(xs: np.ndarray, x: float) -> tuple[int, float]:
+    if len(xs) < 2:
+        return 0, 0.0
+    i = int(np.clip(np.searchsorted(xs, x) - 1, 0, len(xs) - 2))
+    return i, (x - xs[i]) / (xs[i + 1] - xs[i])
+
+
+def _shares(f: float) -> tuple[float, float]:
+    return (1 - f, f) if 0 <= f <= 1 else (1.0, 1.0)
+
+
+def cost(model: CostModel, rows: int, tokens) -> np.ndarray:
+    """CostModel.__call__: both row tables' lines blended, at every token count asked."""
+    t = np.asarray(tokens, dtype=float)
+    i, f = _bracket(model.rows, rows)
+    y = _line(t, model.tokens[i], model.seconds[i])
+    if len(model.rows) > 1:
+        y = y + f * (np.maximum(_line(t, model.tokens[i + 1], model.seconds[i + 1]), y) - y)
+    return np.maximum(y, model.floor)
+
+
+def observe(model: CostModel, rows: int, tokens: int, seconds: float) -> None:
+    """CostModel.observe, with the estimate from cost() above."""
+    if model.frozen or not seconds > 0:
+        return
+    ratio = float(np.clip(seconds / float(cost(model, rows, tokens)), 0.5, 2.0))
+    i, f = _bracket(model.rows, rows)
+    for r, wr in zip((i, i + 1), _shares(f)) if len(model.rows) > 1 else ((0, 1.0),):
+        j, g = _bracket(model.tokens[r], tokens)
+        for c, wc in zip((j, j + 1), _shares(g)):
+            if c < len(model.seconds[r]):
+                model.seconds[r][c] *= ratio ** (REFRESH_RATE * wr * wc)
+        np.maximum.accumulate(model.seconds[r], out=model.seconds[r])
+
+
+def _at_least(counts: np.ndarray, n: int) -> np.ndarray:
+    return np.bincount(counts, minlength=n + 1)[::-1].cumsum()[::-1][1:]
+
+
+def record_many(acc: Acceptance, kind: np.ndarray, j: np.ndarray, k: np.ndarray) -> None:
+    """Acceptance.record_many: each kind's counts in turn (the Acceptance's counts, nothing else)."""
+    n = acc.reached.shape[1]
+    acc.reached *= PRIOR_MEMORY
+    acc.accepted *= PRIOR_MEMORY
+    for s in range(KINDS):
+        mine = kind == s
+        acc.reached[s] += _at_least(np.minimum(np.minimum(j + 1, k), n)[mine], n)
+        acc.accepted[s] += _at_least(np.minimum(j, n)[mine], n)
+
+
+def mean(acc: Acceptance) -> np.ndarray:
+    return (acc.accepted.sum(1) + 1) / (acc.reached.sum(1) + 2)
+
+
+def prior(acc: Acceptance, n: int) -> np.ndarray:
+    return (acc.accepted[:, :n] + PRIOR_WEIGHT * mean(acc)[:, None]) / (acc.reached[:, :n] + PRIOR_WEIGHT)
+
+
+def best_widths(rate: np.ndarray, bound: np.ndarray, masks: np.ndarray, width: np.ndarray, free: np.ndarray,
+                model: CostModel, floor: np.ndarray | None = None) -> np.ndarray:
+    """widths.best_widths, with its costs from cost() above."""
+    B, K = rate.shape
+    w = np.arange(K + 1)
+    value = np.concatenate([np.ones((B, 1)), 1 + np.cumsum(np.cumprod(rate, axis=1), axis=1)], axis=1)
+    fed = 1 + w + np.where(masks[:, None] >= 0, masks[:, None], np.where(w > 0, w + 1, 0))  # [B, K+1]
+    pinned = np.minimum(width, bound)
+    floor = np.zeros(B, dtype=np.int64) if floor is None else floor
+    rows = np.arange(B)
+    if not model.packed:
+        common = np.maximum(np.minimum(w[:, None], bound[None, :]), floor[None, :])
+        idx = np.where(free[None, :], common, pinned[None, :])  # [K+1, B]
+        ratio = value[rows, idx].sum(1) / cost(model, B, B * fed[rows, idx].max(1))
+        return idx[int(ratio.argmax())]
+    start = np.where(free, floor, pinned)
+    gain, cost_in_tokens = np.diff(value, axis=1), np.diff(fed, axis=1)
+    valid = free[:, None] & (w[None, 1:] > start[:, None]) & (w[None, 1:] <= bound[:, None])
+    key = np.minimum.accumulate(np.where(valid, gain / cost_in_tokens, np.inf), axis=1)
+    order = np.argsort(-key.ravel(), kind="stable")
+    order = order[valid.ravel()[order]]
+    gains, tokens = gain.ravel()[order], cost_in_tokens.ravel()[order]
+    v = value[rows, start].sum() + np.r_[0.0, np.cumsum(gains)]
+    t = fed[rows, start].sum() + np.r_[0, np.cumsum(tokens)]
+    n = int((v / cost(model, B, t)).argmax())
+    return start + np.bincount(order[:n] // K, minlength=B)
+
+
+def rates(reached: np.ndarray, accepted: np.ndarray, kind: np.ndarray, pool: Acceptance) -> np.ndarray:
+    """widths.rates, with the pool's rates from mean() and prior() above."""
+    m = mean(pool)[kind]
+    own = (accepted.sum(1) + PRIOR_WEIGHT * m) / (reached.sum(1) + PRIOR_WEIGHT)
+    base = np.minimum(prior(pool, reached.shape[1])[kind] * (own / m)[:, None], 0.99)
+    return (accepted + PRIOR_WEIGHT * base) / (reached + PRIOR_WEIGHT)
+
+
+def expected_accepted(rate: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    run = np.cumprod(rate, axis=1)
+    return np.where(np.arange(rate.shape[1])[None, :] < lengths[:, None], run, 0.0).sum(1)
+
+
+def choose_widths(batch) -> list[tuple[int, bool]]:
+    """SpeculativeBatch._choose_widths: the (width, bare) it gives each running row, without setting them."""
+    from refusion.decoding import widths
+
+    seqs = batch.running
+    free = np.array([q.p.widths == "cost" for q in seqs])
+    bound = np.array([max(0, min(q.p.draft_length, q.p.gen_length - len(q.res.tokens) - 1, q.draft_end()))
+                      for q in seqs])
+    K = int(bound.max())
+    kind = np.array([q.kind for q in seqs])
+    reached = np.stack([q.acceptance.reached[q.kind, :K] for q in seqs])
+    rate = rates(reached, np.stack([q.acceptance.accepted[q.kind, :K] for q in seqs]), kind, batch.prior)
+    masks = np.array([-1 if q.p.mask_length is None else q.p.mask_length for q in seqs])
+    n = max(K, 1)
+    value = expected_accepted(prior(batch.prior, n), np.full(widths.KINDS, n))
+    bare = free & (kind >= widths.LOOKUP) & (masks < 0) & (value[kind] >= value[widths.FRESH])
+    if bare.any():
+        masks = np.where(bare, 0, masks)
+        bound = np.where(bare, np.minimum(bound, [len(q.draft) for q in seqs]), bound)
+    width = np.array([q.width for q in seqs])
+    floor = np.minimum(np.array([q.drafts_tried < widths.EXPLORE for q in seqs], dtype=np.int64), bound)
+    chosen = best_widths(rate, bound, masks, width, free, batch.cost, floor)
+    return [(int(w), bool(b)) if f else (q.width, q.bare) for q, f, b, w in zip(seqs, free, bare, chosen)]
