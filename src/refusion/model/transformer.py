@@ -131,22 +131,6 @@ def linear(m: nn.Module, x: Tensor) -> Tensor:
     return m(x)
 
 
-HEAD_TRANSPOSED_ROWS = 64  # up to this many rows, a CPU runs the head as W @ x^T (head_linear)
-
-
-def head_linear(m: nn.Module, x: Tensor) -> Tensor:
-    """The LM head m(x) of x [..., hidden]. On a CPU, a few rows are multiplied as W @ x^T: the
-    BLAS kernel picked for x @ W^T with a handful of rows streams the [vocab, hidden] matrix far
-    slower than it does as the left operand, and the head is most of a small model's weights, so
-    of every narrow decode step (a speculative step feeds a few tokens). Wider inputs, other
-    devices and adapted heads take linear()."""
-    rows = x.numel() // x.shape[-1]
-    if (x.device.type != "cpu" or not 1 < rows <= HEAD_TRANSPOSED_ROWS or type(m) is not nn.Linear
-            or m.bias is not None or m._forward_hooks or m._forward_pre_hooks or torch.is_grad_enabled()):
-        return linear(m, x)
-    return torch.mm(m._parameters["weight"], x.reshape(rows, -1).t()).t().reshape(*x.shape[:-1], -1)
-
-
 def attention_mask(attn_mask: Tensor | None, cache: Cache | None, T: int, dtype: torch.dtype,
                    device: torch.device) -> tuple[Tensor | None, bool]:
     """The mask every layer's attention uses (additive, made once per forward) and whether it is SDPA's
@@ -396,9 +380,9 @@ class Transformer(nn.Module):
         need = min(num_logits, T) if num_logits else T  # (0 meant every token before, as x[:, -0:])
         w, eps = self.norm.weight, self.norm.eps
         if real is None:
-            return head_linear(self.lm_head, rms_norm(x.view(B, T, -1)[:, T - need:], w, eps))
+            return linear(self.lm_head, rms_norm(x.view(B, T, -1)[:, T - need:], w, eps))
         col = real % T
         keep = (col >= T - need).nonzero().squeeze(1)
         dst = (real // T * need + col - (T - need))[keep]
-        logits = head_linear(self.lm_head, rms_norm(x[keep], w, eps))
+        logits = linear(self.lm_head, rms_norm(x[keep], w, eps))
         return logits.new_zeros(B * need, logits.shape[-1]).index_copy_(0, dst, logits).view(B, need, -1)
