@@ -6,27 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from refusion.decoding.widths import _bracket, _line, _shares  # (unchanged by the rewrite: shared)
 from refusion.decoding.widths import KINDS, PRIOR_MEMORY, PRIOR_WEIGHT, REFRESH_RATE, Acceptance, CostModel
-
-
-def _line(x: np.ndarray, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
-    y = np.interp(x, xs, ys)
-    if len(xs) < 2:
-        return y
-    lo = ys[0] + (x - xs[0]) * (ys[1] - ys[0]) / (xs[1] - xs[0])
-    hi = ys[-1] + (x - xs[-1]) * (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
-    return np.where(x < xs[0], lo, np.where(x > xs[-1], hi, y))
-
-
-def _bracket(xs: np.ndarray, x: float) -> tuple[int, float]:
-    if len(xs) < 2:
-        return 0, 0.0
-    i = int(np.clip(np.searchsorted(xs, x) - 1, 0, len(xs) - 2))
-    return i, (x - xs[i]) / (xs[i + 1] - xs[i])
-
-
-def _shares(f: float) -> tuple[float, float]:
-    return (1 - f, f) if 0 <= f <= 1 else (1.0, 1.0)
 
 
 def cost(model: CostModel, rows: int, tokens) -> np.ndarray:

@@ -7,7 +7,6 @@ import itertools
 import numpy as np
 import pytest
 import reference_widths as reference
-import torch
 
 from refusion.decoding import ARParams, generate_ar, widths
 from refusion.decoding import speculative as spec
