@@ -21,7 +21,10 @@ as a long-running process does. Nothing else should run on the machine while thi
 from __future__ import annotations
 
 import argparse
+import hashlib
+import itertools
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -72,14 +75,14 @@ def baseline(params: dict) -> str:
     return f"ar T={t:g}" if t > 0 else "ar"
 
 
-def run(model, tok, task, examples, prompts, decoder, params, batch_size) -> dict:
+def run(model, tok, task, examples, prompts, decoder, params, batch_size, seed) -> dict:
     eos = model.config.eos_ids
     tokens = forwards = fed = 0
     seconds = 0.0
     outputs = []
     for i in range(0, len(prompts), batch_size):
         t = time.perf_counter()
-        res = decode(model, prompts[i: i + batch_size], decoder, eos_ids=eos, **params)
+        res = decode(model, prompts[i: i + batch_size], decoder, eos_ids=eos, seed=seed, **params)
         seconds += time.perf_counter() - t
         tokens += sum(len(r.tokens) for r in res)
         forwards += sum(r.forwards for r in res)
@@ -88,12 +91,37 @@ def run(model, tok, task, examples, prompts, decoder, params, batch_size) -> dic
     scores = task.score_many(examples, outputs) if task.score_many else [task.score(e, o) for e, o in
                                                                           zip(examples, outputs)]
     return dict(n=len(prompts), correct=sum(s.correct for s in scores), tokens=tokens, forwards=forwards,
-                tokens_fed=fed, seconds=seconds)
+                tokens_fed=fed, seconds=seconds,
+                outputs_sha1=hashlib.sha1(json.dumps(outputs).encode()).hexdigest())
 
 
 def summarise(rows: list[dict]) -> list[dict]:
     """One line per threads x batch x setting: accuracy (mean over tasks), TPF, TPS, TPS / AR (against
-    ar at the setting's temperature), and TPS / AR per task family."""
+    ar at the setting's temperature), and TPS / AR per task family. With rounds (--repeats), each
+    round is summarised on its own and the rounds are merged: the median TPS and the median of each
+    round's ratio to AR (this machine's speed drifts by up to 2x from one minute to the next; a
+    round's settings run within a minute or two, so its ratios are taken under one speed), the mean
+    TPF and tokens fed (the cost policy's follow the timings)."""
+    rounds = sorted({r.get("round", 0) for r in rows})
+    per_round = [summarise_round([r for r in rows if r.get("round", 0) == n]) for n in rounds]
+    out = []
+    for lines in zip(*per_round):
+        first = lines[0]
+        if any(line["outputs"] != first["outputs"] for line in lines):
+            raise SystemExit(f"{first['name']}: rounds gave different outputs (a decoder that is not deterministic?)")
+        med = lambda key: statistics.median(line[key] for line in lines)  # noqa: E731
+        mean = lambda key: statistics.fmean(line[key] for line in lines)  # noqa: E731
+        out.append(dict(first, rounds=len(lines), tps=med("tps"), tps_vs_ar=med("tps_vs_ar"), tpf=mean("tpf"),
+                        fed_per_forward=mean("fed_per_forward"),
+                        tps_vs_ar_by_task={t: statistics.median(line["tps_vs_ar_by_task"][t] for line in lines)
+                                           for t in first["tps_vs_ar_by_task"]}))
+    for line in out:
+        del line["outputs"]
+    return out
+
+
+def summarise_round(rows: list[dict]) -> list[dict]:
+    """summarise() for the rows of one round."""
     keys = sorted({(r["threads"], r["batch_size"]) for r in rows})
     names = list(dict.fromkeys(r["name"] for r in rows))
     out = []
@@ -113,18 +141,23 @@ def summarise(rows: list[dict]) -> list[dict]:
                             accuracy_by_task={r["task"]: r["correct"] / r["n"] for r in rs},
                             tpf=sum(r["tokens"] for r in rs) / sum(r["forwards"] for r in rs), tps=tps,
                             tps_vs_ar=tps / ar_tps, tps_vs_ar_by_task=per_task,
-                            fed_per_forward=sum(r["tokens_fed"] for r in rs) / sum(r["forwards"] for r in rs)))
+                            # (rows written before outputs were hashed: None)
+                            same_outputs_as_ar=all(r.get("outputs_sha1") == ar[r["task"]].get("outputs_sha1")
+                                                   for r in rs) if "outputs_sha1" in rs[0] else None,
+                            fed_per_forward=sum(r["tokens_fed"] for r in rs) / sum(r["forwards"] for r in rs),
+                            outputs=[r.get("outputs_sha1") for r in rs]))
     return out
 
 
 def table(summary: list[dict]) -> str:
     tasks = list(summary[0]["accuracy_by_task"])
-    head = ("| threads | batch | decoder | accuracy % | " + " | ".join(f"{t} acc" for t in tasks) +
+    head = ("| threads | batch | decoder | outputs = AR's | accuracy % | " + " | ".join(f"{t} acc" for t in tasks) +
             " | TPF | TPS | TPS / AR | " + " | ".join(f"{t} TPS / AR" for t in tasks) + " | fed / forward |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for s in summary:
         lines.append(
-            f"| {s['threads']} | {s['batch_size']} | {s['name']} | {100 * s['accuracy']:.1f} | "
+            f"| {s['threads']} | {s['batch_size']} | {s['name']} | "
+            f"{ {True: 'yes', False: 'no', None: '?'}[s.get('same_outputs_as_ar')]} | {100 * s['accuracy']:.1f} | "
             + " | ".join(f"{100 * s['accuracy_by_task'][t]:.0f}" for t in tasks)
             + f" | {s['tpf']:.2f} | {s['tps']:.0f} | {s['tps_vs_ar']:.2f}x | "
             + " | ".join(f"{s['tps_vs_ar_by_task'][t]:.2f}x" for t in tasks)
@@ -160,6 +193,9 @@ def main() -> None:
     ap.add_argument("--only", help="comma-separated setting names to run (default: all; the ar they are compared "
                                    "with is always run)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="rounds of every setting, in turn (so a slow spell of the machine falls on all of them); "
+                         "TPS from each one's median round")
     ap.add_argument("--out", help="JSON path (default: benchmarks/results/decode_<model dir name>.json)")
     args = ap.parse_args()
     model_dir = Path(args.model)
@@ -179,15 +215,16 @@ def main() -> None:
         torch.set_num_threads(threads)
         for _, decoder, params in chosen:  # warm-up: first calls allocate and pick kernels
             decode(model, data[next(iter(data))][1][:2], decoder, **params)
-        for bs in [int(b) for b in args.batch_sizes.split(",")]:
+        for bs, round_ in itertools.product([int(b) for b in args.batch_sizes.split(",")], range(args.repeats)):
             for name, decoder, params in chosen:
                 for task_name, (exs, prompts) in data.items():
-                    r = run(model, tok, tasks[task_name], exs, prompts, decoder, params, bs)
+                    r = run(model, tok, tasks[task_name], exs, prompts, decoder, params, bs, args.seed)
                     rows.append(dict(threads=threads, batch_size=bs, name=name, decoder=decoder, params=params,
                                      temperature=params.get("temperature", 0.0), baseline=baseline(params),
-                                     task=task_name, **r))
-                    print(f"threads {threads} batch {bs:>2} {name:<28} {task_name:<8} acc {r['correct']:>3}/{r['n']:<3}"
-                          f" TPF {r['tokens'] / r['forwards']:5.2f} TPS {r['tokens'] / r['seconds']:8.1f}", flush=True)
+                                     task=task_name, round=round_, **r))
+                    print(f"threads {threads} batch {bs:>2} round {round_} {name:<28} {task_name:<8} "
+                          f"acc {r['correct']:>3}/{r['n']:<3} TPF {r['tokens'] / r['forwards']:5.2f} "
+                          f"TPS {r['tokens'] / r['seconds']:8.1f}", flush=True)
     summary = summarise(rows)
     print()
     print(table(summary))
