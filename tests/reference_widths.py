@@ -118,6 +118,8 @@ def choose_widths(batch) -> list[tuple[int, bool]]:
         masks = np.where(bare, 0, masks)
         bound = np.where(bare, np.minimum(bound, [len(q.draft) for q in seqs]), bound)
     width = np.array([q.width for q in seqs])
-    floor = np.minimum(np.array([q.drafts_tried < widths.EXPLORE for q in seqs], dtype=np.int64), bound)
+    unexplored = batch.prior.reached[:, 0] < widths.EXPLORE_POOL
+    floor = np.minimum(np.array([q.drafts_tried < widths.EXPLORE or unexplored[q.kind] for q in seqs],
+                                dtype=np.int64), bound)
     chosen = best_widths(rate, bound, masks, width, free, batch.cost, floor)
     return [(int(w), bool(b)) if f else (q.width, q.bare) for q, f, b, w in zip(seqs, free, bare, chosen)]

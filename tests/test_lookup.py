@@ -9,7 +9,7 @@ import pytest
 
 from refusion.decoding import ARParams, generate_ar, widths
 from refusion.decoding import speculative as spec
-from refusion.decoding.lookup import NgramIndex
+from refusion.decoding.lookup import LOOKUP_NGRAMS, NgramIndex
 from refusion.decoding.speculative import SpeculativeParams, generate_speculative
 from refusion.model.config import ModelConfig
 from refusion.model.transformer import Transformer
@@ -118,3 +118,39 @@ def test_a_copy_goes_without_masks_where_copies_beat_the_masks(monkeypatch):
     generate_speculative(model, PROMPTS[:1], SpeculativeParams(lookup=True, gen_length=32), eos_ids=[], cost=cheap)
     assert all(not bare for _, bare, _ in seen)
     assert all(masks > 0 for kind, _, masks in seen if kind >= widths.LOOKUP)
+
+
+def test_a_kind_of_draft_not_fed_lately_is_fed_again(monkeypatch):
+    """Drafts a kind's estimate comes from are only ever those fed: a kind judged poor (or never
+    tried) would never be corrected. Where every draft costs more than it can earn (a cost linear in
+    the tokens fed), the policy stops drafting once each kind has its EXPLORE_POOL recent drafts
+    counted, and copies come back only when their decayed counts fall below it."""
+    model = looping_model()
+    seen = []
+    plain = spec.SpeculativeSeq.next_feed
+
+    def next_feed(self):
+        ids, pos = plain(self)
+        if self.x is not None:
+            seen.append((self.kind, self.fed_k))
+        return ids, pos
+
+    monkeypatch.setattr(spec.SpeculativeSeq, "next_feed", next_feed)
+    linear = widths.CostModel.of(lambda rows, tokens: float(tokens))  # a token never pays for itself
+
+    def run(lookup_count: float) -> list[tuple[int, int]]:
+        widths.PRIORS.pop(model, None)
+        pool = widths.prior_for(model)
+        pool.reached[:, :8], pool.accepted[:, :8] = 1000, 0  # every kind known to be rejected...
+        pool.reached[widths.LOOKUP:, 0] = lookup_count  # ...the copies from this many recent drafts
+        seen.clear()
+        out = generate_speculative(model, PROMPTS[:1], SpeculativeParams(lookup=True, gen_length=40), eos_ids=[],
+                                   cost=linear)
+        assert out[0].tokens == generate_ar(model, PROMPTS[:1], ARParams(gen_length=40), eos_ids=[])[0].tokens
+        return seen[widths.EXPLORE:]  # (a sequence's first drafts are fed whatever they are worth)
+
+    assert all(k == 0 for _, k in run(lookup_count=1000.0))  # known: no draft is worth its cost
+    tried = [(kind, k) for kind, k in run(lookup_count=0.0) if k > 0]
+    assert tried and all(kind >= widths.LOOKUP for kind, _ in tried)  # copies fed again, with a token at least
+    # and only now and then: once counted, a kind waits until its count decays below EXPLORE_POOL
+    assert len(tried) <= 2 * len(LOOKUP_NGRAMS)

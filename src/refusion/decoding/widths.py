@@ -31,7 +31,10 @@ pooled over the sequences this model decoded lately, so a new sequence starts fr
 model's drafts usually do, and a position no draft has reached yet from the pooled mean. A draft
 of width w then commits 1 + sum_{i<=w} prod_{l<=i} a(l) tokens in expectation (its accepted
 prefix and one more). Every sequence feeds its first EXPLORE drafts whatever they are expected to
-be worth, so that a model whose drafts were poor on other prompts is still tried on this one.
+be worth, so that a model whose drafts were poor on other prompts is still tried on this one; and
+every kind of draft is fed whenever the pooled counts hold less than EXPLORE_POOL recent drafts of
+it (they decay with every step), so that a kind judged poor early, or never tried, is tried again
+now and then: an estimate is only ever corrected by drafts that are fed.
 
 The choice. On a CPU the cost grows with the total tokens: the rows are widened one draft token
 at a time, the most expected tokens per fed token first, and of all those widenings the one with
@@ -75,6 +78,9 @@ REFRESH_RATE = 0.1  # how far one step's timing moves the table (in log seconds)
 PRIOR_WEIGHT = 2.0  # the pooled rates' weight in a sequence's own, in draft observations
 PRIOR_MEMORY = 0.99  # the pooled counts' decay per step: they follow the sequences of late
 EXPLORE = 2  # a sequence drafts at least one token until it has fed this many drafts
+# a kind of draft is fed (and drafts at least one token) whenever the model's pooled counts hold fewer
+# recent drafts of it than this: the counts decay, so a kind judged poor is tried again now and then
+EXPLORE_POOL = 1.0
 
 
 # ---- what a forward costs -------------------------------------------------------------------------
@@ -292,6 +298,12 @@ class Acceptance:
         if "prior" not in self.kept:
             self.kept["prior"] = (self.accepted + PRIOR_WEIGHT * self.mean()[:, None]) / (self.reached + PRIOR_WEIGHT)
         return self.kept["prior"][:, :n]
+
+    def unexplored(self) -> np.ndarray:
+        """[KINDS]: the kinds of draft with fewer than EXPLORE_POOL recent drafts counted."""
+        if "unexplored" not in self.kept:
+            self.kept["unexplored"] = self.reached[:, 0] < EXPLORE_POOL
+        return self.kept["unexplored"]
 
     def expected(self, n: int) -> np.ndarray:
         """Per kind, the expected accepted prefix of a draft of n tokens at the pooled rates."""
