@@ -77,6 +77,7 @@ def test_calibration_measures_the_grid_and_fits_a_short_context():
         assert len(tokens) >= 2 and list(tokens) == [rows * w for w in widths.CALIBRATION_WIDTHS[: len(tokens)]]
         assert tokens[0] == rows  # a plain AR step's cost is measured, not extrapolated
         assert (seconds > 0).all() and (np.diff(seconds) >= 0).all()
+    assert cost.pad > 0  # a CPU's ragged batch: its padding's cost was measured
     short = widths.measure_cost(tiny(max_position_embeddings=40))  # 20 cached columns, widths up to 16
     assert max(short.tokens[0]) <= 16
 
@@ -130,18 +131,31 @@ def brute_force(rate, bound, masks, width, free, floor, cost):
     choices = [range(floor[b], bound[b] + 1) if free[b] else [min(width[b], bound[b])] for b in range(B)]
     best = 0.0
     for ws in itertools.product(*choices):
-        fed = [1 + w + (masks[b] if masks[b] >= 0 else (w + 1 if w else 0)) for b, w in enumerate(ws)]
-        total = sum(fed) if cost.packed else B * max(fed)
-        best = max(best, sum(value[b, w] for b, w in enumerate(ws)) / cost(B, [total])[0])
+        best = max(best, sum(value[b, w] for b, w in enumerate(ws)) / seconds(ws, masks, cost))
     return best
+
+
+def seconds(ws, masks, cost) -> float:
+    """What the forward of these widths costs: its tokens (packed) or rows x its widest row, and
+    what its padding costs on top."""
+    fed = [1 + w + (masks[b] if masks[b] >= 0 else (w + 1 if w else 0)) for b, w in enumerate(ws)]
+    B, total = len(ws), sum(fed) if cost.packed else len(ws) * max(fed)
+    return cost(B, [total])[0] + cost.pad * (B * max(fed) - total)
 
 
 def ratio(ws, rate, masks, cost):
     B = len(ws)
     value = np.concatenate([np.ones((B, 1)), 1 + np.cumsum(np.cumprod(rate, 1), 1)], 1)
-    fed = [1 + w + (masks[b] if masks[b] >= 0 else (w + 1 if w else 0)) for b, w in enumerate(ws)]
-    total = sum(fed) if cost.packed else B * max(fed)
-    return sum(value[b, w] for b, w in enumerate(ws)) / cost(B, [total])[0]
+    return sum(value[b, w] for b, w in enumerate(ws)) / seconds(ws, masks, cost)
+
+
+def random_choice(rng, max_rows=4, max_k=6):
+    """A random case for best_widths: rates, bounds, masks, widths now, free rows and floors."""
+    B, K = int(rng.integers(1, max_rows)), int(rng.integers(1, max_k))
+    rate = rng.uniform(0.05, 1.0, (B, K)) ** rng.uniform(0.2, 2)
+    bound = rng.integers(0, K + 1, B)
+    masks = np.where(rng.random(B) < 0.2, rng.integers(0, 4, B), -1)
+    return rate, bound, masks, rng.integers(0, K + 1, B), rng.random(B) < 0.8, np.minimum(rng.integers(0, 2, B), bound)
 
 
 @pytest.mark.parametrize("packed", [True, False])
@@ -151,17 +165,37 @@ def test_the_choice_is_the_best_ratio_of_a_brute_force_search(packed):
     cost = CostModel.of(linear(), packed) if packed else CostModel.of(lambda r, t: 1e-3 * (1 + max(0, t - 96) / 64),
                                                                        packed)
     for trial in range(300):
-        B, K = int(rng.integers(1, 4)), int(rng.integers(1, 6))
-        rate = rng.uniform(0.05, 1.0, (B, K)) ** rng.uniform(0.2, 2)
-        bound = rng.integers(0, K + 1, B)
-        masks = np.where(rng.random(B) < 0.2, rng.integers(0, 4, B), -1)
-        width = rng.integers(0, K + 1, B)
-        free = rng.random(B) < 0.8
-        floor = np.minimum(rng.integers(0, 2, B), bound)
+        rate, bound, masks, width, free, floor = random_choice(rng)
+        B = len(bound)
         ws = best_widths(rate, bound, masks, width, free, cost, floor)
         assert all(floor[b] <= ws[b] <= bound[b] if free[b] else ws[b] == min(width[b], bound[b]) for b in range(B))
         best = brute_force(rate, bound, masks, width, free, floor, cost)
         assert ratio(ws, rate, masks, cost) >= best * (1 - 1e-9), trial
+
+
+def test_a_cpu_batch_pays_for_its_padding():
+    """Attention sees rows x the widest row, so on a CPU a wide row beside narrow ones costs its
+    padding too: the choice weighs it, and is the brute-force optimum or close to it (it searches
+    two families of widths, not every combination)."""
+    rng = np.random.default_rng(5)
+    exact = 0
+    for trial in range(300):
+        cost = CostModel.of(linear(), pad=float(rng.choice([5e-6, 2e-5, 4e-5])))
+        rate, bound, masks, width, free, floor = random_choice(rng, max_rows=5, max_k=7)
+        ws = best_widths(rate, bound, masks, width, free, cost, floor)
+        assert all(floor[b] <= ws[b] <= bound[b] if free[b] else ws[b] == min(width[b], bound[b])
+                   for b in range(len(bound)))
+        got, best = ratio(ws, rate, masks, cost), brute_force(rate, bound, masks, width, free, floor, cost)
+        assert got >= 0.95 * best, trial
+        exact += got >= best * (1 - 1e-9)
+    assert exact >= 280
+    # one sequence whose drafts are nearly always accepted beside seven whose drafts never are: it
+    # drafts all it may while padding is cheap, and not at all once a padding slot costs half a token
+    # (each token it feeds leaves seven slots empty)
+    rate = np.vstack([np.full((1, 16), 0.99), np.full((7, 16), 0.01)])
+    args = np.full(8, 16), np.full(8, -1), np.zeros(8, dtype=int), np.ones(8, bool)
+    assert best_widths(rate, *args, CostModel.of(linear(), pad=1e-5)).tolist() == [16] + [0] * 7
+    assert best_widths(rate, *args, CostModel.of(linear(), pad=2e-5)).tolist() == [0] * 8
 
 
 def test_a_flat_cost_drafts_as_far_as_allowed_and_a_dear_token_not_at_all():

@@ -361,7 +361,7 @@ class SpeculativeBatch:
             self.prior.record_many(kinds, host[:, 0], meta[1])
             if self.cost is not None:  # what this step took, its host work included
                 fed = sum(len(ids) for ids, _ in feeds) if self.cost.packed else B * W
-                self.cost.observe(B, fed, time.perf_counter() - start)
+                self.cost.observe(B, fed, time.perf_counter() - start, B * W - fed)
 
     def _offer_lookups(self, seqs: list[SpeculativeSeq]) -> None:
         """Rows drafting by lookup too (SpeculativeParams.lookup): where the text offers a copy, the

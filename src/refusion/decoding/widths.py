@@ -19,7 +19,10 @@ CALIBRATION_SECONDS), each the fastest of three, smoothed into a nondecreasing c
 busy machine's spikes taken out), interpolated linearly and extrapolated past the grid. It is then
 kept up to date from the decode's own step timings: every decode forward already ends in a host
 transfer, so timing it adds no sync, and each step moves the table's nearest cells a little
-towards what the step took (its host work included). `CostModel.of` makes a fixed table from a
+towards what the step took (its host work included). A CPU's ragged batch computes only its real
+tokens in its products, but attention and the cache still see rows x the widest row: the cost of
+each padding slot is measured too (one forward with one wide row and the others one token wide)
+and added to the table's. `CostModel.of` makes a fixed table from a
 function (`SpeculativeBatch(cost=...)`, `generate_speculative(cost=...)`; tests/conftest.py
 gives every test one).
 
@@ -39,7 +42,10 @@ now and then: an estimate is only ever corrected by drafts that are fed.
 The choice. On a CPU the cost grows with the total tokens: the rows are widened one draft token
 at a time, the most expected tokens per fed token first, and of all those widenings the one with
 the best ratio of expected tokens to measured cost is taken (exact whatever the cost's shape).
-Elsewhere the forward is as wide as its widest row, so every row drafts up to one common width,
+Where padding costs, each of those counts also pays for the slots its widest row leaves empty,
+and the widths with every row drafting up to one common width are weighed as well (the order
+above never reaches them when the rows' acceptance differs): the better of the two, the
+brute-force optimum or within a few percent of it. Elsewhere the forward is as wide as its widest row, so every row drafts up to one common width,
 the one with the best ratio. Either way a few numpy operations on [rows, draft_length] arrays per
 step, on the host (plain Python for a batch of one, where numpy's cost per call would be most of
 it), the costs looked up in the table evaluated at every whole token count once per refresh.
@@ -65,6 +71,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from refusion.decoding.common import packed_index
 from refusion.decoding.lookup import LOOKUP_NGRAMS
 from refusion.decoding.params import MAX_DRAFT
 from refusion.model.cache import RaggedKVCache
@@ -124,24 +131,26 @@ def _bracket(xs: np.ndarray, x: float) -> tuple[int, float]:
 class CostModel:
     """Seconds a forward takes, from a table: for each of a few row counts, seconds at a few token
     counts (the tokens the forward computes). packed: a ragged batch computes its rows' real tokens
-    (a CPU) rather than rows x its widest row. frozen: never refreshed by observe()."""
+    (a CPU) rather than rows x its widest row; pad: what each padding slot of a packed batch costs
+    on top (seconds per slot of rows x widest row not taken by a real token: attention and the
+    cache see the padded grid). frozen: never refreshed by observe()."""
 
     def __init__(self, rows: Sequence[int], tokens: Sequence[Sequence[float]], seconds: Sequence[Sequence[float]],
-                 packed: bool, frozen: bool = False) -> None:
+                 packed: bool, frozen: bool = False, pad: float = 0.0) -> None:
         self.rows = np.asarray(rows, dtype=float)
         self.tokens = [np.asarray(t, dtype=float) for t in tokens]
         self.seconds = [_smooth(t, np.asarray(s, dtype=float)) for t, s in zip(self.tokens, seconds)]
-        self.packed, self.frozen = packed, frozen
+        self.packed, self.frozen, self.pad = packed, frozen, float(pad) if packed else 0.0
         self.floor = 0.5 * min(float(s.min()) for s in self.seconds)  # no estimate below it, extrapolated or not
         self.grids: dict[int, np.ndarray] = {}  # rows -> self(rows, [0, 1, 2, ...]) until observe() moves the table
 
     @classmethod
-    def of(cls, seconds: Callable[[int, int], float], packed: bool = True) -> CostModel:
+    def of(cls, seconds: Callable[[int, int], float], packed: bool = True, pad: float = 0.0) -> CostModel:
         """A frozen table of seconds(rows, tokens) on the calibration grid: a cost that does not
         depend on timings (tests)."""
         tokens = [[r * w for w in CALIBRATION_WIDTHS] for r in CALIBRATION_ROWS]
         return cls(CALIBRATION_ROWS, tokens, [[seconds(r, t) for t in ts] for r, ts in zip(CALIBRATION_ROWS, tokens)],
-                   packed, frozen=True)
+                   packed, frozen=True, pad=pad)
 
     def __call__(self, rows: int, tokens) -> np.ndarray:
         """Seconds of forwards of `rows` rows computing `tokens` tokens (an array: one estimate each)."""
@@ -160,13 +169,15 @@ class CostModel:
             g = self.grids[rows] = self(rows, np.arange(max(n, 2 * len(g) if g is not None else 0)))
         return g
 
-    def observe(self, rows: int, tokens: int, seconds: float) -> None:
-        """A decode forward took `seconds`: move the nearest cells towards it, each by its share of the
-        interpolation (a step's noise moves the table by a few percent at most)."""
+    def observe(self, rows: int, tokens: int, seconds: float, padding: int = 0) -> None:
+        """A decode forward computing `tokens` tokens and `padding` padding slots took `seconds`: move
+        the table's nearest cells towards it, each by its share of the interpolation (a step's noise
+        moves the table by a few percent at most)."""
         if self.frozen or not seconds > 0:
             return
         g = self.grids.get(rows)
         estimate = float(g[tokens] if g is not None and tokens < len(g) else self(rows, tokens))
+        estimate += self.pad * padding
         ratio = min(max(seconds / estimate, 0.5), 2.0)
         i, f = _bracket(self.rows, rows)
         for r, wr in zip((i, i + 1), _shares(f)) if len(self.rows) > 1 else ((0, 1.0),):
@@ -227,16 +238,28 @@ def measure_cost(model: Transformer) -> CostModel:
             measured.append(min(_timed_forward(model, cache, rows, w, ctx) for _ in range(3)))
         tokens.append([rows * w for w in widths[: len(measured)]])
         seconds.append(measured)
-    return CostModel(CALIBRATION_ROWS, tokens, seconds, packed=weight.device.type == "cpu")
+    cost = CostModel(CALIBRATION_ROWS, tokens, seconds, packed=weight.device.type == "cpu")
+    if cost.packed:  # one row wide and the others one token: its padding's cost, beyond its tokens'
+        rows, w = CALIBRATION_ROWS[-1], widths[min(len(measured), len(widths)) - 1]
+        if w > 1:
+            ragged = [w] + [1] * (rows - 1)
+            took = min(_timed_forward(model, cache, rows, w, ctx, ragged) for _ in range(3))
+            cost.pad = max(0.0, took - float(cost(rows, [sum(ragged)])[0])) / (rows * w - sum(ragged))
+    return cost
 
 
-def _timed_forward(model: Transformer, cache: RaggedKVCache, rows: int, width: int, ctx: int) -> float:
+def _timed_forward(model: Transformer, cache: RaggedKVCache, rows: int, width: int, ctx: int,
+                   ragged: list[int] | None = None) -> float:
+    """One forward of `rows` rows of `width` tokens (or of the `ragged` widths, the widest `width`,
+    packed as a decode step packs them) after `ctx` cached columns."""
     dev = cache.device
     cols = torch.arange(ctx, ctx + width, device=dev).repeat(rows, 1)
     ids = torch.full((rows, width), model.config.mask_token_id or 0, device=dev)
     mask = torch.arange(ctx + width, device=dev)[None, None, :] <= cols[:, :, None]
+    real = packed_index(ragged, width, dev) if ragged else None
     start = time.perf_counter()
-    logits = model(ids, cols, attn_mask=mask[:, None], cache=cache.at(cols, keys=ctx + width), num_logits=width)
+    logits = model(ids, cols, attn_mask=mask[:, None], cache=cache.at(cols, keys=ctx + width), num_logits=width,
+                   real=real)
     logits.float().argmax(-1).cpu()  # the step's host transfer, which waits for the device
     return time.perf_counter() - start
 
@@ -399,9 +422,28 @@ def best_widths(rate: np.ndarray, bound: np.ndarray, masks: np.ndarray, width: n
     np.add.accumulate(gain.ravel()[order], out=v[1:])
     np.add.accumulate(tokens.ravel()[order], out=t[1:])
     v += np.add.reduce(value[rows, start])
-    t += sum(fed_tokens(s, m) for s, m in zip(start.tolist(), masks.tolist()))
-    n = int((v / cost.grid(B, int(t[-1]) + 1)[t]).argmax())
-    return start + np.bincount(order[:n] // K, minlength=B)
+    start_fed = [fed_tokens(s, m) for s, m in zip(start.tolist(), masks.tolist())]
+    t += sum(start_fed)
+    seconds = cost.grid(B, int(t[-1]) + 1)[t]
+    if not cost.pad:
+        n = int((v / seconds).argmax())
+        return start + np.bincount(order[:n] // K, minlength=B)
+    # padding: attention sees rows x the widest row, so each count also pays for the slots its widest
+    # row leaves empty in the others, and widths closer to one common width (a family the order above
+    # does not reach) may do better: the best of both
+    row, reach = order // K, order % K + 1
+    fed = np.where(masks[row] >= 0, 1 + reach + masks[row], 2 + 2 * reach)  # fed_tokens(reach, masks[row])
+    widest = np.maximum.accumulate(np.r_[max(start_fed), fed])
+    ratio = v / (seconds + cost.pad * (B * widest - t))
+    n = int(ratio.argmax())
+    greedy = start + np.bincount(order[:n] // K, minlength=B)
+    common = np.maximum(np.minimum(np.arange(K + 1)[:, None], np.where(free, bound, pinned)[None, :]),
+                        start[None, :])  # [K + 1, B]: every free row up to one width
+    common_fed = np.where(masks >= 0, 1 + common + masks, np.where(common > 0, 2 + 2 * common, 1))
+    ct = common_fed.sum(1)
+    cratio = value[rows, common].sum(1) / (cost.grid(B, int(ct.max()) + 1)[ct] + cost.pad * (B * common_fed.max(1) - ct))
+    c = int(cratio.argmax())
+    return common[c] if cratio[c] > ratio[n] else greedy
 
 
 def fed_tokens(width: int, masks: int) -> int:
