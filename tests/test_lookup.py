@@ -121,10 +121,10 @@ def test_a_copy_goes_without_masks_where_copies_beat_the_masks(monkeypatch):
 
 
 def test_a_kind_of_draft_not_fed_lately_is_fed_again(monkeypatch):
-    """Drafts a kind's estimate comes from are only ever those fed: a kind judged poor (or never
-    tried) would never be corrected. Where every draft costs more than it can earn (a cost linear in
-    the tokens fed), the policy stops drafting once each kind has its EXPLORE_POOL recent drafts
-    counted, and copies come back only when their decayed counts fall below it."""
+    """A kind's estimate comes only from drafts fed: a kind judged not worth its cost would never be
+    corrected. Where every draft costs more than it can earn (a cost linear in the tokens fed), a
+    copy held as the better draft is still fed while its kind has fewer than EXPLORE_POOL recent
+    drafts counted, and only then: its count is back above it after a try or two."""
     model = looping_model()
     seen = []
     plain = spec.SpeculativeSeq.next_feed
@@ -141,8 +141,9 @@ def test_a_kind_of_draft_not_fed_lately_is_fed_again(monkeypatch):
     def run(lookup_count: float) -> list[tuple[int, int]]:
         widths.PRIORS.pop(model, None)
         pool = widths.prior_for(model)
-        pool.reached[:, :8], pool.accepted[:, :8] = 1000, 0  # every kind known to be rejected...
-        pool.reached[widths.LOOKUP:, 0] = lookup_count  # ...the copies from this many recent drafts
+        pool.reached[:, :8], pool.accepted[:, :8] = 1000, 0  # the masks' drafts known to be rejected
+        pool.accepted[widths.LOOKUP:, 1:8] = 500  # copies better (held in their place), not worth a forward...
+        pool.reached[widths.LOOKUP:, 0] = lookup_count  # ...from this many recent drafts
         seen.clear()
         out = generate_speculative(model, PROMPTS[:1], SpeculativeParams(lookup=True, gen_length=40), eos_ids=[],
                                    cost=linear)

@@ -304,8 +304,9 @@ class SpeculativeBatch:
             for i, q in enumerate(seqs):
                 if bare[i]:
                     masks[i], bound[i] = 0, min(bound[i], len(q.draft))
-        # a sequence tries a few drafts of its own before the policy may stop it drafting, and a kind
-        # of draft the model has not fed lately is fed
+        # a sequence tries a few drafts of its own before the policy may stop it drafting, and a draft
+        # of a kind the model has not fed lately is tried (its estimate is only ever corrected by
+        # drafts fed; which draft a row holds is still chosen by value: _offer_lookups)
         unexplored = self.prior.unexplored()
         floor = [min(int(q.drafts_tried < widths.EXPLORE or unexplored[q.kind]), b) for q, b in zip(seqs, bound)]
         chosen = widths.best_widths(rate, np.array(bound), np.array(masks), np.array([q.width for q in seqs]),
@@ -379,9 +380,8 @@ class SpeculativeBatch:
                             for q, copy, _ in offers]).ravel()
         rate = widths.rates(reached, accepted, np.array(pick).ravel(), self.prior)
         value = widths.expected_accepted(rate, lengths).reshape(-1, 2)
-        unexplored = self.prior.unexplored()  # (a kind not fed lately is fed: widths.EXPLORE_POOL)
         for (q, copy, kind), (masks, lookup) in zip(offers, value):
-            if lookup > masks or (unexplored[kind] and not unexplored[q.kind]):
+            if lookup > masks:
                 q.draft, q.kind = copy, kind
 
     def _judge(self, seqs: list[SpeculativeSeq], logits: Tensor, ids: Tensor, own: Tensor, anchor: Tensor,

@@ -35,9 +35,11 @@ model's drafts usually do, and a position no draft has reached yet from the pool
 of width w then commits 1 + sum_{i<=w} prod_{l<=i} a(l) tokens in expectation (its accepted
 prefix and one more). Every sequence feeds its first EXPLORE drafts whatever they are expected to
 be worth, so that a model whose drafts were poor on other prompts is still tried on this one; and
-every kind of draft is fed whenever the pooled counts hold less than EXPLORE_POOL recent drafts of
-it (they decay with every step), so that a kind judged poor early, or never tried, is tried again
-now and then: an estimate is only ever corrected by drafts that are fed.
+a row holding a draft of a kind with fewer than EXPLORE_POOL recent drafts in the pooled counts
+(they decay with every step) feeds at least one token of it, so that a kind judged poor early is
+tried again now and then: an estimate is only ever corrected by drafts that are fed. (Which draft
+a row holds, the masks' or a copy, is chosen by expected value alone: forcing copies in place of
+good mask drafts cost a third of the bundled model's tokens per forward.)
 
 The choice. On a CPU the cost grows with the total tokens: the rows are widened one draft token
 at a time, the most expected tokens per fed token first, and of all those widenings the one with
@@ -85,8 +87,8 @@ REFRESH_RATE = 0.1  # how far one step's timing moves the table (in log seconds)
 PRIOR_WEIGHT = 2.0  # the pooled rates' weight in a sequence's own, in draft observations
 PRIOR_MEMORY = 0.99  # the pooled counts' decay per step: they follow the sequences of late
 EXPLORE = 2  # a sequence drafts at least one token until it has fed this many drafts
-# a kind of draft is fed (and drafts at least one token) whenever the model's pooled counts hold fewer
-# recent drafts of it than this: the counts decay, so a kind judged poor is tried again now and then
+# a row holding a draft of a kind the model's pooled counts hold fewer recent drafts of than this feeds
+# at least one token of it: the counts decay, so a kind judged poor is tried again now and then
 EXPLORE_POOL = 1.0
 
 
