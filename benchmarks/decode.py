@@ -6,7 +6,9 @@
         --only speculative,"speculative adaptive","speculative fixed 16" --temperatures 0   # a subset
 
 For each torch thread count and batch size, every decoder setting decodes the same held-out (test
-split) prompts of each task family; outputs are scored by the task. The speculative width policies
+split) prompts of each task family, the settings taking turns batch by batch (this machine's speed
+drifts by up to 2x within minutes; interleaved, a slow spell falls on every setting alike);
+outputs are scored by the task. --repeats N does it all N times and reports each ratio's median. The speculative width policies
 (the default `cost`, the same with `--lookup` drafts, `adaptive`, fixed widths 4 to 32) and `ar` also run sampled at each
 --temperatures value above 0 (seed 0: the same tokens as `ar` at that temperature). Writes JSON (one
 row per threads x batch x setting x task, with the outputs' token counts, forwards, tokens fed,
@@ -28,6 +30,7 @@ import statistics
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from refusion.model.checkpoint import load_model
@@ -75,24 +78,30 @@ def baseline(params: dict) -> str:
     return f"ar T={t:g}" if t > 0 else "ar"
 
 
-def run(model, tok, task, examples, prompts, decoder, params, batch_size, seed) -> dict:
+def run_interleaved(model, tok, task, examples, prompts, chosen, batch_size, seed) -> list[dict]:
+    """Every setting on the task's prompts, batch by batch in turn (the order rotating from one batch
+    to the next), so that a slow spell of the machine falls on all of them alike: one row per setting."""
     eos = model.config.eos_ids
-    tokens = forwards = fed = 0
-    seconds = 0.0
-    outputs = []
-    for i in range(0, len(prompts), batch_size):
-        t = time.perf_counter()
-        res = decode(model, prompts[i: i + batch_size], decoder, eos_ids=eos, seed=seed, **params)
-        seconds += time.perf_counter() - t
-        tokens += sum(len(r.tokens) for r in res)
-        forwards += sum(r.forwards for r in res)
-        fed += sum(r.tokens_fed for r in res)
-        outputs += [tok.decode([t for t in r.tokens if t not in eos]) for r in res]
-    scores = task.score_many(examples, outputs) if task.score_many else [task.score(e, o) for e, o in
-                                                                          zip(examples, outputs)]
-    return dict(n=len(prompts), correct=sum(s.correct for s in scores), tokens=tokens, forwards=forwards,
-                tokens_fed=fed, seconds=seconds,
-                outputs_sha1=hashlib.sha1(json.dumps(outputs).encode()).hexdigest())
+    acc = [dict(tokens=0, forwards=0, tokens_fed=0, seconds=0.0, outputs=[]) for _ in chosen]
+    for n, i in enumerate(range(0, len(prompts), batch_size)):
+        for k in np.roll(np.arange(len(chosen)), -n).tolist():
+            _, decoder, params = chosen[k]
+            t = time.perf_counter()
+            res = decode(model, prompts[i: i + batch_size], decoder, eos_ids=eos, seed=seed, **params)
+            a = acc[k]
+            a["seconds"] += time.perf_counter() - t
+            a["tokens"] += sum(len(r.tokens) for r in res)
+            a["forwards"] += sum(r.forwards for r in res)
+            a["tokens_fed"] += sum(r.tokens_fed for r in res)
+            a["outputs"] += [tok.decode([t for t in r.tokens if t not in eos]) for r in res]
+    rows = []
+    for a in acc:
+        outputs = a.pop("outputs")
+        scores = task.score_many(examples, outputs) if task.score_many else [task.score(e, o) for e, o in
+                                                                              zip(examples, outputs)]
+        rows.append(dict(a, n=len(prompts), correct=sum(s.correct for s in scores),
+                         outputs_sha1=hashlib.sha1(json.dumps(outputs).encode()).hexdigest()))
+    return rows
 
 
 def summarise(rows: list[dict]) -> list[dict]:
@@ -216,9 +225,9 @@ def main() -> None:
         for _, decoder, params in chosen:  # warm-up: first calls allocate and pick kernels
             decode(model, data[next(iter(data))][1][:2], decoder, **params)
         for bs, round_ in itertools.product([int(b) for b in args.batch_sizes.split(",")], range(args.repeats)):
-            for name, decoder, params in chosen:
-                for task_name, (exs, prompts) in data.items():
-                    r = run(model, tok, tasks[task_name], exs, prompts, decoder, params, bs, args.seed)
+            for task_name, (exs, prompts) in data.items():
+                got = run_interleaved(model, tok, tasks[task_name], exs, prompts, chosen, bs, args.seed)
+                for (name, decoder, params), r in zip(chosen, got):
                     rows.append(dict(threads=threads, batch_size=bs, name=name, decoder=decoder, params=params,
                                      temperature=params.get("temperature", 0.0), baseline=baseline(params),
                                      task=task_name, round=round_, **r))
