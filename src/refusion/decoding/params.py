@@ -206,6 +206,8 @@ class ReFusionParams:
     join_check: bool = option(False, "check slot joins: a slot after a committed response token starts with that "
                                      "token's causal prediction; one committed right after another slot must too, "
                                      "or is re-planned (greedy only)")
+    verify: bool = option(False, "verify the plan-and-infill answer as a draft of the speculative decoder: the "
+                                 "output is then AR decoding's, token for token, and the forwards of both count")
 
     def __post_init__(self) -> None:
         self.validate()

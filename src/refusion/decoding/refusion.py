@@ -36,6 +36,7 @@ Not checked: a slot's last token against a slot already committed after it.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import NamedTuple
@@ -46,6 +47,7 @@ import torch
 from refusion.decoding.common import DecodeResult, packed_index
 from refusion.decoding.params import ReFusionParams, check_prompts
 from refusion.decoding.sampling import generator, gumbel_argmax
+from refusion.decoding.speculative import SpeculativeParams, generate_speculative
 from refusion.model.cache import SlotKVCache
 from refusion.model.transformer import Transformer
 
@@ -342,8 +344,11 @@ def generate_refusion(model: Transformer, prompts: list[list[int]], params: ReFu
                       eos_ids: list[int] | None = None, seed: int | None = None,
                       on_commit: Callable[[int, list[int], list[int]], None] | None = None) -> list[DecodeResult]:
     """Plan-and-infill for a batch of prompts; on_commit(row, positions, tokens) streams commits.
-    Sampled rows draw from generators of their own, each seeded with `seed` (0 when None)."""
+    Sampled rows draw from generators of their own, each seeded with `seed` (0 when None). With
+    `verify`, see generate_verified."""
     p = params or ReFusionParams()
+    if p.verify:
+        return generate_verified(model, prompts, p, eos_ids=eos_ids, seed=seed, on_commit=on_commit)
     cfg = model.config
     if cfg.mask_token_id is None:
         raise ValueError("plan-and-infill needs a model with mask_token_id in its config (a ReFusion model)")
@@ -427,3 +432,26 @@ def _step(model: Transformer, cache: SlotKVCache, active: list[PlanInfillSeq], n
         plan_sampled = sampled is not None and q.phase == PLAN
         q.consume(host[0][b, sl], host[1][b, sl], host[2][b, sl],
                   host[3][b, sl] if plan_sampled else None, host[4][b, sl] if plan_sampled else None)
+
+
+def generate_verified(model: Transformer, prompts: list[list[int]], params: ReFusionParams, *,
+                      eos_ids: list[int] | None = None, seed: int | None = None,
+                      on_commit: Callable[[int, list[int], list[int]], None] | None = None) -> list[DecodeResult]:
+    """Plan-and-infill's answers as drafts (ReFusionParams.verify): each prompt is decoded by
+    plan-and-infill, then by the speculative decoder with that answer offered as the draft at every
+    position it reaches (beside the masks' own drafts; whichever is expected to be accepted further
+    is fed). Every token is therefore the causal prediction AR decoding would make (greedy; the
+    position-keyed draw when sampling), so the output is `ar`'s with the same seed, and the
+    counters add up both passes: a plan-and-infill answer that is right is verified in a forward or
+    two, a wrong one costs what the speculative decoder needs to get past its errors. Only the
+    verified commits are streamed."""
+    drafts = generate_refusion(model, prompts, dataclasses.replace(params, verify=False), eos_ids=eos_ids, seed=seed)
+    sp = SpeculativeParams(gen_length=params.gen_length, temperature=params.temperature)
+    out = generate_speculative(model, prompts, sp, eos_ids=eos_ids, seed=seed, on_commit=on_commit,
+                               plans=[d.tokens for d in drafts])
+    for o, d in zip(out, drafts):
+        o.steps = [s + d.forwards for s in o.steps]
+        o.forwards += d.forwards
+        o.tokens_fed += d.tokens_fed
+        o.seconds += d.seconds
+    return out

@@ -75,7 +75,7 @@ class SpeculativeSeq:
 
     def __init__(self, sid: int, prompt: list[int], p: SpeculativeParams, mask_id: int, eos: set[int],
                  seed: int, on_commit: Callable[[list[int], list[int]], None] | None,
-                 causal_first: bool = False) -> None:
+                 causal_first: bool = False, plan: list[int] | None = None) -> None:
         self.sid, self.prompt, self.p, self.mask_id, self.eos = sid, prompt, p, mask_id, eos
         self.seed, self.on_commit = seed, on_commit
         self.P = len(prompt)
@@ -95,6 +95,9 @@ class SpeculativeSeq:
         self.start = time.perf_counter()
         self.fed_k = 0  # draft tokens fed in the step now running
         self.index = NgramIndex(prompt) if p.lookup else None  # the text lookup drafts copy from
+        self.plan = plan  # a draft answer, by response position (SpeculativeBatch.add)
+        if plan and self.causal_first:  # the prefill can verify it: the prompt's last token predicts its first
+            self.draft, self.kind = list(plan), widths.PLAN
         self.bare = False  # this step feeds its draft without masks behind it (a copy: _choose_widths)
         self.anchor = 0  # feed index whose logits give the first token of this step
 
@@ -109,9 +112,12 @@ class SpeculativeSeq:
         """(ids, positions) of this step's feed; its cache columns are c, c+1, ..."""
         left = self.p.gen_length - len(self.res.tokens)  # positions still to fill
         if self.x is None:  # prefill: the prompt, then masks; the first token is read from the first mask
-            m = max(1, min(self._masks(), left))
-            ids = self.prompt + [self.mask_id] * m
-            self.anchor, self.fed_k = self.P - self.causal_first, 0
+            # (or from the prompt's last token, which then verifies a draft fed after it: a plan)
+            k = min(len(self.draft), self.width, left - 1) if self.causal_first else 0
+            m = min(self._masks(), left - k) if k else max(1, min(self._masks(), left))
+            self.draft = self.draft[:k]
+            ids = self.prompt + self.draft + [self.mask_id] * m
+            self.anchor, self.fed_k = self.P - self.causal_first, k
             start = 0
         else:
             k = min(len(self.draft), self.width, left - 1)
@@ -140,20 +146,24 @@ class SpeculativeSeq:
         if eos_at is not None or len(self.res.tokens) >= self.p.gen_length:
             self.done = True
             self.res.finished = eos_at is not None
-        if prefill:
+        if prefill and not self.causal_first:
             self.c = self.P
-            # after a causal first token the first mask guessed that same position: skip it
-            self.draft = mask_preds[1:] if self.causal_first else mask_preds
+            self.draft = mask_preds  # (the first mask's prediction was `extra`)
         else:
-            self.c += j + 1  # x and the accepted drafts: their KV was computed by this forward
+            # the prompt (prefill) or x, and the accepted drafts: their KV was computed by this forward
+            self.c = self.P + j if prefill else self.c + j + 1
             # after a mismatch the rest of the old draft still guesses the positions after `extra`;
             # after a full accept `extra` took the first mask's position
             self.draft = self.draft[j + 1:] + mask_preds if j < k else mask_preds[1:]
+        if k:
             self.acceptance.record(self.kind, j, k)
+        if not prefill or k:
             self.drafts_tried += k > 0
             self.kind = widths.FRESH if j == k else widths.AFTER_MISS
             if self.p.widths == "adaptive" and self.p.draft_length > 0:
                 self._adapt(j, k)
+        else:
+            self.kind = widths.FRESH  # (a plan not fed with the prompt: the masks drafted)
         self.x = extra
         if self.index is not None:
             self.index.extend(commit)
@@ -213,8 +223,10 @@ class SpeculativeBatch:
         return len(self.running) + len(self.pending)
 
     def add(self, prompt: list[int], params: SpeculativeParams | None = None, seed: int | None = None,
-            on_commit: Callable[[list[int], list[int]], None] | None = None) -> int:
-        """Queue a sequence; it joins at the next step. on_commit(positions, tokens) streams commits."""
+            on_commit: Callable[[list[int], list[int]], None] | None = None, plan: list[int] | None = None) -> int:
+        """Queue a sequence; it joins at the next step. on_commit(positions, tokens) streams commits.
+        plan: a draft of the whole answer (response positions 0, 1, ...), offered as the draft at
+        the positions each step reaches, verified like any draft (the output does not depend on it)."""
         p = params or SpeculativeParams()
         p.check_model(self.model.config)
         if not prompt:
@@ -222,8 +234,10 @@ class SpeculativeBatch:
         if min(prompt) < 0 or max(prompt) >= self.vocab:
             raise ValueError(f"prompt token ids must lie in [0, {self.vocab})")
         check_seed(seed)
+        if plan is not None and any(not 0 <= t < self.vocab for t in plan):
+            raise ValueError(f"plan token ids must lie in [0, {self.vocab})")
         q = SpeculativeSeq(self.next_id, list(prompt), p, self.mask_id, self.eos, seed or 0, on_commit,
-                           causal_first=self.model.config.causal_first_token)
+                           causal_first=self.model.config.causal_first_token, plan=plan)
         self.next_id += 1
         self.pending.append(q)
         return q.sid
@@ -365,24 +379,37 @@ class SpeculativeBatch:
                 self.cost.observe(B, fed, time.perf_counter() - start, B * W - fed)
 
     def _offer_lookups(self, seqs: list[SpeculativeSeq]) -> None:
-        """Rows drafting by lookup too (SpeculativeParams.lookup): where the text offers a copy, the
-        row's next draft is that copy if its expected accepted prefix (the row's own acceptance of
-        each kind, shrunk towards the model's pooled one) beats the masks' draft's."""
-        offers = [(q, *q.index.propose(q.p.draft_length)) for q in seqs if q.index is not None and not q.done]
-        offers = [(q, copy, widths.lookup_kind(n)) for q, copy, n in offers if copy]
+        """Rows with other drafts than the masks': a copy from earlier text (SpeculativeParams.lookup)
+        and a plan (add(plan=...)). A row's next draft is whichever of the masks' draft and these has
+        the longest expected accepted prefix (the row's own acceptance of each kind, shrunk towards
+        the model's pooled one)."""
+        offers = []
+        for q in seqs:
+            if q.done:
+                continue
+            if q.index is not None:
+                copy, n = q.index.propose(q.p.draft_length)
+                if copy:
+                    offers.append((q, copy, widths.lookup_kind(n)))
+            if q.plan is not None:
+                g = len(q.res.tokens)  # the response position the draft starts at
+                if g < len(q.plan):
+                    offers.append((q, q.plan[g: g + q.p.draft_length], widths.PLAN))
         if not offers:
             return
         n = max(q.p.draft_length for q, _, _ in offers)
         pick = [[q.kind, kind] for q, _, kind in offers]
         reached = np.concatenate([q.acceptance.reached[p, :n] for (q, _, _), p in zip(offers, pick)])
         accepted = np.concatenate([q.acceptance.accepted[p, :n] for (q, _, _), p in zip(offers, pick)])
-        lengths = np.array([(min(len(q.draft), q.draft_end()), min(len(copy), q.p.draft_length))
-                            for q, copy, _ in offers]).ravel()
+        lengths = np.array([(min(len(q.draft), q.draft_end()), min(len(draft), q.p.draft_length))
+                            for q, draft, _ in offers]).ravel()
         rate = widths.rates(reached, accepted, np.array(pick).ravel(), self.prior)
         value = widths.expected_accepted(rate, lengths).reshape(-1, 2)
-        for (q, copy, kind), (masks, lookup) in zip(offers, value):
-            if lookup > masks:
-                q.draft, q.kind = copy, kind
+        best: dict[int, float] = {}  # row -> the value of the draft it holds now
+        for (q, draft, kind), (masks, offered) in zip(offers, value):
+            held = best.setdefault(id(q), masks)
+            if offered > held or (kind == widths.PLAN and offered == held):  # (a plan wins a tie: it was asked for)
+                q.draft, q.kind, best[id(q)] = draft, kind, offered
 
     def _judge(self, seqs: list[SpeculativeSeq], logits: Tensor, ids: Tensor, own: Tensor, anchor: Tensor,
                k: Tensor, seed: Tensor, g: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -433,16 +460,21 @@ class SpeculativeBatch:
 def generate_speculative(model: Transformer, prompts: list[list[int]], params: SpeculativeParams | None = None, *,
                          eos_ids: list[int] | None = None, seed: int | None = None,
                          on_commit: Callable[[int, list[int], list[int]], None] | None = None,
-                         cost: widths.CostModel | None = None) -> list[DecodeResult]:
+                         cost: widths.CostModel | None = None,
+                         plans: list[list[int]] | None = None) -> list[DecodeResult]:
     """Self-speculative decoding of a batch of prompts; on_commit(row, positions, tokens) streams.
     Every sampled sequence draws with the uniforms of `seed` (0 when None), as it would alone.
-    cost: what a forward costs, for the cost policy (default: measured)."""
+    cost: what a forward costs, for the cost policy (default: measured). plans: a draft answer
+    per prompt (SpeculativeBatch.add)."""
     p = params or SpeculativeParams()
     batch = SpeculativeBatch(model, eos_ids, cost=cost)
     p.check_model(model.config)
     check_prompts(model.config, prompts, p.gen_length)
+    if plans is not None and len(plans) != len(prompts):
+        raise ValueError(f"{len(plans)} plans for {len(prompts)} prompts")
     sids = [batch.add(q, p, seed=seed, on_commit=None if on_commit is None else
-                      (lambda pos, tok, r=r: on_commit(r, pos, tok))) for r, q in enumerate(prompts)]
+                      (lambda pos, tok, r=r: on_commit(r, pos, tok)), plan=None if plans is None else plans[r])
+            for r, q in enumerate(prompts)]
     start = time.perf_counter()
     results: dict[int, DecodeResult] = {}
     while len(batch):

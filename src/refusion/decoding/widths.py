@@ -270,7 +270,8 @@ def _timed_forward(model: Transformer, cache: RaggedKVCache, rows: int, width: i
 
 
 FRESH, AFTER_MISS, LOOKUP = 0, 1, 2  # the kinds of draft a step feeds (Acceptance)
-KINDS = LOOKUP + max(LOOKUP_NGRAMS)  # a copy's kind is LOOKUP + its match's length - 1 (lookup_kind)
+PLAN = LOOKUP + max(LOOKUP_NGRAMS)  # a copy's kind is LOOKUP + its match's length - 1 (lookup_kind)
+KINDS = PLAN + 1  # PLAN: a draft answer given with the prompt (plan-and-infill's, ReFusionParams.verify)
 
 
 def lookup_kind(n: int) -> int:
@@ -283,7 +284,8 @@ class Acceptance:
     it (every earlier draft token accepted) and how often it was accepted there. The kinds: FRESH,
     the masks' predictions after a fully accepted draft; AFTER_MISS, after a rejection: the rest of
     the old draft (drafted beside the token that was rejected), then the masks'; lookup_kind(n), a
-    copy of what followed the same n last tokens earlier in the text (lookup.py). They are counted
+    copy of what followed the same n last tokens earlier in the text (lookup.py); PLAN, the
+    sequence's draft answer at the positions that follow. They are counted
     apart because they are accepted very differently. Counts change through record and
     record_many only: what is read from them is kept until they do."""
 
