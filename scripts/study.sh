@@ -18,7 +18,7 @@
 #   bash scripts/study.sh                     # every stage, then the report (hours: run it in the background)
 #   bash scripts/study.sh refusion report     # some stages, in this order (or STAGES="refusion report")
 #   bash scripts/study.sh --quick             # a smoke test of every stage: steps 4 and 8, nothing learned
-#                                             # (the variants evaluated with speculative only)
+#                                             # (answers of 64 tokens; the variants evaluated with speculative only)
 #   STEPS=8000 bash scripts/study.sh ar       # another budget for ar, refusion and mdm (default 16000)
 #   VARIANT_STEPS=8000 ...                    # another budget for the variants (default 4000)
 #   BUNDLED_STEPS=4000 ...                    # another budget for the bundled recipe (default its max_steps)
@@ -57,18 +57,20 @@ done
 if [[ $QUICK == 1 ]]; then
   RUNS=${RUNS:-runs/study-quick} OUT=${OUT:-results/study-quick} N=${N:-4}
   UNIT=${UNIT:-4} STEPS=${STEPS:-8} VARIANT_STEPS=${VARIANT_STEPS:-8} BUNDLED_STEPS=${BUNDLED_STEPS:-8}
-  VARIANT_DECODERS=quick_decoders  # (refusion's stage runs every decoder; each eval is a process start)
-  # a few steps on a few examples, a small tokenizer: exercises every stage end to end
+  VARIANT_DECODERS=quick_decoders  # (refusion's stage runs every decoder)
+  # a few steps on a few examples, a small tokenizer, shorter answers (still two MDM blocks):
+  # exercises every stage end to end
+  GEN=64
   SHRINK=(--set synthetic_examples=200 --set warmup_steps=2)
   BASE_SHRINK=("${SHRINK[@]}" --set max_steps=8 --set save_every=4 --set corpus_examples=100 --set vocab_size=300)
 else
   RUNS=${RUNS:-runs/study} OUT=${OUT:-results/study} N=${N:-100}
   UNIT=${UNIT:-2000} STEPS=${STEPS:-16000} VARIANT_STEPS=${VARIANT_STEPS:-4000} VARIANT_DECODERS=refusion_decoders
   BUNDLED_STEPS=${BUNDLED_STEPS:-$(sed -n 's/^max_steps = \([0-9]*\).*/\1/p' "$BUNDLED_RECIPE")}
+  GEN=96
   SHRINK=() BASE_SHRINK=()
 fi
 TASKS=sort,add,repeat,code
-GEN=96
 # One thread per process: these models are too small for a second thread to pay.
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 mkdir -p "$OUT/logs"
@@ -110,25 +112,38 @@ train() {  # train NAME BUDGET [CONFIG]: CONFIG (default configs/study/NAME.toml
   keep_logs "$name"
 }
 
-ev() {  # ev MODEL_DIR LABEL [eval args]: evaluate on the tasks whose summaries are missing
-  local dir=$1 label=$2 decoder="" tag="" missing=() t i
+ev() {  # ev MODEL_DIR LABEL SETTING...: each SETTING ('DECODER [flags] [--tag TAG]', as `refusion eval
+  #        --setting` takes it) on the tasks whose summaries are missing; the settings that miss the same
+  #        tasks share one eval, which loads the model once
+  local dir=$1 label=$2 name key i t w missing
   shift 2
-  local args=("$@")
-  for ((i = 0; i < ${#args[@]}; i++)); do  # the decoder's name in the result files: DECODER[-TAG]
-    [[ ${args[i]} == --decoder ]] && decoder=${args[i + 1]}
-    [[ ${args[i]} == --tag ]] && tag=-${args[i + 1]}
+  local settings=("$@") keys=()
+  local -A group=()  # missing tasks -> the settings (their indices) that miss them
+  for i in "${!settings[@]}"; do
+    read -ra w <<< "${settings[i]}"
+    name=${w[0]}  # the decoder's name in the result files: DECODER[-TAG]
+    for ((t = 1; t < ${#w[@]}; t++)); do
+      [[ ${w[t]} == --tag ]] && name+=-${w[t + 1]}
+    done
+    missing=()
+    for t in ${TASKS//,/ }; do
+      [[ -f $OUT/${label}__${t}__$name.json ]] || missing+=("$t")
+    done
+    if (( ${#missing[@]} == 0 )); then
+      echo "study: $label $name already evaluated"
+      continue
+    fi
+    key=$(IFS=,; echo "${missing[*]}")
+    [[ -n ${group[$key]+set} ]] || keys+=("$key")
+    group[$key]+=" $i"
   done
-  [[ -n $decoder ]] || die "ev $label: name the decoder (--decoder)"
-  for t in ${TASKS//,/ }; do
-    [[ -f $OUT/${label}__${t}__$decoder$tag.json ]] || missing+=("$t")
+  for key in "${keys[@]}"; do
+    [[ -f $dir/config.json ]] || die "$dir: no such model (its checkpoint was not kept?)"
+    local args=()
+    for i in ${group[$key]}; do args+=(--setting "${settings[i]}"); done
+    $R eval --model "$dir" --label "$label" --task "$key" --n "$N" --gen-length $GEN --out "$OUT" --no-progress \
+      "${args[@]}"
   done
-  if (( ${#missing[@]} == 0 )); then
-    echo "study: $label $decoder$tag already evaluated"
-    return
-  fi
-  [[ -f $dir/config.json ]] || die "$dir: no such model (its checkpoint was not kept?)"
-  $R eval --model "$dir" --label "$label" --task "$(IFS=,; echo "${missing[*]}")" --n "$N" --gen-length $GEN \
-    --out "$OUT" --no-progress "$@"
 }
 
 eval_curve() {  # eval_curve NAME BUDGET DECODERS: every curve point of the run with the model family's decoders
@@ -139,17 +154,14 @@ eval_curve() {  # eval_curve NAME BUDGET DECODERS: every curve point of the run 
   done
 }
 
-ar_decoders() { ev "$1" "$2" --decoder ar; }
+ar_decoders() { ev "$1" "$2" ar; }
 refusion_decoders() {
-  ev "$1" "$2" --decoder speculative
-  ev "$1" "$2" --decoder ar
-  ev "$1" "$2" --decoder refusion --slot-size 8 --slot-threshold 0.9 --token-threshold 0.4
-  ev "$1" "$2" --decoder refusion --slot-size 8 --slot-threshold 0.7 --token-threshold 0.2 --tag fast
+  ev "$1" "$2" speculative ar "refusion --slot-size 8 --slot-threshold 0.9 --token-threshold 0.4" \
+    "refusion --slot-size 8 --slot-threshold 0.7 --token-threshold 0.2 --tag fast"
 }
-quick_decoders() { ev "$1" "$2" --decoder speculative; }  # --quick's variants: the stage runs, one decoder
+quick_decoders() { ev "$1" "$2" speculative; }  # --quick's variants: the stage runs, one decoder
 mdm_decoders() {
-  ev "$1" "$2" --decoder mdm --block-length 32 --steps $GEN
-  ev "$1" "$2" --decoder mdm-threshold --block-length 32 --threshold 0.9 --prefix-cache
+  ev "$1" "$2" "mdm --block-length 32 --steps $GEN" "mdm-threshold --block-length 32 --threshold 0.9 --prefix-cache"
 }
 
 for s in $STAGES; do
@@ -163,7 +175,7 @@ for s in $STAGES; do
           >> "$OUT/logs/base.log" 2>&1 || failed base
       fi
       keep_logs base
-      ev "$RUNS/base/model" base --decoder ar ;;
+      ev "$RUNS/base/model" base ar ;;
     # (two commands, not `a && b`: set -e does not apply inside a function called left of &&)
     ar) train ar "$STEPS"; eval_curve ar "$STEPS" ar_decoders ;;
     refusion) train refusion "$STEPS"; eval_curve refusion "$STEPS" refusion_decoders ;;

@@ -3,6 +3,8 @@
 import json
 import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -124,6 +126,27 @@ def test_parameter_count_from_the_config_is_the_models(shape):
                                 num_kv_heads=2), **shape})
     with torch.device("meta"):
         assert parameter_count(cfg) == count_parameters(Transformer(cfg))
+
+
+@pytest.mark.parametrize("shape", [
+    dict(),
+    dict(head_dim=12, tie_word_embeddings=False, rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    dict(mask_token_id=39, mask_adapter={"rank": 3}),
+])
+def test_a_model_built_on_meta_has_the_real_ones_tensors_and_computes_nothing(tmp_path, shape):
+    """load_model builds on "meta": every parameter and buffer of a model built anywhere else, by name,
+    shape and dtype, and no arithmetic (which there imports torch._dynamo: seconds of every start)."""
+    cfg = ModelConfig(**{**dict(vocab_size=40, hidden_size=16, intermediate_size=24, num_layers=2, num_heads=4,
+                                num_kv_heads=2), **shape})
+    with torch.device("meta"):
+        meta = Transformer(cfg)
+    real = Transformer(cfg)
+    tensors = lambda m: {k: (v.shape, v.dtype) for k, v in [*m.named_parameters(), *m.named_buffers()]}
+    assert tensors(meta) == tensors(real) and all(v.is_meta for v in meta.state_dict().values())
+    save_model(real.init_weights(seed=0), tmp_path / "m")
+    code = (f"import sys; from refusion.model.checkpoint import load_model; load_model({str(tmp_path / 'm')!r}); "
+            "print('torch._dynamo' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
 
 
 @pytest.mark.parametrize("change, message", [

@@ -257,6 +257,18 @@ CASES = [
     (["eval", "--model", "{m}", "--task", "arith", "--decoder", "refusion", "--top-p", "0.5"],
      "--top-p does not apply to decoder 'refusion'"),
     (["eval", "--model", "{m}", "--task", "arith", "--gen-length", "1000000000"], "gen_length 1000000000 exceeds"),
+    (["eval", "--model", "{m}", "--task", "arith", "--decoder", "ar", "--setting", "ar"],
+     "--setting names its decoder (and --tag) itself"),
+    (["eval", "--model", "{m}", "--task", "arith", "--setting", "beam"], "--setting 'beam': argument decoder: invalid choice"),
+    (["eval", "--model", "{m}", "--task", "arith", "--setting", "ar --bogus 1"],
+     "--setting 'ar --bogus 1': unrecognized arguments: --bogus 1"),
+    (["eval", "--model", "{m}", "--task", "arith", "--setting", "ar --tag 'x"], "--setting \"ar --tag 'x\": No closing quotation"),
+    (["eval", "--model", "{m}", "--task", "arith", "--setting", "ar", "--setting", "refusion --top-p 0.5"],
+     "--top-p does not apply to decoder 'refusion'"),
+    (["eval", "--model", "{m}", "--task", "arith", "--setting", "ar", "--setting", "refusion", "--slot-size", "4"],
+     "--slot-size does not apply to decoder 'ar'"),  # the flags outside apply to every setting
+    (["eval", "--model", "{m}", "--task", "arith", "--setting", "refusion --tag a", "--setting", "refusion --slot-size 4 --tag a"],
+     "two decoder settings would write the same results (refusion-a); tell them apart with --tag"),
     # report
     (["report", "{results}"], "broken.json:1: not valid JSON"),
     (["report", "{results}/m__arith__ar.jsonl"], "m__arith__ar.jsonl is a per-sample records file"),

@@ -4,7 +4,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
@@ -15,6 +14,8 @@ from refusion.model.config import ConfigError
 from refusion.training.corpus import corpus_records, stdlib_files, stdlib_records
 from refusion.training.data import training_records
 from refusion.training.trainer import TrainConfig
+
+from forked_cli import ForkServer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,11 +60,20 @@ QUICK_STAGES = ["base", "ar", "refusion", "mdm", "refusion-boundary", "refusion-
                 "refusion-hybrid", "refusion-decoupled", "refusion-hybrid-8k", "report"]
 
 
-def test_study_quick_runs_every_stage_and_writes_the_curves(tmp_path):
+@pytest.fixture
+def refusion_command():
+    """`python -m refusion.cli` for a script of many short commands: each command a fork of one
+    interpreter that has imported torch and refusion once (tests/forked_cli.py), with the script's
+    thread settings."""
+    with ForkServer({**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}) as server:
+        yield server.command
+
+
+def test_study_quick_runs_every_stage_and_writes_the_curves(tmp_path, refusion_command):
     """scripts/study.sh --quick: base -> ar/refusion/mdm fine-tunes, each one run with a checkpoint at
     every curve point (steps 4 and 8) -> every decoder on every checkpoint -> report (untrained)."""
     env = {**os.environ, "RUNS": str(tmp_path / "runs"), "OUT": str(tmp_path / "out"), "N": "2",
-           "REFUSION": f"{sys.executable} -m refusion.cli"}
+           "REFUSION": refusion_command}
 
     def study(*stages):
         proc = subprocess.run(["bash", str(ROOT / "scripts" / "study.sh"), "--quick", *stages], env=env, cwd=ROOT,

@@ -85,6 +85,49 @@ def test_cli_eval_then_report(tiny, tmp_path, monkeypatch, capsys):
     assert "no such file" in capsys.readouterr().err
 
 
+def test_settings_in_one_eval_write_what_separate_evals_write(tiny, tmp_path, monkeypatch, capsys):
+    """--setting, repeated: the files, records and summaries of one eval per setting (times aside),
+    in the same order, from one load of the model; the flags outside a setting apply to each."""
+    model, tok = tiny
+    save_model(model, tmp_path / "m", tok)
+    import refusion.evaluation.run as run
+    import refusion.tasks as tasks
+
+    monkeypatch.setattr(tasks, "all_tasks", lambda: {"echo": echo_task(3), "echo2": replace(echo_task(2), name="echo2")})
+    loads = []
+    real_load = run.load_model
+    monkeypatch.setattr(run, "load_model", lambda *a, **k: loads.append(1) or real_load(*a, **k))
+    common = ["eval", "--model", str(tmp_path / "m"), "--task", "echo,echo2", "--gen-length", "8", "--no-progress"]
+    settings = ["ar", "refusion --slot-size 4 --tag s4", "refusion --slot-size 2 --gen-length 12", "speculative"]
+    capsys.readouterr()
+    assert main(common + ["--out", str(tmp_path / "one")] + [a for s in settings for a in ("--setting", s)]) == 0
+    together = capsys.readouterr().out
+    assert len(loads) == 1
+    for s in settings:
+        assert main(common + ["--out", str(tmp_path / "each"), "--decoder", *s.split()]) == 0
+    separately = capsys.readouterr().out
+    names = sorted(p.name for p in (tmp_path / "each").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "one").iterdir()) and len(names) == 16
+    timing = ("seconds", "tps", "latency_mean", "latency_p50", "latency_p90", "model_path")
+    for name in names:
+        a, b = ((tmp_path / d / name).read_text() for d in ("one", "each"))
+        if name.endswith(".jsonl"):
+            a, b = ([{k: v for k, v in json.loads(x).items() if k != "seconds"} for x in t.splitlines()] for t in (a, b))
+        else:
+            a, b = ({k: v for k, v in json.loads(t).items() if k not in timing} for t in (a, b))
+        assert a == b, name
+    assert json.loads((tmp_path / "one" / "m__echo__refusion.json").read_text())["params"]["gen_length"] == 12
+    heads = lambda out: [line.split(":")[0] for line in out.splitlines()]
+    assert heads(together) == heads(separately) == [f"m {t} {d}" for d in ("ar", "refusion-s4", "refusion", "speculative")
+                                                    for t in ("echo", "echo2")]
+    # a setting whose result exists is refused before any runs
+    (tmp_path / "some").mkdir()
+    (tmp_path / "some" / "m__echo2__speculative.json").write_text("{}")
+    assert main(common + ["--out", str(tmp_path / "some"), "--setting", "ar", "--setting", "speculative"]) == 2
+    assert "m__echo2__speculative.json exists" in capsys.readouterr().err
+    assert [p.name for p in (tmp_path / "some").iterdir()] == ["m__echo2__speculative.json"]
+
+
 def test_two_runs_named_model_keep_their_results_apart(tiny, tmp_path, monkeypatch, capsys):
     model, tok = tiny
     for run in ("a", "b"):  # runs/a/model and runs/b/model, as `refusion train` leaves them

@@ -1,5 +1,5 @@
 import sys
 
-from refusion.cli.main import main
+from refusion.cli.main import console_main
 
-sys.exit(main())
+sys.exit(console_main())

@@ -15,10 +15,16 @@ from refusion.decoding import registry
 def add_decoder_flags(g: argparse.ArgumentParser) -> None:
     """--decoder, --seed and one flag per decoder parameter (each left None when not given, so a
     flag the user set is told from a default)."""
-    names = registry.names()
-    g.add_argument("--decoder", choices=names,
+    g.add_argument("--decoder", choices=registry.names(),
                    help="default: the one the model's training objective fits: speculative for a ReFusion model, "
                         "mdm-threshold for an MDM one, ar for a model without a mask token")
+    add_parameter_flags(g)
+    g.add_argument("--seed", type=seed_int, default=0, help="for sampling (and, in eval, the sample of examples)")
+
+
+def add_parameter_flags(g: argparse.ArgumentParser) -> None:
+    """One flag per decoder parameter, each default None, grouped by the decoders that take it."""
+    names = registry.names()
     takers: dict[str, list[str]] = {}  # field -> the decoders that take it
     first: dict[str, registry.Option] = {}
     for name in names:
@@ -34,7 +40,6 @@ def add_decoder_flags(g: argparse.ArgumentParser) -> None:
         if key not in groups:
             groups[key] = g.add_argument_group(_group_title(key))
         _add_flag(groups[key], first[field], decoders)
-    g.add_argument("--seed", type=seed_int, default=0, help="for sampling (and, in eval, the sample of examples)")
 
 
 def _add_flag(g, o: registry.Option, decoders: list[str]) -> None:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 from pathlib import Path
 
 from refusion.cli.args import MODEL_HELP, add_runtime_flags, positive_int, resolve_model_dir, utf8_text
-from refusion.cli.decoder_flags import add_decoder_flags, choose_decoder, decoder_params
+from refusion.cli.decoder_flags import add_decoder_flags, add_parameter_flags, choose_decoder, decoder_params
+from refusion.decoding import registry
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -22,6 +24,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--label", type=utf8_text, help="model name in the results (default: the run directory's name); NAME@STEP "
                                    "makes it a point of NAME's curve over training steps in `refusion report`")
     e.add_argument("--tag", type=utf8_text, help="suffix for the decoder name, to tell parameter settings apart")
+    e.add_argument("--setting", action="append", metavar="'DECODER [FLAGS]'",
+                   help="a decoder with its parameter flags and --tag, e.g. 'refusion --slot-size 8 --tag s8'; "
+                        "repeat it to evaluate several settings with the model loaded once, one after the other. "
+                        "The decoder flags given outside apply to every setting (a setting's own win); "
+                        "replaces --decoder and --tag")
     e.add_argument("--out", default="results", help="directory for <model>__<task>__<decoder>.json/.jsonl")
     e.add_argument("--overwrite", action="store_true", help="replace results that exist")
     add_runtime_flags(e)
@@ -52,14 +59,46 @@ def cmd_eval(args: argparse.Namespace) -> None:
     model_dir = resolve_model_dir(args)
     device = resolve_device(args.device)
     config = load_config(model_dir)
-    decoder = choose_decoder(args, config)
-    params = decoder_params(args, decoder)
-    make_params(decoder, config, **params)
-    cfg = EvalConfig(decoder=decoder, params=params, n=args.n, split=args.split, batch_size=args.batch_size,
-                     seed=args.seed, system=args.system, tag=args.tag).validate()
-    run_eval(model_dir, tasks, cfg, args.out, label=args.label, overwrite=args.overwrite, dtype=args.dtype,
+    cfgs = []
+    for setting in _settings(args):
+        decoder = choose_decoder(setting, config)
+        params = decoder_params(setting, decoder)
+        make_params(decoder, config, **params)
+        cfgs.append(EvalConfig(decoder=decoder, params=params, n=args.n, split=args.split, batch_size=args.batch_size,
+                               seed=args.seed, system=args.system, tag=setting.tag).validate())
+    run_eval(model_dir, tasks, cfgs, args.out, label=args.label, overwrite=args.overwrite, dtype=args.dtype,
              device=device, compile=args.compile, threads=args.threads, progress=not args.no_progress,
              on_summary=_print_summary)
+
+
+class _SettingParser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise ValueError(message)  # named with its --setting by _settings, then the command's one-line error
+
+
+def _settings(args: argparse.Namespace) -> list[argparse.Namespace]:
+    """The decoder settings to evaluate, each a namespace of --decoder, --tag and the parameter flags:
+    the command line's own, or one per --setting over it (the flags a setting gives win)."""
+    if not args.setting:
+        return [args]
+    if args.decoder is not None or args.tag is not None:
+        raise ValueError("--setting names its decoder (and --tag) itself: give --decoder and --tag inside it")
+    p = _SettingParser(prog="--setting", add_help=False)
+    p.add_argument("decoder", choices=registry.names())
+    p.add_argument("--tag", type=utf8_text)
+    add_parameter_flags(p)
+    settings = []
+    for text in args.setting:
+        try:
+            own = p.parse_args(shlex.split(text))
+        except ValueError as e:  # (shlex's too: an unclosed quote)
+            raise ValueError(f"--setting {text!r}: {e}") from None
+        merged = argparse.Namespace(**vars(args))
+        for k, v in vars(own).items():
+            if v is not None:
+                setattr(merged, k, v)
+        settings.append(merged)
+    return settings
 
 
 def _print_summary(summary: dict, path: Path) -> None:

@@ -70,6 +70,8 @@ class MaskAdapter(nn.Module):
         """A ~ U(-1/sqrt(in), 1/sqrt(in)) (nn.Linear's initialisation), B = 0: a fresh adapter changes nothing."""
         with torch.no_grad():
             for name, p in self._parameters.items():
+                if p.is_meta:  # nothing to draw; torch.rand on "meta" would import torch._dynamo (seconds)
+                    continue
                 if name.endswith("_A"):
                     bound = 1 / math.sqrt(p.shape[1])
                     p.copy_(torch.rand(p.shape, generator=gen) * 2 * bound - bound)

@@ -249,7 +249,12 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # On "meta" (a model whose weights come from a file) nothing is computed: arithmetic there runs
+        # torch._refs paths that import torch._dynamo, seconds of start-up for every process that loads one
+        embed = torch.empty(cfg.vocab_size, cfg.hidden_size)
+        if not embed.is_meta:
+            nn.init.normal_(embed)  # nn.Embedding's own initialisation: the same draws
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=embed)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -261,16 +266,25 @@ class Transformer(nn.Module):
         # a refusion.model.compiled.CompiledForward, set by compiled.enable_compile: inference forwards
         # go through it first (it returns None where it does not apply)
         self.compiled = None
-        self.reset_rope()
+        self.reset_rope(embed.device)
 
     def reset_rope(self, device: torch.device | str | None = None) -> None:
         """(Re)build the non-persistent buffers: the RoPE frequencies, the cos / sin tables of every
-        position and the q/k norm rows (not in checkpoints; a model built on "meta" calls this once)."""
-        inv = rope_inv_freq(self.config).to(device)
-        self.register_buffer("inv_freq", inv, persistent=False)
-        self.register_buffer("rope", rope_table(self.config, inv), persistent=False)
-        # row of every head's q / k norm weight in the stack of all layers' [q_norm, k_norm] weights
+        position and the q/k norm rows (not in checkpoints). On "meta" they are empty, of their shapes:
+        a model built there calls this again once it has weights."""
         c = self.config
+        if device is not None and torch.device(device).type == "meta":  # (see __init__: no arithmetic there)
+            half = (c.head_dim + 1) // 2
+            self.register_buffer("inv_freq", torch.empty(half, device="meta"), persistent=False)
+            self.register_buffer("rope", torch.empty(c.max_position_embeddings, 2, 2 * half, device="meta"),
+                                 persistent=False)
+            rows = torch.empty(c.num_layers * (c.num_heads + c.num_kv_heads), dtype=torch.long, device="meta")
+            self.register_buffer("qk_norm_rows", rows, persistent=False)
+            return
+        inv = rope_inv_freq(c).to(device)
+        self.register_buffer("inv_freq", inv, persistent=False)
+        self.register_buffer("rope", rope_table(c, inv), persistent=False)
+        # row of every head's q / k norm weight in the stack of all layers' [q_norm, k_norm] weights
         per_layer = torch.tensor([0] * c.num_heads + [1] * c.num_kv_heads, device=inv.device)
         rows = torch.cat([per_layer + 2 * i for i in range(c.num_layers)])
         self.register_buffer("qk_norm_rows", rows, persistent=False)
