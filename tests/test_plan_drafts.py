@@ -6,7 +6,7 @@ token (causal_first_token), and in two otherwise; a wrong one costs only forward
 import numpy as np
 import pytest
 
-from refusion.decoding import ARParams, decode, generate_ar, widths
+from refusion.decoding import ARParams, decode, generate_ar
 from refusion.decoding.params import ReFusionParams
 from refusion.decoding.refusion import generate_refusion
 from refusion.decoding.speculative import SpeculativeParams, generate_speculative
@@ -69,4 +69,3 @@ def test_verified_plan_and_infill_is_ar_and_counts_both_passes(causal_first):
     # batched as alone
     alone = [decode(m, [q], "refusion", eos_ids=eos, verify=True, **rp)[0].tokens for q in PROMPTS]
     assert alone == [r.tokens for r in got]
-    assert widths.PLAN == widths.KINDS - 1

@@ -320,7 +320,7 @@ class SpeculativeBatch:
                     masks[i], bound[i] = 0, min(bound[i], len(q.draft))
         # a sequence tries a few drafts of its own before the policy may stop it drafting, and a draft
         # of a kind the model has not fed lately is tried (its estimate is only ever corrected by
-        # drafts fed; which draft a row holds is still chosen by value: _offer_lookups)
+        # drafts fed; which draft a row holds is still chosen by value: _offer_drafts)
         unexplored = self.prior.unexplored()
         floor = [min(int(q.drafts_tried < widths.EXPLORE or unexplored[q.kind]), b) for q, b in zip(seqs, bound)]
         chosen = widths.best_widths(rate, np.array(bound), np.array(masks), np.array([q.width for q in seqs]),
@@ -371,14 +371,14 @@ class SpeculativeBatch:
             a, k = int(meta[0, b]), q.fed_k
             masks_from = a + 1 + k  # the masks after the anchor and the draft
             q.advance(int(host[b, 0]), int(host[b, 1]), host[b, 2 + masks_from: 2 + need].tolist())
-        self._offer_lookups(seqs)
+        self._offer_drafts(seqs)
         if not prefill:
             self.prior.record_many(kinds, host[:, 0], meta[1])
             if self.cost is not None:  # what this step took, its host work included
                 fed = sum(len(ids) for ids, _ in feeds) if self.cost.packed else B * W
                 self.cost.observe(B, fed, time.perf_counter() - start, B * W - fed)
 
-    def _offer_lookups(self, seqs: list[SpeculativeSeq]) -> None:
+    def _offer_drafts(self, seqs: list[SpeculativeSeq]) -> None:
         """Rows with other drafts than the masks': a copy from earlier text (SpeculativeParams.lookup)
         and a plan (add(plan=...)). A row's next draft is whichever of the masks' draft and these has
         the longest expected accepted prefix (the row's own acceptance of each kind, shrunk towards

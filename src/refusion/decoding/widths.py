@@ -47,8 +47,8 @@ the best ratio of expected tokens to measured cost is taken (exact whatever the 
 Where padding costs, each of those counts also pays for the slots its widest row leaves empty,
 and the widths with every row drafting up to one common width are weighed as well (the order
 above never reaches them when the rows' acceptance differs): the better of the two, the
-brute-force optimum or within a few percent of it. Elsewhere the forward is as wide as its widest row, so every row drafts up to one common width,
-the one with the best ratio. Either way a few numpy operations on [rows, draft_length] arrays per
+brute-force optimum or within a few percent of it. Elsewhere the forward is as wide as its widest
+row, so every row drafts up to one common width, the one with the best ratio. Either way a few numpy operations on [rows, draft_length] arrays per
 step, on the host (plain Python for a batch of one, where numpy's cost per call would be most of
 it), the costs looked up in the table evaluated at every whole token count once per refresh.
 Rows whose policy is fixed or adaptive (a server's batch mixes requests) keep their widths and
@@ -403,7 +403,7 @@ def best_widths(rate: np.ndarray, bound: np.ndarray, masks: np.ndarray, width: n
     rows = np.arange(B)
     if not cost.packed:  # padded to the widest row: every row drafts up to one common width
         w = np.arange(K + 1)
-        fed = 1 + w + np.where(masks[:, None] >= 0, masks[:, None], np.where(w > 0, w + 1, 0))  # [B, K+1]: fed_tokens
+        fed = fed_tokens_of(w[None, :], masks[:, None])  # [B, K+1]
         common = np.maximum(np.minimum(w[:, None], bound[None, :]), floor[None, :])
         idx = np.where(free[None, :], common, pinned[None, :])  # [K+1, B]
         # (the cost at these K + 1 token counts only: rows x width would make a long grid)
@@ -436,14 +436,14 @@ def best_widths(rate: np.ndarray, bound: np.ndarray, masks: np.ndarray, width: n
     # row leaves empty in the others, and widths closer to one common width (a family the order above
     # does not reach) may do better: the best of both
     row, reach = order // K, order % K + 1
-    fed = np.where(masks[row] >= 0, 1 + reach + masks[row], 2 + 2 * reach)  # fed_tokens(reach, masks[row])
+    fed = fed_tokens_of(reach, masks[row])
     widest = np.maximum.accumulate(np.r_[max(start_fed), fed])
     ratio = v / (seconds + cost.pad * (B * widest - t))
     n = int(ratio.argmax())
     greedy = start + np.bincount(order[:n] // K, minlength=B)
     common = np.maximum(np.minimum(np.arange(K + 1)[:, None], np.where(free, bound, pinned)[None, :]),
                         start[None, :])  # [K + 1, B]: every free row up to one width
-    common_fed = np.where(masks >= 0, 1 + common + masks, np.where(common > 0, 2 + 2 * common, 1))
+    common_fed = fed_tokens_of(common, masks)
     ct = common_fed.sum(1)
     cratio = value[rows, common].sum(1) / (cost.grid(B, int(ct.max()) + 1)[ct] + cost.pad * (B * common_fed.max(1) - ct))
     c = int(cratio.argmax())
@@ -454,6 +454,11 @@ def fed_tokens(width: int, masks: int) -> int:
     """What a row feeds at this width: its newest token, the drafts and the masks (masks < 0: width
     + 1, none at width 0)."""
     return 1 + width + (masks if masks >= 0 else (width + 1 if width else 0))
+
+
+def fed_tokens_of(width: np.ndarray, masks: np.ndarray) -> np.ndarray:
+    """fed_tokens elementwise, on broadcast arrays."""
+    return 1 + width + np.where(masks >= 0, masks, np.where(width > 0, width + 1, 0))
 
 
 def best_width(rate: list[float], bound: int, masks: int, width: int, free: bool, cost: CostModel,
