@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from refusion.model.checkpoint import load_model
-from refusion.decoding import decode
+from refusion.decoding import decode, widths
 from refusion.tasks import get_task
 from refusion.model.tokenizer import Tokenizer
 
@@ -78,6 +78,9 @@ def baseline(params: dict) -> str:
     return f"ar T={t:g}" if t > 0 else "ar"
 
 
+PRIORS: dict = {}  # (model, setting) -> the pooled acceptance its decodes keep (widths.PRIORS)
+
+
 def run_interleaved(model, tok, task, examples, prompts, chosen, batch_size, seed) -> list[dict]:
     """Every setting on the task's prompts, batch by batch in turn (the order rotating from one batch
     to the next), so that a slow spell of the machine falls on all of them alike: one row per setting."""
@@ -86,6 +89,8 @@ def run_interleaved(model, tok, task, examples, prompts, chosen, batch_size, see
     for n, i in enumerate(range(0, len(prompts), batch_size)):
         for k in np.roll(np.arange(len(chosen)), -n).tolist():
             _, decoder, params = chosen[k]
+            # each setting learns its drafts' acceptance from its own decodes only, as it would alone
+            widths.PRIORS[model] = PRIORS.setdefault((id(model), k), widths.Acceptance())
             t = time.perf_counter()
             res = decode(model, prompts[i: i + batch_size], decoder, eos_ids=eos, seed=seed, **params)
             a = acc[k]

@@ -69,6 +69,27 @@ def test_observed_step_times_move_the_table_and_a_frozen_one_stays():
         assert (np.diff(s) >= 0).all()
 
 
+
+def test_noted_step_times_are_observed_in_batches_in_order():
+    """A decode notes every step's time; the table moves REFRESH_EVERY notes at a time, exactly as
+    observing each in turn would have moved it, and not before."""
+    rng = np.random.default_rng(7)
+    frozen = CostModel.of(linear())
+    noted = CostModel(frozen.rows, frozen.tokens, frozen.seconds, packed=True, pad=1e-5)
+    observed = copy.deepcopy(noted)
+    timings = [(int(rng.integers(1, 9)), int(rng.integers(1, 200)), float(rng.uniform(1e-3, 1e-2)),
+                int(rng.integers(0, 20))) for _ in range(2 * widths.REFRESH_EVERY + 3)]
+    for n, timing in enumerate(timings, 1):
+        noted.note(*timing)
+        if n % widths.REFRESH_EVERY == 0:
+            for t in timings[n - widths.REFRESH_EVERY: n]:
+                observed.observe(*t)
+        assert all(np.array_equal(a, b) for a, b in zip(noted.seconds, observed.seconds)), n
+        assert len(noted.noted) == n % widths.REFRESH_EVERY
+    assert not all(np.array_equal(a, b) for a, b in zip(noted.seconds, frozen.seconds))  # (it did move)
+    frozen.note(*timings[0])
+    assert frozen.noted == []
+
 def test_calibration_measures_the_grid_and_fits_a_short_context():
     model = tiny()
     cost = widths.measure_cost(model)
@@ -388,6 +409,50 @@ def test_the_cost_policy_keeps_ar_tokens_with_measured_and_injected_costs(monkey
     else:  # a flat cost: every row drafts as far as it may
         assert max(w for w, _, _, d in fed if d == 32) == 23  # (gen_length 24: at most 23 drafts after a token)
 
+
+
+def test_a_batch_chooses_every_few_steps_when_rows_join_and_always_alone(monkeypatch):
+    """Several rows re-choose their widths every CHOOSE_EVERY steps and hold them in between; a step
+    where rows join chooses; a lone row chooses every step. Held or not, the tokens are AR's."""
+    model = tiny(6)
+    batch = SpeculativeBatch(model, eos_ids=[], cost=CostModel.of(linear()))
+    plain, chose = SpeculativeBatch._choose_widths, []
+    monkeypatch.setattr(SpeculativeBatch, "_choose_widths", lambda self: chose.append(len(batch.running)) or plain(self))
+    lengths = [30, 30, 12]
+    sids = [batch.add(p, SpeculativeParams(gen_length=n)) for p, n in zip(PROMPTS, lengths)]
+    pattern, results = [], {}
+    while len(batch):
+        before, rows = len(chose), len(batch.running) + len(batch.pending)
+        if len(pattern) == 4:
+            sids.append(batch.add(PROMPTS[3], SpeculativeParams(gen_length=30)))
+            rows += 1
+        results.update(batch.step())
+        pattern.append((rows, len(chose) > before))
+    E = widths.CHOOSE_EVERY
+    assert E > 1 and pattern[:4] == [(3, True)] + [(3, False)] * (E - 1) + [(3, True)] * (4 - E)
+    assert pattern[4] == (4, True)  # a row joined
+    assert all(chosen for rows, chosen in pattern if rows == 1) and any(rows == 1 for rows, _ in pattern)
+    for rows, chosen in pattern[5:]:
+        assert chosen or rows > 1
+    several = [chosen for rows, chosen in pattern[5:] if rows > 1]
+    assert sum(several) < len(several)  # held between choices
+    want = generate_ar(model, PROMPTS, ARParams(gen_length=30), eos_ids=[])
+    assert [results[s].tokens for s in sids] == [w.tokens[:n] for w, n in zip(want, lengths + [30])]
+
+
+def test_a_held_step_feeds_masks_again_behind_the_masks_own_draft():
+    """A row fed bare (no masks) for a copy holds its width between choices, but once the draft it
+    holds is the masks' own again, masks go behind it: else its next draft would be empty."""
+    batch = SpeculativeBatch(tiny(), eos_ids=[], cost=CostModel.of(linear()))
+    for p in PROMPTS[:2]:
+        batch.add(p, SpeculativeParams(gen_length=20, lookup=True))
+    batch.step()
+    copy_row, mask_row = batch.running
+    for q, kind in ((copy_row, widths.lookup_kind(2)), (mask_row, widths.FRESH)):
+        q.bare, q.kind, q.width = True, kind, 3
+    batch._hold_widths()
+    assert copy_row.bare and not mask_row.bare and copy_row.width == mask_row.width == 3
+    assert mask_row._masks() == 4
 
 def test_rows_joining_and_leaving_are_sized_with_the_batch_they_are_in():
     """The server's continuous batch: the policy sizes every step for the rows running then."""

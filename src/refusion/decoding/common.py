@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -55,12 +56,12 @@ def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device | str) 
     return ids.to(device), positions.to(device), valid.to(device)
 
 
-def packed_index(widths: list[int], T: int, device: torch.device) -> Tensor | None:
+def packed_index(widths: Sequence[int] | np.ndarray, T: int, device: torch.device) -> Tensor | None:
     """model.forward's `real`: the flat indices of each row's last widths[b] columns of a [B, T]
     feed (rows padded on the left), or None when no row is padded. On a CPU a forward costs in
     proportion to the tokens it computes, so a ragged batch computes only its real tokens; on an
     accelerator the padding is nearly free and finding the tokens would cost host syncs, so None."""
     if device.type != "cpu" or all(w == T for w in widths):
         return None
-    idx = np.concatenate([np.arange(b * T + T - w, (b + 1) * T) for b, w in enumerate(widths)])
-    return torch.from_numpy(idx)
+    w = np.asarray(widths)
+    return torch.from_numpy(np.flatnonzero(np.arange(T)[None, :] >= T - w[:, None]))

@@ -218,6 +218,7 @@ class SpeculativeBatch:
         self.next_id = 0
         self.cost = cost  # measured at the first step that needs it
         self.prior = widths.prior_for(model)
+        self.held = 0  # steps since the widths were last chosen (widths.CHOOSE_EVERY)
 
     def __len__(self) -> int:
         return len(self.running) + len(self.pending)
@@ -263,10 +264,16 @@ class SpeculativeBatch:
             self._admit()
         if not self.running:
             return []
-        self._choose_widths()
+        began = time.perf_counter()  # a step's cost includes choosing its widths
+        if len(self.running) == 1 or len(self.running) > old or self.held >= widths.CHOOSE_EVERY - 1:
+            self._choose_widths()
+            self.held = 0
+        else:
+            self._hold_widths()
+            self.held += 1
         for lo, hi, prefill in ((0, old, False), (old, len(self.running), True)):
             if hi > lo:
-                self._forward(lo, hi, prefill)
+                self._forward(lo, hi, prefill, began)
         done = [i for i, q in enumerate(self.running) if q.done]
         out = [(self.running[i].sid, self.running[i].result()) for i in done]
         for i in reversed(done):
@@ -329,14 +336,20 @@ class SpeculativeBatch:
             if f:
                 q.width, q.bare = w, b
 
+    def _hold_widths(self) -> None:
+        """A step between choices keeps every row's width; a row fed bare for a copy feeds masks again
+        once the draft it holds is the masks' own."""
+        for q in self.running:
+            if q.bare and q.kind < widths.LOOKUP:
+                q.bare = False
+
     def _copies_beat_masks(self, n: int) -> np.ndarray:
         """[KINDS]: whether each kind of draft is expected (pooled over this model's sequences) to be
         accepted at least as far as the masks' fresh drafts, over n positions."""
         value = self.prior.expected(max(n, 1))
         return value >= value[widths.FRESH]
 
-    def _forward(self, lo: int, hi: int, prefill: bool) -> None:
-        start = time.perf_counter()
+    def _forward(self, lo: int, hi: int, prefill: bool, start: float) -> None:
         seqs = self.running[lo:hi]
         feeds = [q.next_feed() for q in seqs]
         B = len(seqs)
@@ -351,9 +364,11 @@ class SpeculativeBatch:
             w, off = len(ids), W - len(ids)
             packed[0, b], packed[1, b, off:] = self.pad, pos
             packed[0, b, off:] = ids
-            # padding goes after the row's own columns, where no real query of the row looks
-            packed[2, b] = np.r_[np.arange(q.c + w, q.c + W), np.arange(q.c, q.c + w)]
             meta[:, b] = need - (w - q.anchor), q.fed_k, q.seed, len(q.res.tokens), q.P
+        # cache columns: a row's w real tokens take its next w columns and its W - w padding slots the
+        # columns after them, where no real query of the row looks (rolled: padding comes first)
+        fed_w = np.array([len(ids) for ids, _ in feeds])
+        packed[2] = np.array([q.c for q in seqs])[:, None] + (np.arange(W)[None, :] + fed_w[:, None]) % W
         dev = torch.from_numpy(np.concatenate([packed.reshape(-1), meta.reshape(-1)])).to(self.device)
         ids_t, pos_t, col_t = dev[: 3 * B * W].view(3, B, W)
         anchor_t, k_t, seed_t, g_t, prompt_t = dev[3 * B * W:].view(5, B)
@@ -361,7 +376,7 @@ class SpeculativeBatch:
         cache = self.cache.at(col_t, keys=used, row0=lo)
         # a query sees every kept column of its row and its own row's fed tokens up to itself
         mask = torch.arange(used, device=self.device)[None, None, :] <= col_t[:, :, None]
-        real = packed_index([len(ids) for ids, _ in feeds], W, self.device)  # ragged rows: only real tokens
+        real = packed_index(fed_w, W, self.device)  # ragged rows: only real tokens
         logits = self.model(ids_t, pos_t, attn_mask=mask[:, None], cache=cache, num_logits=need, real=real).float()
         j, extra, drafts = self._judge(seqs, logits, ids_t[:, W - need:], pos_t[:, W - need:] - prompt_t[:, None],
                                        anchor_t, k_t, seed_t, g_t)
@@ -375,8 +390,8 @@ class SpeculativeBatch:
         if not prefill:
             self.prior.record_many(kinds, host[:, 0], meta[1])
             if self.cost is not None:  # what this step took, its host work included
-                fed = sum(len(ids) for ids, _ in feeds) if self.cost.packed else B * W
-                self.cost.observe(B, fed, time.perf_counter() - start, B * W - fed)
+                fed = int(fed_w.sum()) if self.cost.packed else B * W
+                self.cost.note(B, fed, time.perf_counter() - start, B * W - fed)
 
     def _offer_drafts(self, seqs: list[SpeculativeSeq]) -> None:
         """Rows with other drafts than the masks': a copy from earlier text (SpeculativeParams.lookup)

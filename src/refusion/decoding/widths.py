@@ -19,7 +19,7 @@ CALIBRATION_SECONDS), each the fastest of three, smoothed into a nondecreasing c
 busy machine's spikes taken out), interpolated linearly and extrapolated past the grid. It is then
 kept up to date from the decode's own step timings: every decode forward already ends in a host
 transfer, so timing it adds no sync, and each step moves the table's nearest cells a little
-towards what the step took (its host work included). A CPU's ragged batch computes only its real
+towards what the step took (its host work included; a few steps' timings at a time). A CPU's ragged batch computes only its real
 tokens in its products, but attention and the cache still see rows x the widest row: the cost of
 each padding slot is measured too (one forward with one wide row and the others one token wide)
 and added to the table's. `CostModel.of` makes a fixed table from a
@@ -54,7 +54,10 @@ it), the costs looked up in the table evaluated at every whole token count once 
 Rows whose policy is fixed or adaptive (a server's batch mixes requests) keep their widths and
 count in the cost and the rate. The choice is myopic (one step's ratio) and steady-state (a row
 is valued as if its draft filled its width: masks fed now draft the next step), and sized for
-the rows running now: as rows join and leave, the widths follow.
+the rows running now: as rows join and leave, the widths follow. A batch of several rows
+re-chooses every CHOOSE_EVERY steps and whenever rows join, holding its widths in between: the
+choice's host work is a noticeable share of a small model's batched step, and measured end to end
+holding widths for a step costs less than choosing them.
 A row whose draft predicts its own EOS drafts no further than it: tokens past an answer's end
 are never committed, and counting them made wide drafts look cheap near every answer's end.
 
@@ -84,6 +87,10 @@ CALIBRATION_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
 CALIBRATION_CONTEXT = 64  # cached columns the calibration's queries attend to
 CALIBRATION_SECONDS = 0.15  # per row count; at least two widths are measured whatever they take
 REFRESH_RATE = 0.1  # how far one step's timing moves the table (in log seconds)
+REFRESH_EVERY = 8  # step timings are applied this many at a time (each application re-evaluates the table)
+# a batch of several rows re-chooses its widths every this many steps (and when rows join): the choice's
+# host work is a tenth of a small model's batched step, and widths held for a step lose less than that
+CHOOSE_EVERY = 3
 PRIOR_WEIGHT = 2.0  # the pooled rates' weight in a sequence's own, in draft observations
 PRIOR_MEMORY = 0.99  # the pooled counts' decay per step: they follow the sequences of late
 EXPLORE = 2  # a sequence drafts at least one token until it has fed this many drafts
@@ -145,6 +152,7 @@ class CostModel:
         self.packed, self.frozen, self.pad = packed, frozen, float(pad) if packed else 0.0
         self.floor = 0.5 * min(float(s.min()) for s in self.seconds)  # no estimate below it, extrapolated or not
         self.grids: dict[int, np.ndarray] = {}  # rows -> self(rows, [0, 1, 2, ...]) until observe() moves the table
+        self.noted: list[tuple[int, int, float, int]] = []  # note()'s timings not yet observed
 
     @classmethod
     def of(cls, seconds: Callable[[int, int], float], packed: bool = True, pad: float = 0.0) -> CostModel:
@@ -170,6 +178,17 @@ class CostModel:
         if g is None or len(g) < n:
             g = self.grids[rows] = self(rows, np.arange(max(n, 2 * len(g) if g is not None else 0)))
         return g
+
+    def note(self, rows: int, tokens: int, seconds: float, padding: int = 0) -> None:
+        """observe(), REFRESH_EVERY timings at a time, in the order noted: a decode notes every step,
+        and re-evaluating the table's grid after each would cost a step's choice as much again."""
+        if self.frozen:
+            return
+        self.noted.append((rows, tokens, seconds, padding))
+        if len(self.noted) >= REFRESH_EVERY:
+            for timing in self.noted:
+                self.observe(*timing)
+            self.noted.clear()
 
     def observe(self, rows: int, tokens: int, seconds: float, padding: int = 0) -> None:
         """A decode forward computing `tokens` tokens and `padding` padding slots took `seconds`: move
@@ -426,8 +445,8 @@ def best_widths(rate: np.ndarray, bound: np.ndarray, masks: np.ndarray, width: n
     np.add.accumulate(gain.ravel()[order], out=v[1:])
     np.add.accumulate(tokens.ravel()[order], out=t[1:])
     v += np.add.reduce(value[rows, start])
-    start_fed = [fed_tokens(s, m) for s, m in zip(start.tolist(), masks.tolist())]
-    t += sum(start_fed)
+    start_fed = fed_tokens_of(start, masks)
+    t += int(np.add.reduce(start_fed))
     seconds = cost.grid(B, int(t[-1]) + 1)[t]
     if not cost.pad:
         n = int((v / seconds).argmax())
@@ -435,12 +454,15 @@ def best_widths(rate: np.ndarray, bound: np.ndarray, masks: np.ndarray, width: n
     # padding: attention sees rows x the widest row, so each count also pays for the slots its widest
     # row leaves empty in the others, and widths closer to one common width (a family the order above
     # does not reach) may do better: the best of both
-    row, reach = order // K, order % K + 1
-    fed = fed_tokens_of(reach, masks[row])
-    widest = np.maximum.accumulate(np.r_[max(start_fed), fed])
+    row, reach = np.divmod(order, K)
+    fed = fed_tokens_of(reach + 1, masks[row])
+    widest = np.empty(len(fed) + 1, dtype=np.int64)
+    widest[0] = start_fed.max()
+    widest[1:] = fed
+    np.maximum.accumulate(widest, out=widest)
     ratio = v / (seconds + cost.pad * (B * widest - t))
     n = int(ratio.argmax())
-    greedy = start + np.bincount(order[:n] // K, minlength=B)
+    greedy = start + np.bincount(row[:n], minlength=B)
     common = np.maximum(np.minimum(np.arange(K + 1)[:, None], np.where(free, bound, pinned)[None, :]),
                         start[None, :])  # [K + 1, B]: every free row up to one width
     common_fed = fed_tokens_of(common, masks)
@@ -458,7 +480,7 @@ def fed_tokens(width: int, masks: int) -> int:
 
 def fed_tokens_of(width: np.ndarray, masks: np.ndarray) -> np.ndarray:
     """fed_tokens elementwise, on broadcast arrays."""
-    return 1 + width + np.where(masks >= 0, masks, np.where(width > 0, width + 1, 0))
+    return 1 + width + np.where(masks >= 0, masks, (width + 1) * (width > 0))
 
 
 def best_width(rate: list[float], bound: int, masks: int, width: int, free: bool, cost: CostModel,
