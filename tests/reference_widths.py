@@ -104,8 +104,9 @@ def choose_widths(batch) -> list[tuple[int, bool]]:
 
     seqs = batch.running
     free = np.array([q.p.widths == "cost" for q in seqs])
-    bound = np.array([max(0, min(q.p.draft_length, q.p.gen_length - len(q.res.tokens) - 1, q.draft_end()))
-                      for q in seqs])
+    most = widths.PACKED_BATCH_DRAFT if batch.cost.packed and len(seqs) > 1 else widths.MAX_DRAFT
+    bound = np.array([max(0, min(q.p.draft_length, most if f else q.p.draft_length,
+                                 q.p.gen_length - len(q.res.tokens) - 1, q.draft_end())) for q, f in zip(seqs, free)])
     K = int(bound.max())
     kind = np.array([q.kind for q in seqs])
     reached = np.stack([q.acceptance.reached[q.kind, :K] for q in seqs])

@@ -9,6 +9,7 @@ import pytest
 import reference_widths as reference
 
 from refusion.decoding import ARParams, generate_ar, widths
+from refusion.decoding.params import COST_DRAFT_LENGTH
 from refusion.decoding import speculative as spec
 from refusion.decoding.speculative import SpeculativeBatch, SpeculativeParams, generate_speculative
 from refusion.decoding.widths import Acceptance, CostModel, best_widths
@@ -481,6 +482,27 @@ def test_rows_joining_and_leaving_are_sized_with_the_batch_they_are_in():
     want = generate_ar(model, PROMPTS[:3], ARParams(gen_length=30), eos_ids=[])
     assert [results[s].tokens for s in sids] == [r.tokens for r in want]
 
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_a_cpu_batch_drafts_at_most_the_packed_batch_bound(packed):
+    """Where tokens cost nothing the policy drafts as far as it may: draft_length alone, and
+    PACKED_BATCH_DRAFT per row beside other rows on a CPU (a padded device keeps draft_length)."""
+    free = CostModel.of(lambda rows, tokens: 1e-3, packed=packed)
+    batch = SpeculativeBatch(tiny(), eos_ids=[], cost=free)
+    batch.add([2, 3, 4], SpeculativeParams(gen_length=60))  # (the cost policy's draft_length: 32)
+    batch.step()
+    q = batch.running[0]
+    q.draft, q.drafts_tried = [5] * 40, widths.EXPLORE
+    batch._choose_widths()
+    assert q.width == COST_DRAFT_LENGTH > widths.PACKED_BATCH_DRAFT
+    batch.add([6, 7], SpeculativeParams(gen_length=60))
+    batch.step()
+    for r in batch.running:
+        r.draft, r.drafts_tried = [5] * 40, widths.EXPLORE
+    batch._choose_widths()
+    want = widths.PACKED_BATCH_DRAFT if packed else COST_DRAFT_LENGTH
+    assert [r.width for r in batch.running] == [want, want]
 
 def test_a_draft_that_predicts_its_end_bounds_the_width():
     """Draft tokens past the draft's own EOS would be committed after the answer ended: the cost

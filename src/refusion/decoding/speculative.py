@@ -308,8 +308,11 @@ class SpeculativeBatch:
             return
         if self.cost is None:
             self.cost = widths.cost_model(self.model)
-        # a row drafts at most draft_length tokens, and one fewer than the positions it has left
-        bound = [max(0, min(q.p.draft_length, q.p.gen_length - len(q.res.tokens) - 1, q.draft_end())) for q in seqs]
+        # a row drafts at most draft_length tokens (PACKED_BATCH_DRAFT beside others on a CPU), and one
+        # fewer than the positions it has left
+        most = widths.PACKED_BATCH_DRAFT if self.cost.packed and len(seqs) > 1 else widths.MAX_DRAFT
+        bound = [max(0, min(q.p.draft_length, most if f else q.p.draft_length, q.p.gen_length - len(q.res.tokens) - 1,
+                            q.draft_end())) for q, f in zip(seqs, free)]
         K = max(bound)
         kind = [q.kind for q in seqs]
         reached = np.array([q.acceptance.reached[q.kind, :K] for q in seqs])

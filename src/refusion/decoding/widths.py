@@ -55,7 +55,8 @@ Rows whose policy is fixed or adaptive (a server's batch mixes requests) keep th
 count in the cost and the rate. The choice is myopic (one step's ratio) and steady-state (a row
 is valued as if its draft filled its width: masks fed now draft the next step), and sized for
 the rows running now: as rows join and leave, the widths follow. A batch of several rows
-re-chooses every CHOOSE_EVERY steps and whenever rows join, holding its widths in between: the
+re-chooses every CHOOSE_EVERY steps and whenever rows join, holding its widths in between (and on
+a CPU drafts at most PACKED_BATCH_DRAFT tokens per row): the
 choice's host work is a noticeable share of a small model's batched step, and measured end to end
 holding widths for a step costs less than choosing them.
 A row whose draft predicts its own EOS drafts no further than it: tokens past an answer's end
@@ -91,6 +92,10 @@ REFRESH_EVERY = 8  # step timings are applied this many at a time (each applicat
 # a batch of several rows re-chooses its widths every this many steps (and when rows join): the choice's
 # host work is a tenth of a small model's batched step, and widths held for a step lose less than that
 CHOOSE_EVERY = 3
+# a CPU batch of several rows drafts at most this many tokens per row: its widest row sets the width
+# attention and the cache see for every row, and the deepest positions' rates are the least measured
+# (measured: a bound of 16 beat 32 at batch 8, and 32 beat 16 alone)
+PACKED_BATCH_DRAFT = 16
 PRIOR_WEIGHT = 2.0  # the pooled rates' weight in a sequence's own, in draft observations
 PRIOR_MEMORY = 0.99  # the pooled counts' decay per step: they follow the sequences of late
 EXPLORE = 2  # a sequence drafts at least one token until it has fed this many drafts
