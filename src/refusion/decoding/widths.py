@@ -19,10 +19,10 @@ CALIBRATION_SECONDS), each the fastest of three, smoothed into a nondecreasing c
 busy machine's spikes taken out), interpolated linearly and extrapolated past the grid. It is then
 kept up to date from the decode's own step timings: every decode forward already ends in a host
 transfer, so timing it adds no sync, and each step moves the table's nearest cells a little
-towards what the step took (its host work included; a few steps' timings at a time). A CPU's ragged batch computes only its real
-tokens in its products, but attention and the cache still see rows x the widest row: the cost of
-each padding slot is measured too (one forward with one wide row and the others one token wide)
-and added to the table's. `CostModel.of` makes a fixed table from a
+towards what the step took (its host work included; REFRESH_EVERY steps' timings at a time). A
+CPU's ragged batch computes only its real tokens in its products, but attention and the cache
+still see rows x the widest row: the cost of each padding slot is measured too (one forward with
+one wide row and the others one token wide) and added to the table's. `CostModel.of` makes a fixed table from a
 function (`SpeculativeBatch(cost=...)`, `generate_speculative(cost=...)`; tests/conftest.py
 gives every test one).
 
@@ -55,10 +55,9 @@ Rows whose policy is fixed or adaptive (a server's batch mixes requests) keep th
 count in the cost and the rate. The choice is myopic (one step's ratio) and steady-state (a row
 is valued as if its draft filled its width: masks fed now draft the next step), and sized for
 the rows running now: as rows join and leave, the widths follow. A batch of several rows
-re-chooses every CHOOSE_EVERY steps and whenever rows join, holding its widths in between (and on
-a CPU drafts at most PACKED_BATCH_DRAFT tokens per row): the
-choice's host work is a noticeable share of a small model's batched step, and measured end to end
-holding widths for a step costs less than choosing them.
+re-chooses every CHOOSE_EVERY steps and whenever rows join, holding its widths in between (the
+choice's host work is a noticeable share of a small model's batched step), and on a CPU drafts at
+most PACKED_BATCH_DRAFT tokens per row (benchmarks/choose_every.py, README "Width policies").
 A row whose draft predicts its own EOS drafts no further than it: tokens past an answer's end
 are never committed, and counting them made wide drafts look cheap near every answer's end.
 
