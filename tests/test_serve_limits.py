@@ -244,17 +244,21 @@ def connect(srv: LiveServer) -> socket.socket:
     return socket.create_connection(("127.0.0.1", srv.port), timeout=30)  # a hang fails the test
 
 
+UNREAD: dict[socket.socket, bytes] = {}  # socket -> bytes received past the responses read so far (pipelining)
+
+
 def read_to_close(sock: socket.socket) -> bytes:
-    """Everything the server sends until it closes the connection."""
-    out = b""
+    """Everything the server sends until it closes the connection (after what read_response left)."""
+    out = UNREAD.pop(sock, b"")
     while chunk := sock.recv(65536):
         out += chunk
     return out
 
 
 def read_response(sock: socket.socket) -> tuple[int, bytes]:
-    """One response (with a Content-Length) from a kept-alive connection: (status, body)."""
-    data = b""
+    """One response (with a Content-Length) from a kept-alive connection: (status, body). Bytes of
+    the next response that arrived with this one (pipelined requests) are kept for the next call."""
+    data = UNREAD.pop(sock, b"")
     while b"\r\n\r\n" not in data:
         chunk = sock.recv(65536)
         assert chunk, f"the connection closed mid-response: {data!r}"
@@ -263,9 +267,12 @@ def read_response(sock: socket.socket) -> tuple[int, bytes]:
     lines = head.decode().split("\r\n")
     n = int(next(v for k, _, v in (h.partition(":") for h in lines[1:]) if k.lower() == "content-length"))
     while len(body) < n:
-        body += sock.recv(65536)
-    assert len(body) == n, "more bytes than the response's length"
-    return int(lines[0].split()[1]), body
+        chunk = sock.recv(65536)
+        assert chunk, f"the connection closed mid-body: {body!r}"
+        body += chunk
+    if len(body) > n:
+        UNREAD[sock] = body[n:]
+    return int(lines[0].split()[1]), body[:n]
 
 
 HEALTH = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
@@ -329,3 +336,4 @@ def test_slow_bodies_kept_alive_and_pipelined_requests_are_served(live):
         assert read_response(s)[0] == 200
         s.sendall(HEALTH + HEALTH)
         assert [read_response(s)[0] for _ in range(2)] == [200, 200]
+        assert UNREAD.pop(s, b"") == b"", "more bytes than the two responses"
