@@ -142,3 +142,56 @@ def test_eager_where_compiling_does_not_apply():
         hook.remove()
         assert seen == [(1, m.config.hidden_size)]
     assert stats.compiled_calls == 0 and stats.eager_calls == 4 and stats.graphs == 0
+
+
+def adapted_tiny() -> Transformer:
+    from refusion.model.mask_adapter import add_mask_adapter
+
+    m = tiny()
+    add_mask_adapter(m, {"rank": 4}, gen=torch.Generator().manual_seed(1))
+    with torch.no_grad():  # an adapter that changes the mask rows (a fresh one starts at zero effect)
+        for n, p in m.named_parameters():
+            if n == "mask_embedding" or n.endswith("_B"):
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))) * 0.3)
+    return m.eval()
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("mode", ["default", "max-autotune"])
+def test_a_mask_adapter_runs_in_the_graph(mode):
+    """Mask rows take the adapter's path inside the compiled graph, as in eager: feeds with no mask,
+    one mask and several (masks last, each feed on the prompt's cache alone); the clean rows' logits
+    are the base model's (close)."""
+    m = adapted_tiny()
+    base = tiny()
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 39, (2, 9), generator=g)
+    eager, comp, plain = m.new_cache(), m.new_cache(), base.new_cache()
+    for model, cache in ((m, eager), (m, comp), (base, plain)):
+        model(prompt, torch.arange(9).expand(2, 9), cache=cache)
+    cf = enable_compile(m, mode=mode)
+    for feed in [[5], [5, 39], [5, 39, 39, 39], [7, 8, 39, 39]]:
+        ids = torch.tensor([feed, [3] * len(feed)])
+        pos = torch.arange(len(feed)).expand(2, -1) + 9
+        m.compiled = cf
+        got = m(ids, pos, cache=comp)
+        m.compiled = None
+        want = m(ids, pos, cache=eager)
+        clean = base(ids, pos, cache=plain)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+        masks = ids == 39
+        if masks.any():
+            assert (got[masks] - clean[masks]).abs().max() > 1e-2  # the adapter did act on the masks
+        torch.testing.assert_close(got[~masks], clean[~masks], atol=1e-4, rtol=0)
+        for cache in (eager, comp, plain):
+            cache.crop(9)
+    assert cf.stats.compiled_calls == 4 and cf.stats.eager_calls == 0 and cf.stats.recompiles == 0
+
+
+def test_an_unknown_compile_mode_is_refused():
+    from refusion.cli.args import COMPILE_MODES
+    from refusion.model.compiled import MODES
+
+    assert COMPILE_MODES == MODES
+    with pytest.raises(ValueError, match="compile mode must be one of default, max-autotune"):
+        enable_compile(tiny(), mode="fast")

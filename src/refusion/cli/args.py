@@ -97,5 +97,16 @@ def add_runtime_flags(p: argparse.ArgumentParser, threads_default: str = SMALL_M
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights' dtype")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto")
     p.add_argument("--threads", type=positive_int, help=f"CPU threads (default: {threads_default})")
-    p.add_argument("--compile", action="store_true", help="run the model through torch.compile'd graphs: faster "
-                   "forwards after seconds of compiling, outputs not bit-identical to the default")
+    add_compile_flag(p)
+
+
+# refusion.model.compiled.MODES, spelled out so that parsing arguments imports no torch
+COMPILE_MODES = ("default", "max-autotune")
+
+
+def add_compile_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--compile", nargs="?", const="default", choices=COMPILE_MODES, metavar="MODE",
+                   help="run the model through torch.compile'd graphs: faster forwards once each shape class is "
+                        "compiled (seconds, paid once per process), outputs not bit-identical to eager. "
+                        "`--compile max-autotune` also tunes the matrix products (on a CPU: minutes of compiling, "
+                        "a second copy of the weights, much cheaper multi-token forwards)")

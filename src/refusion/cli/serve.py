@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from refusion.cli.args import MODEL_HELP, positive_int, resolve_model_dir
+from refusion.cli.args import MODEL_HELP, add_compile_flag, positive_int, resolve_model_dir
 
 DESCRIPTION = """\
 Serve a model over HTTP with OpenAI's API (continuous batching; streaming with SSE).
@@ -80,9 +80,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     eng.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto")
     eng.add_argument("--threads", type=positive_int,
                      help="torch CPU threads (default: 1 for a model under 50M parameters, else torch's default)")
-    eng.add_argument("--compile", action="store_true",
-                     help="run the model through torch.compile'd graphs: faster forwards once each shape class is "
-                          "compiled (seconds, paid once; counted at /metrics), outputs not bit-identical")
+    add_compile_flag(eng)
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level")
     s.set_defaults(func=cmd_serve)

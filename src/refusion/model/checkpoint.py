@@ -193,12 +193,13 @@ class WeightSlices:
 
 
 def load_model(path: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu",
-               require_mask: bool = False, compile: bool = False) -> Transformer:
+               require_mask: bool = False, compile: bool | str = False) -> Transformer:
     """Load a Hugging Face model directory into a refusion Transformer (eval mode).
 
     compile: inference forwards through torch.compile'd graphs (model/compiled.py: enable_compile;
     its CompileStats are model.compiled.stats). Faster per forward once compiled, but not
-    bit-identical to the eager default, so off unless asked for."""
+    bit-identical to the eager default, so off unless asked for. A string is the compile mode
+    (compiled.MODES; True means "default")."""
     from refusion.runtime import resolve_device
 
     device = resolve_device(device)  # before reading the weights: a bad device fails at once
@@ -228,7 +229,7 @@ def load_model(path: str | Path, dtype: torch.dtype | str | None = None, device:
     model.reset_rope()  # buffers are not in the file and were built on "meta"
     model = model.to(device).eval()
     if compile:
-        enable_compile(model)
+        enable_compile(model, mode="default" if compile is True else compile)
     return model
 
 

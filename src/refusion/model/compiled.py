@@ -23,8 +23,18 @@ cache's `graph_write`); this module only adds the shape handling and the fallbac
 
 What falls back to eager: gradients, more tokens than `max_tokens` in one forward (there the
 products dominate and compiling saves little), no cache, a KVCache not allocated yet (its prefill)
-or fed another number of rows than it holds, a full Slot/RaggedKVCache, models with an adapter
-(LoRA) or a hook on a module the graph would run.
+or fed another number of rows than it holds, a full Slot/RaggedKVCache, models with a LoRA adapter
+or a hook on a module the graph would run. A mask adapter (model/mask_adapter.py) runs in the graph:
+its mask rows are found outside it and passed in, a dynamic size like the others.
+
+mode "max-autotune" (CPU): the weights are frozen into the graphs and inductor benchmarks its own
+C++ matrix-product kernels against the library's for each product, keeping the faster. On a CPU
+without AVX-512 the library's (MKL's) products of 2 to 16 rows cost about twice one row, since each
+call repacks the weight; the prepacked kernels take most of that away, which is what makes wide
+speculative steps cheap on such a machine. It costs minutes of compiling per process (the autotune
+timings are not cached across processes), a second, packed copy of the weights, and graphs that
+keep the weights as they were when compiled: for serving and benchmarks, not for a model that is
+still training.
 
 Not bit-identical to eager: inductor's fused reductions and transcendental kernels round
 differently (logits differ by ~1e-5), so a near-tie between two tokens can resolve the other way.
@@ -44,9 +54,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from refusion.model.cache import Cache, CacheWrite
+from refusion.model.mask_adapter import MaskAdapter
 from refusion.model.transformer import MLP, Attention, Block, RMSNorm, Transformer, additive_mask, rms_norm
 
-PLAIN = (Block, Attention, MLP, RMSNorm, nn.Linear, nn.Embedding, nn.ModuleList)  # module types a graph runs
+PLAIN = (Block, Attention, MLP, RMSNorm, nn.Linear, nn.Embedding, nn.ModuleList, MaskAdapter)  # module types a graph runs
+MODES = ("default", "max-autotune")
+# inductor's options for mode "max-autotune" on a CPU (module doc): its own prepacked C++ products
+# against the library's, which needs the weights frozen into the graph
+CPU_AUTOTUNE = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 
 
 @dataclass
@@ -69,21 +84,24 @@ class CompileStats:
 
 
 def _graph(model: Transformer, ids: Tensor, pos: Tensor, mask: Tensor, write_rows: Tensor, read_rows: Tensor | None,
-           cols: Tensor, kbufs: list[Tensor], vbufs: list[Tensor], last: Tensor, real: Tensor | None) -> Tensor:
+           cols: Tensor, kbufs: list[Tensor], vbufs: list[Tensor], last: Tensor, real: Tensor | None,
+           mask_rows: Tensor | None) -> Tensor:
     """Transformer.forward of a [B, T] feed over the cache buffers, through the model's own blocks:
     logits of the columns in `last` (a tensor, not an int, so that its length is a dynamic size
     rather than a constant). With `real`, as eager: per-token work on the real tokens only, zero
-    logits for padding."""
+    logits for padding. mask_rows: the (real) tokens that take a mask adapter's path, or None."""
     B, T = ids.shape
     ids, pos = ids.reshape(-1), pos.reshape(-1)
     if real is not None:
         ids, pos = ids[real], pos[real]
     x = F.embedding(ids, model.embed_tokens.weight)
+    if mask_rows is not None:
+        x = x.index_copy(0, mask_rows, model.mask_embedding.to(x.dtype).expand(mask_rows.shape[0], -1))
     cos, sin = model.rope_at(pos, x.dtype)
     io = CacheWrite(kbufs, vbufs, write_rows, read_rows, cols, mask.shape[-1])
     qk_norms = model.qk_norm_weights()
     for i, block in enumerate(model.layers):
-        x = block(x, cos, sin, mask, False, io, i, (B, T), real, qk_norms[i])
+        x = block(x, cos, sin, mask, False, io, i, (B, T), real, qk_norms[i], mask_rows)
     if real is not None:  # padding's hidden state is zero, and so its logits (rms_norm(0) = 0)
         x = x.new_zeros(B * T, x.shape[-1]).index_copy(0, real, x)
     x = x.view(B, T, -1).index_select(1, last)
@@ -105,8 +123,9 @@ def _mark(args: tuple, io: CacheWrite) -> None:
     """Mark the batch, width and key dimensions dynamic where they are >= 2 (torch specialises 0 and 1
     anyway). On every call, not only the first: should a guard ever fail, the graph compiled again
     must be the dynamic one too."""
-    input_ids, position_ids, attn_mask, last, real = args[0], args[1], args[2], args[-2], args[-1]
-    marks = [(last, (0,)), (real, (0,)), (input_ids, (0, 1)), (position_ids, (0, 1)), (io.cols, (0, 1)),
+    input_ids, position_ids, attn_mask, last, real, mask_rows = args[0], args[1], args[2], *args[-3:]
+    marks = [(last, (0,)), (real, (0,)), (mask_rows, (0,)), (input_ids, (0, 1)), (position_ids, (0, 1)),
+             (io.cols, (0, 1)),
              (attn_mask, tuple(range(attn_mask.dim()))), (io.rows, (0,)), (io.read, (0,))]
     marks += [(t, (0, 2)) for t in io.k + io.v]  # rows and capacity
     for t, dims in marks:
@@ -134,7 +153,7 @@ def enable_compile(model: Transformer, on: bool = True, **options) -> CompiledFo
     """Send `model`'s inference forwards through torch.compile'd graphs where a shape bucket fits,
     eager elsewhere (off: eager always). Sets and returns model.compiled, a CompiledForward (its
     .stats count graphs, compile seconds and recompiles), or None when turned off. options:
-    CompiledForward's (max_tokens)."""
+    CompiledForward's (max_tokens, mode)."""
     model.compiled = CompiledForward(model, **options) if on else None
     return model.compiled
 
@@ -142,9 +161,12 @@ def enable_compile(model: Transformer, on: bool = True, **options) -> CompiledFo
 class CompiledForward:
     """Transformer.forward for inference through compiled graphs where one fits (see the module doc)."""
 
-    def __init__(self, model: Transformer, max_tokens: int = 512) -> None:
+    def __init__(self, model: Transformer, max_tokens: int = 512, mode: str = "default") -> None:
+        if mode not in MODES:
+            raise ValueError(f"compile mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.model = model
         self.max_tokens = max_tokens
+        self.mode = mode
         self.stats = CompileStats()
         self._seen: set[tuple] = set()
 
@@ -156,8 +178,12 @@ class CompiledForward:
         # size_asserts off: the wrapper would check ~50 input sizes and strides on every call, which
         # dynamo's guards have just checked. A graph per shape class: more than dynamo's default
         # limit of 8 where several decoders share a model.
-        self._fn = torch.compile(graph, fullgraph=True, dynamic=False, options={"size_asserts": False},
-                                 recompile_limit=64)
+        options = {"size_asserts": False}
+        if mode == "max-autotune" and model.embed_tokens.weight.device.type == "cpu":
+            options.update(CPU_AUTOTUNE)
+        elif mode == "max-autotune":
+            options["max_autotune"] = True
+        self._fn = torch.compile(graph, fullgraph=True, dynamic=False, options=options, recompile_limit=64)
 
     def __call__(self, input_ids: Tensor, position_ids: Tensor, attn_mask: Tensor | None, cache: Cache | None,
                  num_logits: int | None, real: Tensor | None = None) -> Tensor | None:
@@ -180,11 +206,16 @@ class CompiledForward:
         last = torch.arange(T - need, T, device=input_ids.device)
         input_ids, position_ids, attn_mask, io.cols = (_own(t) for t in (input_ids, position_ids, attn_mask, io.cols))
         real = None if real is None else _own(real)
-        args = (input_ids, position_ids, attn_mask, io.rows, io.read, io.cols, io.k, io.v, last, real)
+        mask_rows = None
+        if m.mask_embedding is not None:  # found here, as eager finds them: a data-dependent size
+            ids = input_ids.reshape(-1) if real is None else input_ids.reshape(-1)[real]
+            mask_rows = (ids == m.config.mask_token_id).nonzero().squeeze(1)
+            mask_rows = mask_rows if mask_rows.shape[0] else None
+        args = (input_ids, position_ids, attn_mask, io.rows, io.read, io.cols, io.k, io.v, last, real, mask_rows)
         # the shape class a graph serves: which sizes are 1, the mask's rank, what is left out
         key = (B >= 2, T >= 2, need >= 2, io.k[0].shape[0] >= 2, io.read is None,
-               None if real is None else real.shape[0] >= 2, attn_mask.dim(),
-               tuple(s >= 2 for s in attn_mask.shape), input_ids.dtype, io.k[0].dtype)
+               None if real is None else real.shape[0] >= 2, None if mask_rows is None else mask_rows.shape[0] >= 2,
+               attn_mask.dim(), tuple(s >= 2 for s in attn_mask.shape), input_ids.dtype, io.k[0].dtype)
         _mark(args, io)
         if key in self._seen:  # the common case: no config change, just the graph
             graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]

@@ -345,7 +345,7 @@ async def _drain(receive, limit: int) -> None:
 
 
 def build(model_dir: str | Path, cfg: ServeConfig | None = None, dtype: str | None = None,
-          device: str = "cpu", compile: bool = False) -> Server:
+          device: str = "cpu", compile: bool | str = False) -> Server:
     """Load a model directory and make its server (the app is `server.app()`); compile: see load_model."""
     from refusion.model.checkpoint import load_model
 
