@@ -13,13 +13,20 @@ template applied), greedy, each setting decodes every prompt at each thread coun
                                  masks' draft or a copy of earlier text, whichever it expects to go further
     refusion s8 0.9/0.4          plan-and-infill on the adapted model (spec section 4); expected to change
                                  answers, since the base's causal path never saw out-of-order slots
+    base ar compiled             base ar through compiled graphs (`--compile-mode`, default max-autotune:
+                                 model/compiled.py); its TPS / AR is against eager base ar
+    speculative compiled,        the speculative settings through the same compiled graphs, TPS / AR
+    speculative +lookup compiled against base ar compiled. Compiling happens in a warm-up before the
+                                 clock; graphs a timed run still compiles are counted and their seconds
+                                 left out of its TPS (compile_seconds in the row)
     hf greedy                    transformers' greedy generate() on the base (its own forward, for scale)
     hf prompt-lookup             transformers' assisted generation with prompt lookup
                                  (prompt_lookup_num_tokens) on the base: lossless under greedy too, the
                                  alternative a user has. Batch 1 only (transformers refuses more)
 
 Per setting and benchmark: identical (outputs token for token equal to the reference, base ar at
-the first batch size and thread count), agree (GSM8K: the same final number as the reference; HumanEval:
+the first batch size and thread count), identical to its AR (to the base ar it is timed against: the
+compiled one for compiled settings, whose float rounding differs from eager's), agree (GSM8K: the same final number as the reference; HumanEval:
 the same extracted code), GSM8K accuracy against the gold answers, TPF (tokens / forward passes; every
 pass counted, for each sequence it ran; the hf ones through a forward hook), TPS (generated tokens up
 to and including EOS / wall seconds of decoding) and TPS / AR (against base ar at the same threads and
@@ -60,6 +67,9 @@ OURS = {  # name -> (which model, decoder, params without gen_length)
     "speculative +lookup": ("adapted", "speculative", {"lookup": True}),
     "refusion s8 0.9/0.4": ("adapted", "refusion", dict(slot_size=8, serial_blocks=1, slot_threshold=0.9,
                                                         token_threshold=0.4)),
+    "base ar compiled": ("base compiled", "ar", {}),
+    "speculative compiled": ("adapted compiled", "speculative", {}),
+    "speculative +lookup compiled": ("adapted compiled", "speculative", {"lookup": True}),
 }
 HF = ("hf greedy", "hf prompt-lookup")
 
@@ -94,6 +104,9 @@ def humaneval_examples(source: str, n: int, seed: int) -> list[Example]:
 
 
 def run_ours(model, prompts, decoder, params, batch_size, eos) -> dict:
+    """Decode in batches; a compiled model's compiling during the run is counted, not timed."""
+    stats = model.compiled.stats if model.compiled is not None else None
+    graphs, recompiles, compiling = (stats.graphs, stats.recompiles, stats.compile_seconds) if stats else (0, 0, 0.0)
     outputs, forwards, seconds = [], 0, 0.0
     for i in range(0, len(prompts), batch_size):
         t = time.perf_counter()
@@ -101,7 +114,12 @@ def run_ours(model, prompts, decoder, params, batch_size, eos) -> dict:
         seconds += time.perf_counter() - t
         outputs += [r.tokens for r in res]
         forwards += sum(r.forwards for r in res)
-    return dict(outputs=outputs, forwards=forwards, seconds=seconds)
+    row = dict(outputs=outputs, forwards=forwards, seconds=seconds)
+    if stats:
+        row.update(graphs_compiled=stats.graphs - graphs, recompiles=stats.recompiles - recompiles,
+                   compile_seconds=stats.compile_seconds - compiling)
+        row["seconds"] -= row["compile_seconds"]
+    return row
 
 
 def run_hf(hf, prompts, max_tokens, batch_size, eos, pad, lookup: int | None) -> dict:
@@ -175,18 +193,21 @@ def summary_row(row: dict, ref: dict, ar: dict | None, examples, tok, eos) -> di
     return dict(threads=row["threads"], batch_size=row["batch_size"], name=row["name"], bench=row["bench"],
                 n=len(text), identical=sum(a == b for a, b in zip(row["outputs"], ref["outputs"])),
                 agree=sum(s[0] for s in scores), correct=sum(s[1] for s in scores) if row["bench"] == "gsm8k" else None,
+                identical_to_ar=sum(a == b for a, b in zip(row["outputs"], ar["outputs"])) if ar else None,
                 tokens=tokens, tpf=tokens / max(row["forwards"], 1), tps=tps,
                 tps_vs_ar=tps / (sum(map(len, ar["outputs"])) / ar["seconds"]) if ar else None)
 
 
 def table(summary: list[dict]) -> str:
-    head = "| threads | batch | setting | benchmark | identical | agree | GSM8K acc | TPF | TPS | TPS / AR |"
-    lines = [head, "|" + "---|" * 10]
+    head = ("| threads | batch | setting | benchmark | identical | identical to its AR | agree | GSM8K acc | TPF | TPS "
+            "| TPS / AR |")
+    lines = [head, "|" + "---|" * 11]
     for s in summary:
         acc = f"{s['correct']}/{s['n']}" if s["correct"] is not None else ""
         vs = f"{s['tps_vs_ar']:.2f}x" if s["tps_vs_ar"] else ""
+        own = f"{s['identical_to_ar']}/{s['n']}" if s.get("identical_to_ar") is not None else ""
         lines.append(f"| {s['threads']} | {s['batch_size']} | {s['name']} | {s['bench']} | {s['identical']}/{s['n']} | "
-                     f"{s['agree']}/{s['n']} | {acc} | {s['tpf']:.2f} | {s['tps']:.1f} | {vs} |")
+                     f"{own} | {s['agree']}/{s['n']} | {acc} | {s['tpf']:.2f} | {s['tps']:.1f} | {vs} |")
     return "\n".join(lines)
 
 
@@ -202,7 +223,10 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256, help="a multiple of 8 (plan-and-infill's slots)")
     ap.add_argument("--batch-sizes", default="1,8")
     ap.add_argument("--threads", default="1,2", help="comma-separated torch thread counts")
-    ap.add_argument("--only", help="comma-separated settings (default: all; 'base ar' always runs)")
+    ap.add_argument("--only", help="comma-separated settings (default: all; 'base ar' always runs, and "
+                    "'base ar compiled' with any compiled one)")
+    ap.add_argument("--compile-mode", default="max-autotune", choices=["default", "max-autotune"],
+                    help="the compiled settings' torch.compile mode (refusion.model.compiled)")
     ap.add_argument("--lookup-tokens", type=int, default=10, help="transformers' prompt_lookup_num_tokens")
     ap.add_argument("--seed", type=int, default=0, help="of the sample of prompts")
     ap.add_argument("--out", default="benchmarks/results/smollm2_speculative.json")
@@ -212,13 +236,17 @@ def main() -> None:
     names = list(OURS) + list(HF)
     if args.only:
         names = ["base ar"] + [n for n in args.only.split(",") if n != "base ar"]
+        if any(n.endswith(" compiled") for n in names) and "base ar compiled" not in names:
+            names.insert(1, "base ar compiled")
         if set(names) - set(OURS) - set(HF):
             ap.error(f"unknown settings {sorted(set(names) - set(OURS) - set(HF))}; settings: {list(OURS) + list(HF)}")
 
     out = Path(args.out)
     state = json.loads(out.read_text()) if out.exists() else {}
-    same = ("model", "base", "gsm8k", "humaneval", "n_gsm8k", "n_humaneval", "max_tokens", "lookup_tokens", "seed")
-    differ = [k for k in same if state and state["args"].get(k) != getattr(args, k)]
+    same = ("model", "base", "gsm8k", "humaneval", "n_gsm8k", "n_humaneval", "max_tokens", "lookup_tokens", "seed",
+            "compile_mode")
+    differ = [k for k in same if state and state["args"].get(k, "max-autotune" if k == "compile_mode" else None)
+              != getattr(args, k)]
     if differ:
         sys.exit(f"{out} holds a run with other {', '.join(differ)}: choose another --out (or remove it)")
     adapted_dir = resolve_model(args.model)
@@ -238,6 +266,12 @@ def main() -> None:
     rows = state.get("rows", [])
     done = {(r["threads"], r["batch_size"], r["name"], r["bench"]) for r in rows}
     models = {"base": base, "adapted": adapted}
+    if any(OURS[n][0].endswith(" compiled") for n in names if n in OURS):
+        from refusion.model.compiled import enable_compile
+
+        for which, path in (("base", base_dir), ("adapted", adapted_dir)):
+            models[f"{which} compiled"] = load_model(path)
+            enable_compile(models[f"{which} compiled"], mode=args.compile_mode)
     thread_counts = [int(t) for t in args.threads.split(",")]
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     left = {(threads, bs, name, bench) for threads in thread_counts for bs in batch_sizes for name in names
@@ -260,6 +294,12 @@ def main() -> None:
             else:
                 run_hf(hf, warm[:1], 8, 1, eos, pad, args.lookup_tokens if name == "hf prompt-lookup" else None)
         for bs in batch_sizes:
+            for name in names:  # compiled graphs for this batch size, before the clock
+                if name in OURS and OURS[name][0].endswith(" compiled") and any(
+                        (threads, bs, name, b) not in done for b in benches):
+                    which, decoder, params = OURS[name]
+                    for b in benches:
+                        decode(models[which], prompts[b][:bs], decoder, gen_length=32, eos_ids=eos, **params)
             for name in names:
                 if name == "hf prompt-lookup" and bs > 1:
                     continue  # transformers' assisted generation runs one sequence at a time
@@ -275,8 +315,11 @@ def main() -> None:
                                    args.lookup_tokens if name == "hf prompt-lookup" else None)
                     rows.append(dict(threads=threads, batch_size=bs, name=name, bench=bench, **r))
                     tokens = sum(map(len, r["outputs"]))
-                    print(f"threads {threads} batch {bs:>2} {name:<22} {bench:<9} "
-                          f"TPF {tokens / max(r['forwards'], 1):5.2f} TPS {tokens / r['seconds']:8.1f}", flush=True)
+                    late = (f" ({r['graphs_compiled']} graphs, {r['recompiles']} recompiles during it, "
+                            f"{r['compile_seconds']:.0f} s not timed)" if r.get("compile_seconds") else "")
+                    print(f"threads {threads} batch {bs:>2} {name:<28} {bench:<9} "
+                          f"TPF {tokens / max(r['forwards'], 1):5.2f} TPS {tokens / r['seconds']:8.1f}{late}",
+                          flush=True)
                     state = dict(args=vars(args), torch=torch.__version__, rows=rows)
                     out.parent.mkdir(parents=True, exist_ok=True)
                     out.write_text(json.dumps(state))
@@ -284,8 +327,11 @@ def main() -> None:
     # the reference answers: base ar at the first thread count and batch size
     key = {(r["threads"], r["batch_size"], r["name"], r["bench"]): r for r in rows}
     ref = {b: key[(thread_counts[0], batch_sizes[0], "base ar", b)] for b in benches}
-    summary = [summary_row(r, ref[r["bench"]], key.get((r["threads"], r["batch_size"], "base ar", r["bench"])),
-                           benches[r["bench"]], tok, eos) for r in rows]
+    def against(r):  # AR on the same forward: compiled settings against compiled AR
+        name = "base ar compiled" if r["name"].endswith(" compiled") and r["name"] != "base ar compiled" else "base ar"
+        return key.get((r["threads"], r["batch_size"], name, r["bench"]))
+
+    summary = [summary_row(r, ref[r["bench"]], against(r), benches[r["bench"]], tok, eos) for r in rows]
     costs = state.get("costs") if not left else None
     if costs is None:
         costs = adapter_costs(base, adapted, adapter_dir)

@@ -219,9 +219,11 @@ class CompiledForward:
         _mark(args, io)
         if key in self._seen:  # the common case: no config change, just the graph
             graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            start = time.perf_counter()
             logits = self._fn(*args)
-            if torch._dynamo.utils.counters["stats"]["unique_graphs"] != graphs:
+            if torch._dynamo.utils.counters["stats"]["unique_graphs"] != graphs:  # a guard failed
                 self.stats.recompiles += 1
+                self.stats.compile_seconds += time.perf_counter() - start
         else:
             logits = self._compile(key, args, B, T)
         cache.advance(T)
