@@ -178,12 +178,24 @@ class CompiledForward:
         # size_asserts off: the wrapper would check ~50 input sizes and strides on every call, which
         # dynamo's guards have just checked. A graph per shape class: more than dynamo's default
         # limit of 8 where several decoders share a model.
-        options = {"size_asserts": False}
-        if mode == "max-autotune" and model.embed_tokens.weight.device.type == "cpu":
-            options.update(CPU_AUTOTUNE)
-        elif mode == "max-autotune":
-            options["max_autotune"] = True
-        self._fn = torch.compile(graph, fullgraph=True, dynamic=False, options=options, recompile_limit=64)
+        # inductor reads freezing and autotuning from its global config while it compiles (passed as
+        # torch.compile options they are silently not applied): patched around every call, since a
+        # call is where a graph may compile
+        self._config = {}
+        if mode == "max-autotune":
+            self._config = CPU_AUTOTUNE if model.embed_tokens.weight.device.type == "cpu" else {"max_autotune": True}
+        compiled = torch.compile(graph, fullgraph=True, dynamic=False, options={"size_asserts": False},
+                                 recompile_limit=64)
+        if self._config:
+            import torch._inductor.config as inductor_config
+
+            def patched(*args):
+                with inductor_config.patch(self._config):
+                    return compiled(*args)
+
+            self._fn = patched
+        else:
+            self._fn = compiled
 
     def __call__(self, input_ids: Tensor, position_ids: Tensor, attn_mask: Tensor | None, cache: Cache | None,
                  num_logits: int | None, real: Tensor | None = None) -> Tensor | None:
