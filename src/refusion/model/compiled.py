@@ -166,7 +166,6 @@ class CompiledForward:
             raise ValueError(f"compile mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.model = model
         self.max_tokens = max_tokens
-        self.mode = mode
         self.stats = CompileStats()
         self._seen: set[tuple] = set()
 
@@ -178,24 +177,22 @@ class CompiledForward:
         # size_asserts off: the wrapper would check ~50 input sizes and strides on every call, which
         # dynamo's guards have just checked. A graph per shape class: more than dynamo's default
         # limit of 8 where several decoders share a model.
-        # inductor reads freezing and autotuning from its global config while it compiles (passed as
-        # torch.compile options they are silently not applied): patched around every call, since a
-        # call is where a graph may compile
-        self._config = {}
-        if mode == "max-autotune":
-            self._config = CPU_AUTOTUNE if model.embed_tokens.weight.device.type == "cpu" else {"max_autotune": True}
         compiled = torch.compile(graph, fullgraph=True, dynamic=False, options={"size_asserts": False},
                                  recompile_limit=64)
-        if self._config:
+        self._fn = compiled
+        if mode == "max-autotune":
+            # inductor reads freezing and autotuning from its global config while it compiles (passed
+            # as torch.compile options they are silently not applied): patched around every call,
+            # since a call is where a graph may compile
             import torch._inductor.config as inductor_config
 
+            config = CPU_AUTOTUNE if model.embed_tokens.weight.device.type == "cpu" else {"max_autotune": True}
+
             def patched(*args):
-                with inductor_config.patch(self._config):
+                with inductor_config.patch(config):
                     return compiled(*args)
 
             self._fn = patched
-        else:
-            self._fn = compiled
 
     def __call__(self, input_ids: Tensor, position_ids: Tensor, attn_mask: Tensor | None, cache: Cache | None,
                  num_logits: int | None, real: Tensor | None = None) -> Tensor | None:
