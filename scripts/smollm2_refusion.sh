@@ -49,8 +49,9 @@ if [[ $QUICK == 1 ]]; then
   RUNS=${RUNS:-runs/smollm2-refusion-quick} OUT=${OUT:-results/smollm2-refusion-quick}
   ASSET=${ASSET:-$RUNS/asset/smollm2-refusion}
   N_PROMPTS=${N_PROMPTS:-2} MAX_TOKENS=${MAX_TOKENS:-16}
+  # (the CI's tiny GGUF has 2 blocks: adapters on the top one)
   TRAIN_SHRINK=(--set max_steps=4 --set save_every=2 --set batch_size=2 --set micro_batch_size=1 --set warmup_steps=1
-                --set max_length=2048)
+                --set max_length=2048 --set 'mask_adapter={"rank": 16, "alpha": 32, "layers": 1}')
   BENCH=(--n-gsm8k 2 --n-humaneval 2 --max-tokens 16 --threads 1 --batch-sizes 1,2)
 else
   RUNS=${RUNS:-runs/smollm2-refusion} OUT=${OUT:-results/smollm2-refusion}

@@ -45,7 +45,7 @@ class ModelConfig:
     bidirectional: bool = False  # attention of a model trained with the MDM objective
     training_objective: str | None = None  # refusion | ar | mdm, written by `refusion train`; picks the default decoder
     torch_dtype: str = "float32"
-    mask_adapter: dict | None = None  # {"rank", "alpha"}: mask-only adapters (model/mask_adapter.py)
+    mask_adapter: dict | None = None  # {"rank", "alpha"[, "layers"]}: mask-only adapters (model/mask_adapter.py)
     # the prompt's last token was trained to predict the first response token (an ARM, a ReFusion
     # variant with boundary labels, a mask-adapted LM); otherwise decoders read it from a <|mask|>
     causal_first_token: bool = False

@@ -6,10 +6,14 @@ arithmetic changes by a single bit), and every other token's hidden states, keys
 logits are the base model's. `speculative` decoding then returns the base model's greedy output
 token for token, at whatever tokens per forward the masks' drafts earn (spec section 8).
 
-    cfg.mask_adapter = {"rank": 16, "alpha": 32}     # ModelConfig: which blocks carry a MaskAdapter
+    cfg.mask_adapter = {"rank": 16, "alpha": 32}     # ModelConfig: the blocks carry a MaskAdapter
     model = Transformer(cfg)                         # adapters start at zero: nothing changes yet
 
-Each block's MaskAdapter holds, per projection (the fused q/k/v, o, the fused gate/up, down), A
+"layers": N puts adapters on the top N blocks only (default: every block). Below them a mask row
+computes what the base computes for the mask embedding, so with that embedding frozen the lower
+blocks' mask states are fixed and a trainer can compute them once (training/mask_features.py).
+
+Each adapted block's MaskAdapter holds, per projection (the fused q/k/v, o, the fused gate/up, down), A
 [rank, in] and B [out, rank]; a mask row's projection output gains B(A(h)) * alpha / rank. B starts
 at zero. The mask's input embedding is `Transformer.mask_embedding` (it replaces the embedding
 table's row, which a frozen or shared table cannot learn); the LM head is the base's.
@@ -30,11 +34,12 @@ from torch import Tensor, nn
 from refusion.model.config import ConfigError, ModelConfig
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "mask_adapter.json", "mask_adapter.safetensors"
-KEYS = {"rank", "alpha"}
+KEYS = {"rank", "alpha", "layers"}
 
 
 def check_adapter_config(spec: dict) -> dict:
-    """{"rank": r, "alpha": a} with defaults filled in (alpha = 2 * rank); ConfigError names what is wrong."""
+    """{"rank": r, "alpha": a[, "layers": n]} with defaults filled in (alpha = 2 * rank; no "layers":
+    every block); ConfigError names what is wrong."""
     if not isinstance(spec, dict) or set(spec) - KEYS:
         raise ConfigError(f"mask_adapter must be a table with keys {sorted(KEYS)}, got {spec!r}")
     r = spec.get("rank", 16)
@@ -43,7 +48,22 @@ def check_adapter_config(spec: dict) -> dict:
     a = spec.get("alpha", 2 * r)
     if isinstance(a, bool) or not isinstance(a, (int, float)) or not a > 0:
         raise ConfigError(f"mask_adapter.alpha must be a number > 0, got {a!r}")
-    return {"rank": r, "alpha": float(a)}
+    out = {"rank": r, "alpha": float(a)}
+    if "layers" in spec:
+        n = spec["layers"]
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ConfigError(f"mask_adapter.layers (how many top blocks carry adapters) must be an integer >= 1, "
+                              f"got {n!r}")
+        out["layers"] = n
+    return out
+
+
+def adapted_from(cfg: ModelConfig) -> int:
+    """The first block that carries a mask adapter (blocks from it to the last do)."""
+    n = check_adapter_config(cfg.mask_adapter).get("layers", cfg.num_layers)
+    if n > cfg.num_layers:
+        raise ConfigError(f"mask_adapter.layers is {n} but the model has {cfg.num_layers} blocks")
+    return cfg.num_layers - n
 
 
 def projections(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -108,7 +128,7 @@ def add_mask_adapter(model: nn.Module, spec: dict, gen: torch.Generator | None =
     cfg.causal_first_token = True  # the base's causal path answers: its first token too
     w = model.embed_tokens.weight
     model.mask_embedding = nn.Parameter(w.detach()[cfg.mask_token_id].clone())
-    for block in model.layers:
+    for block in model.layers[adapted_from(cfg):]:
         block.mask_adapter = MaskAdapter(cfg).to(device=w.device, dtype=w.dtype)
         block.mask_adapter.reset_parameters(gen)
 

@@ -24,12 +24,14 @@ def parameter_count(cfg: ModelConfig) -> int:
              + H * (q + 2 * kv) + (q + 2 * kv) * cfg.qkv_bias + q * H + H * cfg.o_bias
              + 2 * d * cfg.qk_norm
              + H * 2 * I + I * H)
+    adapters = 0
     if cfg.mask_adapter is not None:
-        r = check_adapter_config(cfg.mask_adapter)["rank"]
-        block += sum(r * (fan_in + fan_out) for fan_in, fan_out in projections(cfg).values())
+        spec = check_adapter_config(cfg.mask_adapter)
+        per_block = sum(spec["rank"] * (fan_in + fan_out) for fan_in, fan_out in projections(cfg).values())
+        adapters = spec.get("layers", cfg.num_layers) * per_block
     head = 0 if cfg.tie_word_embeddings else V * H
     mask_embedding = H if cfg.mask_adapter is not None else 0
-    return V * H + cfg.num_layers * block + H + head + mask_embedding
+    return V * H + cfg.num_layers * block + adapters + H + head + mask_embedding
 
 
 def rope_bytes(cfg: ModelConfig) -> int:

@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 from refusion.model.cache import Cache, KVCache
 from refusion.model.config import ConfigError, ModelConfig
-from refusion.model.mask_adapter import MaskAdapter
+from refusion.model.mask_adapter import MaskAdapter, adapted_from
 
 
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
@@ -174,13 +174,13 @@ class Block(nn.Module):
     """One layer, called as one module (FSDP shards block by block, activation checkpointing wraps
     blocks): its forward is the layer's whole arithmetic, the submodules only hold the weights."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, adapted: bool = False) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
-        if cfg.mask_adapter is not None:
+        if adapted:
             self.mask_adapter = MaskAdapter(cfg)
 
     # The forward reads submodules and parameters from nn.Module's own dicts (`_modules`,
@@ -255,7 +255,8 @@ class Transformer(nn.Module):
         if not embed.is_meta:
             nn.init.normal_(embed)  # nn.Embedding's own initialisation: the same draws
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=embed)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        first = adapted_from(cfg) if cfg.mask_adapter is not None else cfg.num_layers
+        self.layers = nn.ModuleList(Block(cfg, adapted=i >= first) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -310,7 +311,7 @@ class Transformer(nn.Module):
         if self.mask_embedding is not None:
             with torch.no_grad():
                 self.mask_embedding.copy_(self.embed_tokens.weight[self.config.mask_token_id])
-            for block in self.layers:
+            for block in self.layers[adapted_from(self.config):]:
                 block.mask_adapter.reset_parameters(gen)
         self.reset_rope(self.embed_tokens.weight.device)
         return self
@@ -345,11 +346,26 @@ class Transformer(nn.Module):
         ids, pos = input_ids.reshape(-1), position_ids.reshape(-1)
         if real is not None:
             ids, pos = ids[real], pos[real]
-        x = self.embed_tokens(ids)  # [N, hidden]
-        mask_rows = None
-        if self.mask_embedding is not None:  # mask-only adaptation: the mask rows take their own path
-            mask_rows = (ids == self.config.mask_token_id).nonzero().squeeze(1)
-            x = x.index_copy(0, mask_rows, self.mask_embedding.to(x.dtype).expand(len(mask_rows), -1))
+        x, mask_rows = self.embed(ids)
+        x = self.run_blocks(x, pos, attn_mask, cache, (B, T), real, mask_rows)
+        return self.logits(x, (B, T), num_logits, real)
+
+    def embed(self, ids: Tensor) -> tuple[Tensor, Tensor | None]:
+        """The input embeddings [N, hidden] of the flat token ids [N], and which rows are mask tokens
+        taking the mask path (None for a model without one)."""
+        x = self.embed_tokens(ids)
+        if self.mask_embedding is None:
+            return x, None
+        mask_rows = (ids == self.config.mask_token_id).nonzero().squeeze(1)
+        return x.index_copy(0, mask_rows, self.mask_embedding.to(x.dtype).expand(len(mask_rows), -1)), mask_rows
+
+    def run_blocks(self, x: Tensor, pos: Tensor, attn_mask: Tensor | None, cache: Cache | None,
+                   shape: tuple[int, int], real: Tensor | None = None, mask_rows: Tensor | None = None,
+                   start: int = 0, stop: int | None = None) -> Tensor:
+        """Blocks start..stop-1 on the hidden states x [N, hidden] of the tokens at positions pos [N]
+        (the `shape` = (B, T) grid, or its `real` tokens); attn_mask and cache as in forward. A
+        trainer that keeps some blocks' outputs runs the rest from them (training/mask_features.py)."""
+        B, T = shape
         mask, is_causal = attention_mask(attn_mask, cache, T, x.dtype, x.device)
         cos, sin = self.rope_at(pos, x.dtype)
         # every layer's q/k norm weights in one gather, where the blocks hold their own parameters
@@ -357,14 +373,16 @@ class Transformer(nn.Module):
         hooks = any(hooked(b) for b in self.layers)
         qk_norms = [None] * len(self.layers) if hooks else self.qk_norm_weights()
         checkpointing = self.gradient_checkpointing and self.training and cache is None
-        for i, block in enumerate(self.layers):
+        stop = len(self.layers) if stop is None else stop
+        for i in range(start, stop):
+            block = self.layers[i]
             if checkpointing:
                 x = checkpoint(block, x, cos, sin, mask, is_causal, None, i, (B, T), real, qk_norms[i], mask_rows,
                                use_reentrant=False)
             else:
                 run = block if hooks else block.forward
                 x = run(x, cos, sin, mask, is_causal, cache, i, (B, T), real, qk_norms[i], mask_rows)
-        return self.logits(x, (B, T), num_logits, real)
+        return x
 
     def qk_norm_weights(self) -> list[Tensor | None]:
         """Per layer, its q_norm weight for each query head and its k_norm weight for each key head

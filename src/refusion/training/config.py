@@ -27,7 +27,12 @@ class TrainConfig:
     # what to train
     objective: str = "refusion"  # refusion | ar | mdm
     variant: str | None = None  # of the refusion objective (variants.py): None = DEFAULT_VARIANT (hybrid); paper, ...
-    mask_adapter: dict | None = None  # decoupled, mask-only: {"rank", "alpha"} of the mask path (default rank 16)
+    mask_adapter: dict | None = None  # decoupled, mask-only: {"rank", "alpha", "layers"} of the mask path (default
+    #                                   rank 16, every block)
+    feature_cache: bool = False  # mask-only: freeze the mask embedding, compute the clean tokens and the blocks below
+    #                              the adapted ones once per example, train the adapted blocks alone on those
+    #                              features (training/mask_features.py); mask_adapter.layers says how many
+    feature_phases: int = 4  # feature_cache: block phases (sets of cut points) computed per example
     mask_token: bool = False  # give the model a mask token even where the objective needs none (an ARM
     #                           whose vocabulary, and so whose softmax, matches its ReFusion siblings')
     init: str | None = None  # a checkpoint directory or a model name (refusion.bundled); None: a fresh model
@@ -110,7 +115,8 @@ class TrainConfig:
 
             _choice("corpus", self.corpus, CORPORA)
         for name in ("batch_size", "max_steps", "max_length", "save_every", "keep_checkpoints", "synthetic_examples",
-                     "vocab_size", "micro_batch_size", "stop_after", "mdm_eos_pad_to", "corpus_examples"):
+                     "vocab_size", "micro_batch_size", "stop_after", "mdm_eos_pad_to", "corpus_examples",
+                     "feature_phases"):
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ConfigError(f"{name} must be >= 1, got {v}")
@@ -161,6 +167,13 @@ class TrainConfig:
             if self.lora is not None or self.strategy == "fsdp" or self.gradient_checkpointing:
                 raise ConfigError("the mask-only variant trains its adapters on top of a frozen model: it does not "
                                   "combine with lora, strategy fsdp or gradient_checkpointing")
+        if self.feature_cache:
+            if v.name != "mask-only":
+                raise ConfigError("feature_cache trains a mask-only adapter on features of a frozen model: set "
+                                  "variant = \"mask-only\" (or drop feature_cache)")
+            if self.feature_phases > max(self.slot_sizes):
+                raise ConfigError(f"feature_phases {self.feature_phases} is more than the block of "
+                                  f"max(slot_sizes) = {max(self.slot_sizes)} has cut points")
 
     def _check_model(self) -> None:
         """The starting point (init, or a fresh model's table) and the data source."""

@@ -29,7 +29,7 @@ from refusion.model.config import ConfigError
 from refusion.training.config import TrainConfig
 
 FIXED = ("objective", "variant", "mask_adapter", "mask_token", "init", "model", "tokenizer", "vocab_size", "lora",
-         "strategy")
+         "strategy", "feature_cache", "feature_phases")
 
 _SCHEDULE = "the learning rate follows the new schedule (it jumps where the two schedules differ)"
 # field -> what changing it does from the resumed step on

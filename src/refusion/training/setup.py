@@ -60,6 +60,7 @@ class Run:
     layout_gen: torch.Generator  # draws every objective layout (masks, slots) of the run
     step: int = 0  # optimizer steps taken
     ddp: DistributedDataParallel | None = None  # wraps `model` when several processes each hold all of it
+    features: list | None = None  # feature_cache: each example's ExampleFeatures (training/mask_features.py)
 
     @property
     def fsdp(self) -> bool:
@@ -238,8 +239,8 @@ def _model(cfg: TrainConfig, tok: Tokenizer, ckpt: Path | None, device: torch.de
         add_mask_adapter(model, cfg.mask_adapter or {}, gen=torch.Generator().manual_seed(cfg.seed))
         log(f"added a mask path (rank {model.config.mask_adapter['rank']} adapters on mask rows only)")
     if mask_only(cfg):  # the base is frozen: no gradient, no optimizer state, no graph for clean rows
-        for name, p in model.named_parameters():
-            p.requires_grad_(is_adapter_name(name))
+        for name, p in model.named_parameters():  # (feature_cache: the mask embedding too)
+            p.requires_grad_(is_adapter_name(name) and not (cfg.feature_cache and name == "mask_embedding"))
     model.gradient_checkpointing = cfg.gradient_checkpointing
     if fsdp:
         from refusion.training.fsdp import load_hf_shards, shard_model

@@ -17,8 +17,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from refusion.model.cache import KVCache
-from refusion.model.mask_adapter import is_adapter_name
+from refusion.model.mask_adapter import adapted_from, is_adapter_name
 from refusion.training.joint_layouts import DraftMasks, draft_inputs, draft_masks, hybrid_inputs
+from refusion.training.mask_features import feature_batch, feature_loss
 from refusion.training.objectives import (Batch, TrainInputs, ar_inputs, ar_term, ar_token_count, build_inputs,
                                          loss_from_ce, make_batch, pad_responses, token_ce)
 from refusion.training.optimizer import lr_at
@@ -31,6 +32,11 @@ def train_step(run: Run) -> dict[str, float]:
     """Take step `run.step` and return its metrics (losses, lr, grad_norm, tokens: the global batch's)."""
     cfg = run.cfg
     idx = run.order(run.step)
+    for g in run.optimizer.param_groups:
+        g["lr"] = lr_at(run.step, cfg)
+    if run.features is not None:  # mask-only on cached features: the adapted blocks alone
+        totals, tokens, acc = _feature_backward(run, idx)
+        return _finish(run, totals, tokens, layout_s=0.0, split=False, extra=acc)
     batch = _global_batch(run, idx)
     variant = variant_of(cfg)
     mask_id = run.model.config.mask_token_id
@@ -52,13 +58,18 @@ def train_step(run: Run) -> dict[str, float]:
         inputs = build_inputs(cfg.objective, batch, mask_id, run.layout_gen, **kw)
     layout_s = time.perf_counter() - t0
     n_ar, B = ar_token_count(inputs), len(idx)
-    for g in run.optimizer.param_groups:
-        g["lr"] = lr_at(run.step, cfg)
     if variant.name == "mask-only":
         totals, tokens = _mask_only_backward(run, inputs, drafts, batch, n_ar, B)
     else:
         totals, tokens = _backward(run, inputs, batch, n_ar, B, drafts)
-    grad_norm = _optimizer_step(run, split=drafts is not None)
+    return _finish(run, totals, tokens, layout_s, split=drafts is not None)
+
+
+def _finish(run: Run, totals: dict[str, Tensor], tokens: int, layout_s: float, split: bool,
+            extra: dict[str, float] | None = None) -> dict[str, float]:
+    """The optimizer step after the backward passes, and the step's record (the global batch's losses)."""
+    cfg = run.cfg
+    grad_norm = _optimizer_step(run, split=split)
     run.step += 1
     out = {k: v.float() for k, v in totals.items() if "loss" in k}
     if run.world > 1:  # the global batch's loss is the sum of the processes' parts
@@ -68,8 +79,29 @@ def train_step(run: Run) -> dict[str, float]:
         tokens = int(vec[-1])
     rec = {k: float(v) for k, v in out.items()}
     rec.update(step=run.step, lr=lr_at(run.step - 1, cfg), grad_norm=float(grad_norm), tokens=tokens,
-               layout_s=layout_s)
+               layout_s=layout_s, **(extra or {}))
     return rec
+
+
+def _feature_backward(run: Run, idx: list[int]) -> tuple[dict[str, Tensor], int, dict[str, float]]:
+    """feature_cache: each example of the batch with one of its phases (drawn from the layout
+    generator), in micro-batches through the adapted blocks; the summed statistics, the number of
+    masks, and the share of masks at block offsets 0..3 and 4+ that predicted their token."""
+    cfg, model = run.cfg, run.model
+    first = adapted_from(model.config)
+    rows = torch.randint(cfg.feature_phases, (len(idx),), generator=run.layout_gen).tolist()
+    dtype = model.embed_tokens.weight.dtype
+    totals: dict[str, Tensor] = {}
+    for lo in range(0, len(idx), run.micro):
+        draws = list(zip(idx[lo:lo + run.micro], rows[lo:lo + run.micro]))
+        fb = feature_batch(run.features, draws, max(cfg.slot_sizes), first, dtype).to(run.device)
+        loss, stats = feature_loss(model, fb, len(idx))
+        loss.backward()
+        for key, v in stats.items():
+            totals[key] = totals.get(key, 0) + v
+    acc = {f"mask_acc_{o}": float(totals.pop(f"mask_hits_{o}")) / max(float(totals.pop(f"masks_{o}")), 1)
+           for o in range(5)}
+    return totals, int(totals["n_masked_tokens"]), acc
 
 
 def _global_batch(run: Run, idx: list[int]) -> Batch:

@@ -35,6 +35,7 @@ from refusion.training.checkpointing import export_model, final_dir, save_checkp
 from refusion.training.config import TrainConfig, load_train_config, to_toml  # noqa: F401 (the API in one place)
 from refusion.training.optimizer import lr_at  # noqa: F401 (refusion.train.lr_at, the old path)
 from refusion.training.config_changes import CONFIG_FILE, check_allow_changed
+from refusion.training.mask_features import prepare_features
 from refusion.training.run_dir import checkpoints, locked, tensorboard, truncate_metrics
 from refusion.training.setup import Run, log, setup
 from refusion.training.step import train_step
@@ -81,6 +82,9 @@ def fit(run: Run, progress: bool = True) -> Path:
         truncate_metrics(run.out / "metrics.jsonl", run.step)
         if run.step < end:
             log(f"training steps {run.step + 1} to {end} of {cfg.max_steps} -> {run.out}")
+    if cfg.feature_cache and run.features is None and run.step < end:
+        run.features = prepare_features(run.model, run.examples, run.out, cfg.feature_phases, max(cfg.slot_sizes),
+                                        cfg.seed, progress=progress, log=log)
     with _Metrics(run, progress) as metrics:
         while run.step < end:
             t0 = time.perf_counter()
