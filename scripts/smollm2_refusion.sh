@@ -12,7 +12,10 @@
 #           with GGUF=FILE, that llama GGUF imported into RUNS/base (refusion import-gguf) instead
 #   data    RUNS/data.jsonl: GSM8K train questions (GSM8K_TRAIN, a GSM8K-format train.jsonl) and functions
 #           of the Python standard library (HumanEval's form), N_PROMPTS of each, answered by the base's
-#           own greedy decoding up to MAX_TOKENS tokens (refusion self-generate)
+#           own greedy decoding up to MAX_TOKENS tokens (refusion self-generate). It starts from KEPT_DATA
+#           (default results/smollm2-refusion/data.jsonl.gz, the data the shipped adapter was trained on)
+#           where that exists and RUNS/data.jsonl does not, and answers only what it lacks: KEPT_DATA=none
+#           answers every prompt afresh (about an hour)
 #   train   configs/smollm2-refusion.toml: the mask-only variant on that data -> RUNS/train/adapter
 #   export  the adapter's two files -> ASSET (default src/refusion/assets/smollm2-refusion, which makes
 #           `--model smollm2-refusion` decode with it)
@@ -84,6 +87,11 @@ for s in $STAGES; do
     data)
       [[ -f $GSM8K_TRAIN ]] || die "GSM8K_TRAIN=$GSM8K_TRAIN: no such file (GSM8K's train split, one JSON" \
         "object with a \"question\" per line)"
+      KEPT_DATA=${KEPT_DATA:-results/smollm2-refusion/data.jsonl.gz}
+      if [[ $QUICK == 0 && $KEPT_DATA != none && -f $KEPT_DATA && ! -f $RUNS/data.jsonl ]]; then
+        gunzip -c "$KEPT_DATA" > "$RUNS/data.jsonl.tmp" && mv "$RUNS/data.jsonl.tmp" "$RUNS/data.jsonl"
+        echo "smollm2_refusion: starting from the kept data $KEPT_DATA ($(wc -l < "$RUNS/data.jsonl") records)"
+      fi
       echo "smollm2_refusion: self-generating $RUNS/data.jsonl; log $OUT/logs/data.log"
       $R self-generate --model "$BASE" --prompts "gsm8k:$GSM8K_TRAIN,stdlib-functions" --n "$N_PROMPTS" \
         --max-tokens "$MAX_TOKENS" --batch-size "$GEN_BATCH" --threads "$THREADS" --out "$RUNS/data.jsonl" --no-progress \
