@@ -13,9 +13,10 @@
 #   data    RUNS/data.jsonl: GSM8K train questions (GSM8K_TRAIN, a GSM8K-format train.jsonl) and functions
 #           of the Python standard library (HumanEval's form), N_PROMPTS of each, answered by the base's
 #           own greedy decoding up to MAX_TOKENS tokens (refusion self-generate). It starts from KEPT_DATA
-#           (default results/smollm2-refusion/data.jsonl.gz, the data the shipped adapter was trained on)
+#           (default results/smollm2-refusion/data.jsonl.gz: this stage's output, kept from an earlier run)
 #           where that exists and RUNS/data.jsonl does not, and answers only what it lacks: KEPT_DATA=none
-#           answers every prompt afresh (about an hour)
+#           answers every prompt afresh (about an hour; the same greedy answers, up to a rare argmax tie
+#           that batch composition can flip)
 #   train   configs/smollm2-refusion.toml: the mask-only variant on that data -> RUNS/train/adapter
 #   export  the adapter's two files -> ASSET (default src/refusion/assets/smollm2-refusion, which makes
 #           `--model smollm2-refusion` decode with it)
@@ -52,9 +53,8 @@ if [[ $QUICK == 1 ]]; then
   RUNS=${RUNS:-runs/smollm2-refusion-quick} OUT=${OUT:-results/smollm2-refusion-quick}
   ASSET=${ASSET:-$RUNS/asset/smollm2-refusion}
   N_PROMPTS=${N_PROMPTS:-2} MAX_TOKENS=${MAX_TOKENS:-16}
-  # (the CI's tiny GGUF has 2 blocks: adapters on the top one)
   TRAIN_SHRINK=(--set max_steps=4 --set save_every=2 --set batch_size=2 --set micro_batch_size=1 --set warmup_steps=1
-                --set max_length=2048 --set 'mask_adapter={"rank": 16, "alpha": 32, "layers": 1}')
+                --set max_length=2048)
   BENCH=(--n-gsm8k 2 --n-humaneval 2 --max-tokens 16 --threads 1 --batch-sizes 1,2)
 else
   RUNS=${RUNS:-runs/smollm2-refusion} OUT=${OUT:-results/smollm2-refusion}

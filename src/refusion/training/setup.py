@@ -237,7 +237,9 @@ def _model(cfg: TrainConfig, tok: Tokenizer, ckpt: Path | None, device: torch.de
         apply_seeded_lora(model, cfg, new_tokens)
     if variant_of(cfg).mask_path and model.config.mask_adapter is None:
         add_mask_adapter(model, cfg.mask_adapter or {}, gen=torch.Generator().manual_seed(cfg.seed))
-        log(f"added a mask path (rank {model.config.mask_adapter['rank']} adapters on mask rows only)")
+        spec = model.config.mask_adapter
+        where = f"the top {spec['layers']} blocks" if "layers" in spec else "every block"
+        log(f"added a mask path (rank {spec['rank']} adapters on mask rows only, on {where})")
     if mask_only(cfg):  # the base is frozen: no gradient, no optimizer state, no graph for clean rows
         for name, p in model.named_parameters():  # (feature_cache: the mask embedding too)
             p.requires_grad_(is_adapter_name(name) and not (cfg.feature_cache and name == "mask_embedding"))
