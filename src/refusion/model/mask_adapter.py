@@ -103,13 +103,7 @@ class MaskAdapter(nn.Module):
         that projection's input [N, in]. Other rows are returned untouched."""
         p = self._parameters
         h = x.index_select(0, rows)
-        a, b = p[f"{name}_A"].to(h.dtype), p[f"{name}_B"].to(h.dtype)
-        if torch.compiler.is_compiling():
-            # inside a compiled graph, as multiply-and-sum: inductor fuses these few rank-r products,
-            # where as matrix products max-autotune would benchmark kernels for each of their shapes
-            delta = ((h[:, None, :] * a[None]).sum(-1)[:, None, :] * b[None]).sum(-1)
-        else:
-            delta = (h @ a.t()) @ b.t()
+        delta = (h @ p[f"{name}_A"].t().to(h.dtype)) @ p[f"{name}_B"].t().to(h.dtype)
         return y.index_add(0, rows, delta, alpha=self.scale)
 
 
