@@ -14,7 +14,7 @@ from refusion.model.mask_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter
 from refusion.model.tokenizer import Tokenizer
 from refusion.training.setup import setup
 from refusion.training.trainer import TrainConfig, fit
-from tiny_causal_lm import addition_records, make_causal_lm
+from tiny_causal_lm import addition_records, assert_clean_logits_are_the_bases, make_causal_lm
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -73,14 +73,7 @@ def test_mask_only_trains_the_mask_path_alone_and_resumes_exactly(base_dir, data
     assert {p.name for p in final.iterdir()} == {ADAPTER_CONFIG, ADAPTER_WEIGHTS}
     assert json.loads((final / ADAPTER_CONFIG).read_text())["base"] == str(base_dir.resolve())
     # the adapter on its base: clean tokens' logits are the base's, bit for bit; masks' are not
-    adapted = attach_mask_adapter(base_with_mask(base_dir)[0], final)
-    mask = adapted.config.mask_token_id
-    ids = torch.tensor([tok.chat_prompt_ids("What is 3 plus 4?") + [mask] * 4])
-    pos = torch.arange(ids.shape[1])[None]
-    with torch.no_grad():
-        a, b = base(ids, pos), adapted(ids, pos)
-    clean = ids[0] != mask
-    assert torch.equal(a[0, clean], b[0, clean]) and not torch.allclose(a[0, ~clean], b[0, ~clean])
+    assert_clean_logits_are_the_bases(base, attach_mask_adapter(base_with_mask(base_dir)[0], final), tok)
     # resumed from checkpoint-3, the run logs and ends exactly as the uninterrupted one
     want = (final / ADAPTER_WEIGHTS).read_bytes()
     shutil.rmtree(out / "checkpoint-6")

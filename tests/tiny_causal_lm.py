@@ -44,3 +44,17 @@ def make_causal_lm(path: Path, seed: int = 1, std: float = 0.02) -> Path:
                       qk_norm=False, tie_word_embeddings=True, max_position_embeddings=1024, **SHAPE)
     save_model(Transformer(cfg).init_weights(std=std, seed=seed), path, tok)
     return path
+
+
+def assert_clean_logits_are_the_bases(base, adapted, tok: Tokenizer) -> None:
+    """A prompt followed by masks: the adapted model's clean rows' logits equal the base's bit for bit,
+    its mask rows' do not (the adapter acted on them)."""
+    import torch
+
+    mask = adapted.config.mask_token_id
+    ids = torch.tensor([tok.chat_prompt_ids("What is 3 plus 4?") + [mask] * 4])
+    pos = torch.arange(ids.shape[1])[None]
+    with torch.no_grad():
+        a, b = base(ids, pos), adapted(ids, pos)
+    clean = ids[0] != mask
+    assert torch.equal(a[0, clean], b[0, clean]) and not torch.allclose(a[0, ~clean], b[0, ~clean])
