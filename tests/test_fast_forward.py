@@ -13,7 +13,7 @@ import transformers
 from refusion.model.checkpoint import from_hf, load_model, save_model, to_hf
 from refusion.model.config import ModelConfig
 from refusion.model.lora import apply_lora, merged_state_dict
-from refusion.model.transformer import Transformer, apply_rope, rope_inv_freq
+from refusion.model.transformer import STREAMED_BYTES, Transformer, apply_rope, few_rows_linear, rope_inv_freq
 
 CFG = dict(vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
            mask_token_id=49, eos_token_id=1)
@@ -194,3 +194,53 @@ def test_packed_tokens_give_the_padded_batch_logits(num_logits):
     torch.testing.assert_close(packed[need], padded[need], atol=1e-5, rtol=0)
     assert packed[~need].abs().max() == 0
     torch.testing.assert_close(step_b, step_a, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 13, 16, 17])
+def test_few_rows_linear_is_f_linear(rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    w, b = torch.randn(40, 24, generator=g), torch.randn(40, generator=g) if bias else None
+    x = torch.randn(rows, 24, generator=g)
+    want = torch.nn.functional.linear(x, w, b)
+    got = few_rows_linear(x, w, b)
+    assert got.shape == want.shape and got.is_contiguous()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(few_rows_linear(x[None], w, b), want[None], atol=1e-5, rtol=1e-5)  # [1, T, in]
+
+
+def test_a_model_larger_than_any_cache_streams_its_weights():
+    """Transformer.streamed follows the weights' size (float32 bytes against STREAMED_BYTES)."""
+    with torch.device("meta"):
+        small = Transformer(ModelConfig(**CFG))
+        big = Transformer(ModelConfig(**{**CFG, "vocab_size": 50_000, "hidden_size": 1024, "mask_token_id": 3}))
+    assert not small.streamed and not any(b.streamed for b in small.layers)
+    assert 4 * sum(p.numel() for p in big.parameters()) > STREAMED_BYTES
+    assert big.streamed and all(b.streamed for b in big.layers)
+
+
+def test_a_streamed_model_computes_what_it_did_and_decodes_as_ar(monkeypatch):
+    """With few_rows_linear on every product of 2-16 rows (the layers' and the LM head's), logits
+    equal F.linear's within float32 rounding, and greedy speculative decoding is still AR's output."""
+    from refusion.decoding import ARParams, SpeculativeParams, generate_ar, generate_speculative
+    import refusion.model.transformer as transformer
+
+    m = model()
+    calls = []
+    real_few_rows = transformer.few_rows_linear
+    monkeypatch.setattr(transformer, "few_rows_linear", lambda x, w, b: calls.append(x.shape) or real_few_rows(x, w, b))
+    g = torch.Generator().manual_seed(0)
+    for T in (1, 2, 7, 16, 17):
+        ids = torch.randint(0, 49, (1, T), generator=g)
+        m.set_streamed(False)
+        want = logits(m, ids.tolist())
+        assert not calls
+        m.set_streamed(True)
+        torch.testing.assert_close(logits(m, ids.tolist()), want, atol=1e-5, rtol=1e-5)
+        assert len(calls) == (0 if T in (1, 17) else 4 * 2 + 1)  # 4 products a block, and the LM head
+        calls.clear()
+    prompts = [[3, 4, 5], [6, 7, 8, 9, 10]]
+    ar = generate_ar(m, prompts, ARParams(gen_length=20), eos_ids=[1])
+    spec = generate_speculative(m, prompts, SpeculativeParams(gen_length=20, draft_length=6, widths="fixed"),
+                                eos_ids=[1])
+    assert [r.tokens for r in spec] == [r.tokens for r in ar] and calls

@@ -27,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 from refusion.model.cache import Cache, KVCache
 from refusion.model.config import ConfigError, ModelConfig
 from refusion.model.mask_adapter import MaskAdapter, adapted_from
+from refusion.model.size import parameter_count
 
 
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
@@ -122,13 +123,45 @@ def _global_hooks() -> bool:
                 or mod._global_backward_pre_hooks or mod._global_forward_hooks_always_called)
 
 
-def linear(m: nn.Module, x: Tensor) -> Tensor:
+# A forward of a few tokens through a model whose weights do not fit in the CPU's caches costs what
+# reading its weights costs, however few the rows, if the product reads each weight once. F.linear
+# (x @ W.T) does not: for 2-16 rows MKL repacks W on every call, and two rows cost about twice one.
+# W @ x.T streams W once (measured on SmolLM2-135M, one thread: 30 layers' products at 2 rows 1.0x
+# one row instead of 1.7x, at 8 rows 1.7x instead of 2.0x; benchmarks/forward_cost.py). For weights
+# that sit in cache (a small model) F.linear is the faster, so a model takes this path only when its
+# weights are far larger than a CPU's last-level cache.
+STREAMED_BYTES = 128 * 2**20
+STREAMED_ROWS = 16  # past it the two are as fast
+
+
+def linear(m: nn.Module, x: Tensor, streamed: bool = False) -> Tensor:
     """m(x), calling F.linear directly for a plain nn.Linear without hooks (a module call's overhead
-    is a noticeable share of a small model's forward); anything else (an adapter) is called."""
+    is a noticeable share of a small model's forward); anything else (an adapter) is called.
+    streamed: the model's weights stream from memory (Transformer.streamed): a CPU product of a few
+    float32 rows reads the weight once (few_rows_linear)."""
     if type(m) is nn.Linear and not (m._forward_hooks or m._forward_pre_hooks):
         p = m._parameters  # (not m.weight: see Block)
-        return F.linear(x, p["weight"], p["bias"])
+        w, b = p["weight"], p["bias"]
+        if (streamed and x.is_cpu and 1 < x.numel() // w.shape[1] <= STREAMED_ROWS and w.dtype == torch.float32
+                and not torch.compiler.is_compiling()):
+            return few_rows_linear(x, w, b)
+        return F.linear(x, w, b)
     return m(x)
+
+
+def few_rows_linear(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+    """F.linear(x, w, b) computed as (w @ x.T).T: the weight is the product's long operand, which BLAS
+    streams, rather than the one it repacks (see STREAMED_BYTES). The same sums, rounded in another
+    order: equal to F.linear's within float32 rounding, not bit for bit."""
+    flat = x.reshape(-1, w.shape[1])
+    n = flat.shape[0]
+    rows = 1 << (n - 1).bit_length()  # MKL's cost is steps at 2, 4, 8 and 16 rows, and more between them
+    if rows != n:
+        flat = torch.cat([flat, flat.new_zeros(rows - n, flat.shape[1])])
+    y = torch.mm(w, flat.t())[:, :n].t().contiguous()
+    if b is not None:
+        y += b
+    return y.view(*x.shape[:-1], w.shape[0])
 
 
 def attention_mask(attn_mask: Tensor | None, cache: Cache | None, T: int, dtype: torch.dtype,
@@ -174,8 +207,9 @@ class Block(nn.Module):
     """One layer, called as one module (FSDP shards block by block, activation checkpointing wraps
     blocks): its forward is the layer's whole arithmetic, the submodules only hold the weights."""
 
-    def __init__(self, cfg: ModelConfig, adapted: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, adapted: bool = False, streamed: bool = False) -> None:
         super().__init__()
+        self.streamed = streamed  # the model's weights stream from memory (linear, Transformer.streamed)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -200,12 +234,12 @@ class Block(nn.Module):
         h = rms_norm(x, ln1._parameters["weight"], ln1.eps)
         x = x + self.attention(h, cos, sin, mask, is_causal, cache, layer, shape, real, qk_norm, ad, mask_rows)
         h = rms_norm(x, ln2._parameters["weight"], ln2.eps)
-        gate_up = linear(mlp["gate_up_proj"], h)
+        gate_up = linear(mlp["gate_up_proj"], h, self.streamed)
         if ad is not None:
             gate_up = ad.add(gate_up, "gate_up_proj", h, mask_rows)
         gate, up = gate_up.chunk(2, dim=-1)
         h = F.silu(gate) * up
-        y = linear(mlp["down_proj"], h)
+        y = linear(mlp["down_proj"], h, self.streamed)
         if ad is not None:
             y = ad.add(y, "down_proj", h, mask_rows)
         return x + y
@@ -217,7 +251,7 @@ class Block(nn.Module):
         attn = self._modules["self_attn"]
         a = attn._modules
         h, kvh, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        qkv = linear(a["qkv_proj"], x)
+        qkv = linear(a["qkv_proj"], x, self.streamed)
         if ad is not None:
             qkv = ad.add(qkv, "qkv_proj", x, mask_rows)
         qkv = qkv.view(-1, h + 2 * kvh, d)
@@ -241,7 +275,7 @@ class Block(nn.Module):
         y = y.transpose(1, 2).reshape(B * T, h * d)
         if real is not None:
             y = y.index_select(0, real)
-        out = linear(a["o_proj"], y)
+        out = linear(a["o_proj"], y, self.streamed)
         return out if ad is None else ad.add(out, "o_proj", y, mask_rows)
 
 
@@ -256,7 +290,10 @@ class Transformer(nn.Module):
             nn.init.normal_(embed)  # nn.Embedding's own initialisation: the same draws
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=embed)
         first = adapted_from(cfg) if cfg.mask_adapter is not None else cfg.num_layers
-        self.layers = nn.ModuleList(Block(cfg, adapted=i >= first) for i in range(cfg.num_layers))
+        # float32 weights far larger than a CPU's caches: products of a few rows take few_rows_linear
+        self.streamed = 4 * parameter_count(cfg) > STREAMED_BYTES
+        self.layers = nn.ModuleList(Block(cfg, adapted=i >= first, streamed=self.streamed)
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -268,6 +305,12 @@ class Transformer(nn.Module):
         # go through it first (it returns None where it does not apply)
         self.compiled = None
         self.reset_rope(embed.device)
+
+    def set_streamed(self, on: bool) -> None:
+        """Whether products of a few rows take few_rows_linear (default: the model's size decides)."""
+        self.streamed = on
+        for block in self.layers:
+            block.streamed = on
 
     def reset_rope(self, device: torch.device | str | None = None) -> None:
         """(Re)build the non-persistent buffers: the RoPE frequencies, the cos / sin tables of every
@@ -412,9 +455,9 @@ class Transformer(nn.Module):
         need = min(num_logits, T) if num_logits else T  # (0 meant every token before, as x[:, -0:])
         w, eps = self.norm.weight, self.norm.eps
         if real is None:
-            return linear(self.lm_head, rms_norm(x.view(B, T, -1)[:, T - need:], w, eps))
+            return linear(self.lm_head, rms_norm(x.view(B, T, -1)[:, T - need:], w, eps), self.streamed)
         col = real % T
         keep = (col >= T - need).nonzero().squeeze(1)
         dst = (real // T * need + col - (T - need))[keep]
-        logits = linear(self.lm_head, rms_norm(x[keep], w, eps))
+        logits = linear(self.lm_head, rms_norm(x[keep], w, eps), self.streamed)
         return logits.new_zeros(B * need, logits.shape[-1]).index_copy_(0, dst, logits).view(B, need, -1)
