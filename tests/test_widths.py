@@ -104,6 +104,29 @@ def test_calibration_measures_the_grid_and_fits_a_short_context():
     assert max(short.tokens[0]) <= 16
 
 
+def test_a_model_padding_its_products_costs_in_steps_and_its_steps_are_measured(monkeypatch):
+    """few_rows_linear computes 2..STREAMED_ROWS rows as the next power of two: the table looks such a
+    forward up there (and an observation moves those cells), and calibration measures every step
+    however long it takes."""
+    f = linear()
+    cost = CostModel.of(f, padded_upto=16)
+    for n, looked_up in [(1, 1), (2, 2), (3, 4), (5, 8), (8, 8), (9, 16), (16, 16), (17, 17), (40, 40)]:
+        assert cost(1, [n])[0] == pytest.approx(f(1, looked_up), rel=1e-9), n
+    assert np.array_equal(cost.grid(1, 20)[:17], cost(1, np.arange(17)))
+    live = CostModel(cost.rows, cost.tokens, cost.seconds, packed=True, padded_upto=16)
+    before = live.seconds[0].copy()
+    live.observe(1, 5, 3 * float(live(1, [5])[0]))  # 5 tokens: the cell of 8 moves, no other
+    assert (live.seconds[0] != before).tolist() == [t == 8 for t in live.tokens[0]]
+    monkeypatch.setattr(widths, "CALIBRATION_SECONDS", 0.0)  # time is always up
+    model = tiny()
+    assert widths.measure_cost(model).padded_upto == 0
+    model.set_streamed(True)
+    streamed = widths.measure_cost(model)
+    assert streamed.padded_upto == widths.STREAMED_ROWS
+    assert list(streamed.tokens[0]) == [w for w in widths.CALIBRATION_WIDTHS if w <= widths.STREAMED_ROWS]
+    assert list(streamed.tokens[1]) == [8, 16]  # 8 rows of 1 and of 2 tokens
+
+
 # ---- acceptance -----------------------------------------------------------------------------------
 
 

@@ -24,7 +24,9 @@ CPU's ragged batch computes only its real tokens in its products, but attention 
 still see rows x the widest row: the cost of each padding slot is measured too (one forward with
 one wide row and the others one token wide) and added to the table's. `CostModel.of` makes a fixed table from a
 function (`SpeculativeBatch(cost=...)`, `generate_speculative(cost=...)`; tests/conftest.py
-gives every test one).
+gives every test one). A model whose products of a few rows are padded to a power of two
+(model/transformer.py: few_rows_linear) costs in steps: a forward of N <= STREAMED_ROWS tokens is
+looked up at the next power of two, and those widths are measured whatever they take.
 
 What a draft is worth (`Acceptance`): per sequence, kind of draft (the masks' fresh predictions
 after a fully accepted draft, or what follows a rejection, which is accepted far less often) and
@@ -80,7 +82,7 @@ from refusion.decoding.common import packed_index
 from refusion.decoding.lookup import LOOKUP_NGRAMS
 from refusion.decoding.params import MAX_DRAFT
 from refusion.model.cache import RaggedKVCache
-from refusion.model.transformer import Transformer
+from refusion.model.transformer import STREAMED_ROWS, Transformer
 
 CALIBRATION_ROWS = (1, 8)
 CALIBRATION_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
@@ -146,10 +148,12 @@ class CostModel:
     counts (the tokens the forward computes). packed: a ragged batch computes its rows' real tokens
     (a CPU) rather than rows x its widest row; pad: what each padding slot of a packed batch costs
     on top (seconds per slot of rows x widest row not taken by a real token: attention and the
-    cache see the padded grid). frozen: never refreshed by observe()."""
+    cache see the padded grid). frozen: never refreshed by observe(). padded_upto: a forward of
+    2..padded_upto tokens computes the next power of two (few_rows_linear), and costs what it does."""
 
     def __init__(self, rows: Sequence[int], tokens: Sequence[Sequence[float]], seconds: Sequence[Sequence[float]],
-                 packed: bool, frozen: bool = False, pad: float = 0.0) -> None:
+                 packed: bool, frozen: bool = False, pad: float = 0.0, padded_upto: int = 0) -> None:
+        self.padded_upto = padded_upto
         self.rows = np.asarray(rows, dtype=float)
         self.tokens = [np.asarray(t, dtype=float) for t in tokens]
         self.seconds = [_smooth(t, np.asarray(s, dtype=float)) for t, s in zip(self.tokens, seconds)]
@@ -159,16 +163,17 @@ class CostModel:
         self.noted: list[tuple[int, int, float, int]] = []  # note()'s timings not yet observed
 
     @classmethod
-    def of(cls, seconds: Callable[[int, int], float], packed: bool = True, pad: float = 0.0) -> CostModel:
+    def of(cls, seconds: Callable[[int, int], float], packed: bool = True, pad: float = 0.0,
+           padded_upto: int = 0) -> CostModel:
         """A frozen table of seconds(rows, tokens) on the calibration grid: a cost that does not
         depend on timings (tests)."""
         tokens = [[r * w for w in CALIBRATION_WIDTHS] for r in CALIBRATION_ROWS]
         return cls(CALIBRATION_ROWS, tokens, [[seconds(r, t) for t in ts] for r, ts in zip(CALIBRATION_ROWS, tokens)],
-                   packed, frozen=True, pad=pad)
+                   packed, frozen=True, pad=pad, padded_upto=padded_upto)
 
     def __call__(self, rows: int, tokens) -> np.ndarray:
         """Seconds of forwards of `rows` rows computing `tokens` tokens (an array: one estimate each)."""
-        t = np.asarray(tokens, dtype=float)
+        t = _padded(np.asarray(tokens, dtype=float), self.padded_upto)
         i, f = _bracket(self.rows, rows)
         y = _line(t, self.tokens[i], self.seconds[i])
         if f != 0:  # (more rows never cost less for as many tokens, extrapolated or not; f = 0 would add 0)
@@ -208,12 +213,20 @@ class CostModel:
         for r, wr in zip((i, i + 1), _shares(f)) if len(self.rows) > 1 else ((0, 1.0),):
             if wr == 0:
                 continue  # (no share: its cells would be multiplied by 1)
-            j, g = _bracket(self.tokens[r], tokens)
+            j, g = _bracket(self.tokens[r], float(_padded(np.float64(tokens), self.padded_upto)))
             for c, wc in zip((j, j + 1), _shares(g)):
                 if c < len(self.seconds[r]):
                     self.seconds[r][c] *= ratio ** (REFRESH_RATE * wr * wc)
             np.maximum.accumulate(self.seconds[r], out=self.seconds[r])
         self.grids.clear()
+
+
+def _padded(t: np.ndarray, upto: int) -> np.ndarray:
+    """Token counts as the products compute them: 2..upto rounded up to a power of two (no rounding
+    with upto 0)."""
+    if not upto:
+        return t
+    return np.where((t > 1) & (t <= upto), 2.0 ** np.ceil(np.log2(np.maximum(t, 1.0))), t)
 
 
 def _shares(f: float) -> tuple[float, float]:
@@ -250,6 +263,9 @@ def measure_cost(model: Transformer) -> CostModel:
     limit = cfg.max_position_embeddings
     ctx = min(CALIBRATION_CONTEXT, limit // 2)
     widths = [w for w in CALIBRATION_WIDTHS if ctx + w <= limit] or [1, 2]
+    # products of up to this many tokens padded to a power of two: the steps are measured, whatever they take
+    upto = STREAMED_ROWS if (model.streamed and model.compiled is None and weight.device.type == "cpu"
+                             and weight.dtype == torch.float32) else 0
     tokens, seconds = [], []
     for rows in CALIBRATION_ROWS:
         cache = RaggedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, weight.dtype, weight.device,
@@ -258,12 +274,12 @@ def measure_cost(model: Transformer) -> CostModel:
             _timed_forward(model, cache, rows, w, ctx)
         start, measured = time.perf_counter(), []
         for w in widths:
-            if len(measured) >= 2 and time.perf_counter() - start > CALIBRATION_SECONDS:
+            if len(measured) >= 2 and rows * w > upto and time.perf_counter() - start > CALIBRATION_SECONDS:
                 break  # the rest is extrapolated (and refreshed as real steps run)
             measured.append(min(_timed_forward(model, cache, rows, w, ctx) for _ in range(3)))
         tokens.append([rows * w for w in widths[: len(measured)]])
         seconds.append(measured)
-    cost = CostModel(CALIBRATION_ROWS, tokens, seconds, packed=weight.device.type == "cpu")
+    cost = CostModel(CALIBRATION_ROWS, tokens, seconds, packed=weight.device.type == "cpu", padded_upto=upto)
     if cost.packed:  # one row wide and the others one token: its padding's cost, beyond its tokens'
         rows, w = CALIBRATION_ROWS[-1], widths[min(len(measured), len(widths)) - 1]
         if w > 1:
