@@ -7,8 +7,9 @@ A speculative step feeds a row's next token and its draft in one forward, so wha
 depends on how much dearer a forward of W tokens is than one of a single token. Each cell: one row
 of W tokens on a cache of --context tokens, logits of every fed token and their argmax brought to the
 host (a speculative step's shape), the median of --repeats. The modes are separate instances of the
-model in one process: eager, and `enable_compile(mode=...)` for each compile mode named (compiled
-before any timing: every width once). Modes alternate within each round so that a drift of the
+model in one process: eager; eager-linear, eager with every product as F.linear (the model's
+few_rows_linear off: what eager was before it, for a model large enough to take it); and
+`enable_compile(mode=...)` for each compile mode named (compiled before any timing: every width once). Modes alternate within each round so that a drift of the
 machine hits all of them. Also recorded: each mode's largest logit difference from eager, and its
 compile seconds. Nothing else should run on the machine. Writes JSON and prints a markdown table.
 """
@@ -26,6 +27,9 @@ import torch
 from refusion.bundled import resolve_model
 from refusion.model.checkpoint import load_model
 from refusion.model.compiled import MODES, enable_compile
+
+
+EAGER = ("eager", "eager-linear")
 
 
 def forward(model, cache, context: int, ids: torch.Tensor) -> tuple[float, torch.Tensor]:
@@ -46,14 +50,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--context", type=int, default=200, help="cached tokens each forward attends to")
     ap.add_argument("--widths", default="1,2,4,8,16,32")
-    ap.add_argument("--modes", default="eager,max-autotune", help=f"eager and compile modes ({', '.join(MODES)})")
+    ap.add_argument("--modes", default="eager,eager-linear,max-autotune",
+                    help=f"eager, eager-linear and compile modes ({', '.join(MODES)})")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="JSON (default: benchmarks/results/forward_cost_<model>.json)")
     args = ap.parse_args()
     modes = args.modes.split(",")
-    if set(modes) - {"eager", *MODES}:
-        ap.error(f"unknown modes {sorted(set(modes) - {'eager', *MODES})}: eager, {', '.join(MODES)}")
+    if set(modes) - {*EAGER, *MODES}:
+        ap.error(f"unknown modes {sorted(set(modes) - {*EAGER, *MODES})}: {', '.join(EAGER)}, {', '.join(MODES)}")
     torch.set_num_threads(args.threads)
     path = resolve_model(args.model)
     gen = torch.Generator().manual_seed(args.seed)
@@ -66,7 +71,9 @@ def main() -> None:
         models, caches, compile_seconds = {}, {}, {}
         for i, mode in enumerate(modes):
             model = first if i == 0 else load_model(path)
-            if mode != "eager":
+            if mode == "eager-linear":
+                model.set_streamed(False)
+            elif mode != "eager":
                 enable_compile(model, mode=mode)
             cache = model.new_cache()
             model(prompt, torch.arange(args.context)[None], cache=cache)  # the prefill (eager)
