@@ -14,7 +14,7 @@ from refusion.decoding import speculative as spec
 from refusion.decoding.speculative import SpeculativeBatch, SpeculativeParams, generate_speculative
 from refusion.decoding.widths import Acceptance, CostModel, best_widths
 from refusion.model.config import ModelConfig
-from refusion.model.transformer import Transformer
+from refusion.model.transformer import STREAMED_ROWS, Transformer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 MEASURED = widths.cost_model  # (conftest.py gives every test a fixed table instead)
@@ -122,8 +122,8 @@ def test_a_model_padding_its_products_costs_in_steps_and_its_steps_are_measured(
     assert widths.measure_cost(model).padded_upto == 0
     model.set_streamed(True)
     streamed = widths.measure_cost(model)
-    assert streamed.padded_upto == widths.STREAMED_ROWS
-    assert list(streamed.tokens[0]) == [w for w in widths.CALIBRATION_WIDTHS if w <= widths.STREAMED_ROWS]
+    assert streamed.padded_upto == STREAMED_ROWS
+    assert list(streamed.tokens[0]) == [w for w in widths.CALIBRATION_WIDTHS if w <= STREAMED_ROWS]
     assert list(streamed.tokens[1]) == [8, 16]  # 8 rows of 1 and of 2 tokens
 
 

@@ -82,7 +82,7 @@ from refusion.decoding.common import packed_index
 from refusion.decoding.lookup import LOOKUP_NGRAMS
 from refusion.decoding.params import MAX_DRAFT
 from refusion.model.cache import RaggedKVCache
-from refusion.model.transformer import STREAMED_ROWS, Transformer
+from refusion.model.transformer import Transformer
 
 CALIBRATION_ROWS = (1, 8)
 CALIBRATION_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
@@ -264,8 +264,7 @@ def measure_cost(model: Transformer) -> CostModel:
     ctx = min(CALIBRATION_CONTEXT, limit // 2)
     widths = [w for w in CALIBRATION_WIDTHS if ctx + w <= limit] or [1, 2]
     # products of up to this many tokens padded to a power of two: the steps are measured, whatever they take
-    upto = STREAMED_ROWS if (model.streamed and model.compiled is None and weight.device.type == "cpu"
-                             and weight.dtype == torch.float32) else 0
+    upto = model.padded_rows()
     tokens, seconds = [], []
     for rows in CALIBRATION_ROWS:
         cache = RaggedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, weight.dtype, weight.device,

@@ -126,8 +126,7 @@ def _global_hooks() -> bool:
 # A forward of a few tokens through a model whose weights do not fit in the CPU's caches costs what
 # reading its weights costs, however few the rows, if the product reads each weight once. F.linear
 # (x @ W.T) does not: for 2-16 rows MKL repacks W on every call, and two rows cost about twice one.
-# W @ x.T streams W once (measured on SmolLM2-135M, one thread: 30 layers' products at 2 rows 1.0x
-# one row instead of 1.7x, at 8 rows 1.7x instead of 2.0x; benchmarks/forward_cost.py). For weights
+# W @ x.T streams W once (benchmarks/forward_cost.py, modes eager and eager-linear). For weights
 # that sit in cache (a small model) F.linear is the faster, so a model takes this path only when its
 # weights are far larger than a CPU's last-level cache.
 STREAMED_BYTES = 128 * 2**20
@@ -311,6 +310,13 @@ class Transformer(nn.Module):
         self.streamed = on
         for block in self.layers:
             block.streamed = on
+
+    def padded_rows(self) -> int:
+        """How many rows a product may have and still be padded to a power of two (few_rows_linear)
+        in this model's eager forwards as it stands (device, dtype, compiled or not); 0 when none is."""
+        w = self.embed_tokens.weight
+        on = self.streamed and self.compiled is None and w.device.type == "cpu" and w.dtype == torch.float32
+        return STREAMED_ROWS if on else 0
 
     def reset_rope(self, device: torch.device | str | None = None) -> None:
         """(Re)build the non-persistent buffers: the RoPE frequencies, the cos / sin tables of every
