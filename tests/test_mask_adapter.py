@@ -72,6 +72,31 @@ def test_clean_tokens_compute_exactly_what_the_base_computes():
     assert torch.equal(a.reshape(15, -1)[flat_clean], b.reshape(15, -1)[flat_clean])
 
 
+def test_a_feed_without_masks_runs_no_adapter_product_when_decoding(monkeypatch):
+    """A decode step with no mask in it (an AR step, a bare copy) is the base's forward: no adapter
+    call on zero rows. With autograd on, the adapters stay in the graph (a trainer's gradients are
+    zero for them, not missing)."""
+    from refusion.model.mask_adapter import MaskAdapter
+
+    base = base_model()
+    model = adapted(base)
+    calls = []
+    real_add = MaskAdapter.add
+    monkeypatch.setattr(MaskAdapter, "add", lambda self, *a: calls.append(1) or real_add(self, *a))
+    ids, pos = feed_with_masks_last(masks=(0, 0, 0))
+    with torch.inference_mode():
+        assert torch.equal(base(ids, pos), model(ids, pos))
+    assert calls == []
+    with torch.inference_mode():
+        model(*feed_with_masks_last())
+    assert len(calls) == 4 * 2  # four projections in each of the two blocks
+    calls.clear()
+    model(ids, pos).sum().backward()
+    assert len(calls) == 8
+    grads = [p.grad for n, p in adapter_parameters(model) if n != "mask_embedding"]
+    assert all(g is not None and not g.any() for g in grads)
+
+
 def test_a_fresh_mask_path_changes_nothing():
     base = base_model()
     m = Transformer(ModelConfig(**CFG))

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from refusion.model.config import ConfigError, ModelConfig
 
@@ -100,11 +101,18 @@ class MaskAdapter(nn.Module):
 
     def add(self, y: Tensor, name: str, x: Tensor, rows: Tensor) -> Tensor:
         """y (a projection's output, [N, out]) with the update of the mask rows `rows` added; x is
-        that projection's input [N, in]. Other rows are returned untouched."""
+        that projection's input [N, in]. Other rows are returned untouched. Outside autograd y itself
+        is updated (callers pass a projection's fresh output)."""
         p = self._parameters
-        h = x.index_select(0, rows)
-        delta = (h @ p[f"{name}_A"].t().to(h.dtype)) @ p[f"{name}_B"].t().to(h.dtype)
-        return y.index_add(0, rows, delta, alpha=self.scale)
+        a, b = p[f"{name}_A"], p[f"{name}_B"]
+        if a.dtype != x.dtype:
+            a, b = a.to(x.dtype), b.to(x.dtype)
+        # (F.linear rather than h @ a.t(), and in place when no graph is kept: a decode step runs this
+        # four times per adapted block on a few rows, so its operator count is what it costs)
+        delta = F.linear(F.linear(x.index_select(0, rows), a), b)
+        if torch.is_grad_enabled():
+            return y.index_add(0, rows, delta, alpha=self.scale)
+        return y.index_add_(0, rows, delta, alpha=self.scale)
 
 
 def adapter_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:

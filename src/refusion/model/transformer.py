@@ -401,11 +401,13 @@ class Transformer(nn.Module):
 
     def embed(self, ids: Tensor) -> tuple[Tensor, Tensor | None]:
         """The input embeddings [N, hidden] of the flat token ids [N], and which rows are mask tokens
-        taking the mask path (None for a model without one)."""
+        taking the mask path (None for a model without one, or, outside autograd, a feed without masks)."""
         x = self.embed_tokens(ids)
         if self.mask_embedding is None:
             return x, None
         mask_rows = (ids == self.config.mask_token_id).nonzero().squeeze(1)
+        if not len(mask_rows) and not torch.is_grad_enabled():
+            return x, None  # (decoding: no adapter products on zero rows; a trainer's graph keeps them)
         return x.index_copy(0, mask_rows, self.mask_embedding.to(x.dtype).expand(len(mask_rows), -1)), mask_rows
 
     def run_blocks(self, x: Tensor, pos: Tensor, attn_mask: Tensor | None, cache: Cache | None,
