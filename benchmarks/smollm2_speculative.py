@@ -8,8 +8,9 @@ On held-out prompts (GSM8K test questions and HumanEval prompts, as `refusion ev
 template applied), greedy, each setting decodes every prompt at each thread count and batch size:
 
     base ar                      the base model's greedy AR decoding: the reference answers
-    speculative                  the adapted model's `speculative` decoder (its default widths)
-    speculative +lookup          the same with prompt-lookup drafts too (`--lookup`): each step feeds the
+    speculative                  the adapted model's `speculative` decoder with the masks' drafts alone
+                                 (`--no-lookup`; its default widths)
+    speculative +lookup          the same with prompt-lookup drafts too (`--lookup`, this model's default): each step feeds the
                                  masks' draft or a copy of earlier text, whichever it expects to go further
     refusion s8 0.9/0.4          plan-and-infill on the adapted model (spec section 4); expected to change
                                  answers, since the base's causal path never saw out-of-order slots
@@ -63,12 +64,12 @@ from refusion.tasks.maths import gsm8k_prompt
 
 OURS = {  # name -> (which model, decoder, params without gen_length)
     "base ar": ("base", "ar", {}),
-    "speculative": ("adapted", "speculative", {}),
+    "speculative": ("adapted", "speculative", {"lookup": False}),
     "speculative +lookup": ("adapted", "speculative", {"lookup": True}),
     "refusion s8 0.9/0.4": ("adapted", "refusion", dict(slot_size=8, serial_blocks=1, slot_threshold=0.9,
                                                         token_threshold=0.4)),
     "base ar compiled": ("base compiled", "ar", {}),
-    "speculative compiled": ("adapted compiled", "speculative", {}),
+    "speculative compiled": ("adapted compiled", "speculative", {"lookup": False}),
     "speculative +lookup compiled": ("adapted compiled", "speculative", {"lookup": True}),
 }
 HF = ("hf greedy", "hf prompt-lookup")

@@ -155,3 +155,32 @@ def test_a_kind_of_draft_not_fed_lately_is_fed_again(monkeypatch):
     assert tried and all(kind >= widths.LOOKUP for kind, _ in tried)  # copies fed again, with a token at least
     # and only now and then: once counted, a kind waits until its count decays below EXPLORE_POOL
     assert len(tried) <= 2 * len(LOOKUP_NGRAMS)
+
+
+def test_lookup_is_on_by_default_for_a_mask_adapted_model_only(monkeypatch):
+    """Unset, `lookup` is the model's choice (lookup.lookup_by_default): on for a model with a mask
+    adapter, off otherwise; set, it is what it says. `refusion generate --lookup / --no-lookup`."""
+    from refusion.cli import build_parser
+    from refusion.model.mask_adapter import add_mask_adapter
+
+    adapted = looping_model()
+    add_mask_adapter(adapted, {"rank": 2})
+    indexed = []
+    plain = spec.SpeculativeSeq.__init__
+
+    def init(self, *a, **k):
+        plain(self, *a, **k)
+        indexed.append(self.index is not None)
+
+    monkeypatch.setattr(spec.SpeculativeSeq, "__init__", init)
+    for model, lookup, want in ((looping_model(), None, False), (adapted, None, True), (adapted, False, False),
+                                (looping_model(), True, True)):
+        indexed.clear()
+        out = generate_speculative(model, PROMPTS[:1], SpeculativeParams(gen_length=8, lookup=lookup), eos_ids=[])
+        assert indexed == [want], (lookup, want)
+        assert out[0].tokens == generate_ar(model, PROMPTS[:1], ARParams(gen_length=8), eos_ids=[])[0].tokens
+    with pytest.raises(ValueError, match="lookup must be"):
+        SpeculativeParams(lookup="yes")
+    parse = build_parser().parse_args
+    base = ["generate", "hi"]
+    assert [parse(base + f).lookup for f in ([], ["--lookup"], ["--no-lookup"])] == [None, True, False]

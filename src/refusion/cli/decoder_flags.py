@@ -44,6 +44,9 @@ def add_parameter_flags(g: argparse.ArgumentParser) -> None:
 
 def _add_flag(g, o: registry.Option, decoders: list[str]) -> None:
     defaults = {d: next(x.default for x in registry.options(d) if x.name == o.name) for d in decoders}
+    if o.type is bool and o.optional:  # unset: the model's choice; --NAME / --no-NAME override it
+        g.add_argument(o.flag, dest=o.name, action=argparse.BooleanOptionalAction, default=None, help=o.help)
+        return
     if o.type is bool:  # a switch: sets the opposite of the default
         note = "" if o.flag == "--" + o.name.replace("_", "-") else f" (this flag: {o.name} = {not o.default})"
         g.add_argument(o.flag, dest=o.name, action="store_const", const=not o.default, default=None,

@@ -12,7 +12,17 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from refusion.model.config import ModelConfig
+
 LOOKUP_NGRAMS = (4, 3, 2, 1)  # suffix lengths tried, longest first (longer matches are accepted further)
+
+
+def lookup_by_default(config: ModelConfig) -> bool:
+    """Whether `speculative` drafts by lookup when not told: for a mask-adapted model. Its masks draft
+    from a base that never learned to, so they are accepted less far than copies of earlier text
+    (README "SmolLM2 with drafts"); a model trained with the ReFusion objective drafts further with
+    its masks alone, and lookup costs it a little (README "Width policies")."""
+    return config.mask_adapter is not None
 
 
 class NgramIndex:

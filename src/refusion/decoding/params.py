@@ -127,9 +127,11 @@ class SpeculativeParams:
     sampled_drafts: bool = option(False, "sampling: each mask drafts a draw from its distribution with the uniform "
                                          "its position's output is drawn with, not its argmax (exact either way; "
                                          "fewer tokens per forward on the models measured)")
-    lookup: bool = option(False, "also draft by prompt lookup: copy what followed the latest earlier occurrence of "
-                                 "the last few tokens (prompt or answer); each step feeds whichever draft, "
-                                 "lookup or masks, is expected to be accepted further (exact either way)")
+    lookup: bool | None = option(None, "also draft by prompt lookup: copy what followed the latest earlier occurrence "
+                                        "of the last few tokens (prompt or answer); each step feeds whichever draft, "
+                                        "lookup or masks, is expected to be accepted further (exact either way). "
+                                        "Default: on for a model with a mask adapter (its masks draft from a frozen "
+                                        "base, and copies go further), off otherwise")
     accept_prob: float | None = option(None, "lossy: also accept a draft token whose probability is at least this "
                                              "(default: exact; greedy: only values < 0.5 matter)")
 
@@ -163,6 +165,8 @@ class SpeculativeParams:
             raise ValueError(f"mask_length {self.mask_length} exceeds {MAX_DRAFT}, the most masks a step may feed; "
                              "lower mask_length (default: the draft width + 1)")
         check_sampling(self.temperature, self.top_k, self.top_p)
+        if self.lookup is not None and not isinstance(self.lookup, bool):
+            raise ValueError(f"lookup must be true, false or unset (the model's default), got {self.lookup!r}")
         if self.accept_prob is not None:
             check_probability("accept_prob", self.accept_prob)
             if self.accept_prob == 0:

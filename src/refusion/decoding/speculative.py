@@ -61,7 +61,7 @@ from torch import Tensor
 
 from refusion.decoding import widths
 from refusion.decoding.common import DecodeResult, packed_index
-from refusion.decoding.lookup import NgramIndex
+from refusion.decoding.lookup import NgramIndex, lookup_by_default
 from refusion.decoding.params import MAX_DRAFT, SpeculativeParams, check_prompts, check_seed
 from refusion.decoding.sampling import draw, position_uniforms, sampling_probs
 from refusion.model.cache import RaggedKVCache
@@ -71,11 +71,12 @@ from refusion.model.transformer import Transformer
 class SpeculativeSeq:
     """One sequence of a SpeculativeBatch: committed tokens (all but the newest, x, have their KV
     in cache columns [0, c)), the draft for the positions after x, its width (the most draft tokens
-    its next step feeds) and how far its drafts were accepted. seed: the key of its sampled draws."""
+    its next step feeds) and how far its drafts were accepted. seed: the key of its sampled draws;
+    lookup: whether it also drafts copies of earlier text (p.lookup as the batch settled it)."""
 
     def __init__(self, sid: int, prompt: list[int], p: SpeculativeParams, mask_id: int, eos: set[int],
                  seed: int, on_commit: Callable[[list[int], list[int]], None] | None,
-                 causal_first: bool = False, plan: list[int] | None = None) -> None:
+                 causal_first: bool = False, plan: list[int] | None = None, lookup: bool = False) -> None:
         self.sid, self.prompt, self.p, self.mask_id, self.eos = sid, prompt, p, mask_id, eos
         self.seed, self.on_commit = seed, on_commit
         self.P = len(prompt)
@@ -94,7 +95,7 @@ class SpeculativeSeq:
         self.res = DecodeResult(prompt=list(prompt))
         self.start = time.perf_counter()
         self.fed_k = 0  # draft tokens fed in the step now running
-        self.index = NgramIndex(prompt) if p.lookup else None  # the text lookup drafts copy from
+        self.index = NgramIndex(prompt) if lookup else None  # the text lookup drafts copy from
         self.plan = plan  # a draft answer, by response position (SpeculativeBatch.add)
         if plan and self.causal_first:  # the prefill can verify it: the prompt's last token predicts its first
             self.draft, self.kind = list(plan), widths.PLAN
@@ -237,8 +238,10 @@ class SpeculativeBatch:
         check_seed(seed)
         if plan is not None and any(not 0 <= t < self.vocab for t in plan):
             raise ValueError(f"plan token ids must lie in [0, {self.vocab})")
+        cfg = self.model.config
         q = SpeculativeSeq(self.next_id, list(prompt), p, self.mask_id, self.eos, seed or 0, on_commit,
-                           causal_first=self.model.config.causal_first_token, plan=plan)
+                           causal_first=cfg.causal_first_token, plan=plan,
+                           lookup=p.lookup if p.lookup is not None else lookup_by_default(cfg))
         self.next_id += 1
         self.pending.append(q)
         return q.sid
