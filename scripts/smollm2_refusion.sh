@@ -18,8 +18,9 @@
 #           answers every prompt afresh (about an hour; the same greedy answers, up to a rare argmax tie
 #           that batch composition can flip)
 #   train   configs/smollm2-refusion.toml: the mask-only variant on that data -> RUNS/train/adapter
-#   export  the adapter's two files -> ASSET (default src/refusion/assets/smollm2-refusion, which makes
-#           `--model smollm2-refusion` decode with it)
+#   export  the adapter's two files and the lookup corpus (the data's answers, `refusion lookup-corpus`)
+#           -> ASSET (default src/refusion/assets/smollm2-refusion, which makes `--model smollm2-refusion`
+#           decode with them)
 #   bench   benchmarks/smollm2_speculative.py on GSM8K test and HumanEval (GSM8K_TEST, HUMANEVAL:
 #           "tasks" = refusion.tasks' copies, or files) -> OUT/smollm2_speculative.json; BENCH_ARGS adds flags
 #
@@ -114,6 +115,8 @@ for s in $STAGES; do
       mkdir -p "$ASSET"
       cp "$RUNS/train/adapter/mask_adapter.json" "$RUNS/train/adapter/mask_adapter.safetensors" "$ASSET/"
       cp "$RUNS/train/train_config.json" "$ASSET/train_config.json"
+      # the base's own answers beside the adapter: lookup drafts what it usually writes next from them
+      $R lookup-corpus "$RUNS/data.jsonl" --model "$BASE" --out "$ASSET" 2>> "$OUT/logs/export.log" || failed export
       echo "smollm2_refusion: adapter -> $ASSET ($(du -sh "$ASSET" | cut -f1))" ;;
     bench)
       [[ -f $ASSET/mask_adapter.json ]] || die "bench needs the exported adapter: run the export stage first"

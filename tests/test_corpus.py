@@ -1,139 +1,146 @@
-"""The general-text corpus (standard library source) and the study script's smoke mode."""
+"""The lookup corpus (decoding/corpus.py): its index gives, for the longest suffix the corpus holds,
+the continuation after the latest occurrence followed by the suffix's most frequent next token,
+cut at the answer's end; it travels with a model directory and a mask adapter; and the speculative
+decoder drafts from it (under its own kinds) with AR's output unchanged."""
 
 import json
-import os
-import shutil
-import subprocess
-import tomllib
-from pathlib import Path
 
+import numpy as np
 import pytest
-import torch
 
-from refusion.model.config import ConfigError
-from refusion.training.corpus import corpus_records, stdlib_files, stdlib_records
-from refusion.training.data import training_records
-from refusion.training.trainer import TrainConfig
+from refusion import bundled
+from refusion.cli import main
+from refusion.decoding import ARParams, decode, generate_ar, widths
+from refusion.decoding import speculative as spec
+from refusion.decoding.corpus import LOOKUP_CORPUS, LookupCorpus, corpus_of, read_corpus, write_corpus
+from refusion.decoding.speculative import SpeculativeParams, generate_speculative
+from refusion.model.checkpoint import load_model, save_model
+from refusion.model.config import ModelConfig
+from refusion.model.tokenizer import Tokenizer
+from refusion.model.transformer import Transformer
+from tiny_causal_lm import make_causal_lm
 
-from forked_cli import ForkServer
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def test_stdlib_records_are_continuations_of_real_source():
-    recs = stdlib_records(200, seed=3)
-    assert len(recs) == 200
-    sources = {p: p.read_text(encoding="utf-8", errors="replace") for p in stdlib_files()}
-    for r in recs[:40]:
-        assert r["query"].startswith("Continue this Python code:\n")
-        head = r["query"][len("Continue this Python code:\n"):]
-        passage = head + "\n" + r["response"]
-        assert any(passage in text for text in sources.values()), passage  # a verbatim cut, head then tail
-        assert r["response"].strip() and len(passage) <= 400
-    assert not any("/test/" in str(p) or "site-packages" in str(p) for p in sources)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def test_stdlib_records_are_a_function_of_the_seed():
-    assert stdlib_records(50, seed=1) == stdlib_records(50, seed=1)
-    assert stdlib_records(50, seed=1) != stdlib_records(50, seed=2)
-    assert stdlib_records(80, seed=1)[:50] == stdlib_records(50, seed=1)  # more records extend, not reshuffle
+def flat(answers):
+    return np.array([t for a in answers for t in (*a, -1)])
 
 
-def test_unknown_corpus_is_a_one_line_error():
-    with pytest.raises(ValueError, match="unknown corpus 'wiki'; known corpora: stdlib"):
-        corpus_records("wiki", 3)
-    with pytest.raises(ConfigError, match="corpus must be one of stdlib, got 'wiki'"):
-        TrainConfig(corpus="wiki").validate()
-    with pytest.raises(ConfigError, match="corpus_examples must be >= 1"):
-        TrainConfig(corpus="stdlib", corpus_examples=0).validate()
+def brute_force(answers, history, k, ngrams=(6, 5, 4, 3, 2, 1)):
+    """The definition, by scanning every occurrence."""
+    t = flat(answers).tolist()
+    for n in ngrams:
+        if len(history) < n:
+            continue
+        suf = list(history[-n:])
+        occ = [s + n for s in range(len(t) - n) if t[s:s + n] == suf and t[s + n] >= 0]
+        if not occ:
+            continue
+        counts = {}
+        for s in occ:
+            counts[t[s]] = counts.get(t[s], 0) + 1
+        best = max(counts.values())
+        nxt = max(x for x, c in counts.items() if c == best)
+        s = max(s for s in occ if t[s] == nxt)
+        out = t[s:s + k]
+        return (out[:out.index(-1)] if -1 in out else out), n
+    return [], 0
 
 
-def test_training_records_mix_the_corpus_into_the_task_data():
-    got = training_records("tasks:sort,add", 30, 0, "stdlib", 20)
-    assert len(got) == 50
-    assert sum(r["query"].startswith("Continue this Python code:") for r in got) == 20
-    assert got[30:] == stdlib_records(20, seed=0)
+def test_the_index_by_hand():
+    c = LookupCorpus(flat([[5, 6, 7, 1], [5, 6, 8, 2], [9, 5, 6, 7, 3], [5, 6, 8], [4, 5, 6, 7, 4]]))
+    # "5 6" is followed by 7 three times and 8 twice: the latest 7 (the last answer's), to its end
+    assert c.propose([3, 5, 6], 8) == ([7, 4], 2)
+    assert c.propose([9, 5, 6], 8) == ([7, 3], 3)  # the longer suffix "9 5 6" is held: its own continuation
+    assert c.propose([5, 6, 8], 1) == ([2], 3)  # "5 6 8" ends an answer once, and goes on to 2 once
+    assert c.propose([11], 4) == ([], 0)  # never seen
+    assert c.propose([4], 4) == ([5, 6, 7, 4], 1)  # (the answer-ending 4s are followed by nothing)
+    assert LookupCorpus(flat([[1]])).propose([1], 3) == ([], 0)  # a token that only ends answers continues nothing
 
 
-# the stages the quick study runs here: all of them
-QUICK_STAGES = ["base", "ar", "refusion", "mdm", "refusion-boundary", "refusion-ar-share-25", "refusion-joint",
-                "refusion-hybrid", "refusion-decoupled", "refusion-hybrid-8k", "report"]
+def test_the_index_matches_the_definition():
+    rng = np.random.default_rng(0)
+    for vocab in (3, 6, 40):
+        answers = [rng.integers(0, vocab, int(rng.integers(1, 30))).tolist() for _ in range(40)]
+        c = LookupCorpus(flat(answers))
+        for _ in range(200):
+            history = rng.integers(0, vocab, int(rng.integers(1, 9))).tolist()
+            for k in (1, 5):
+                assert c.propose(history, k) == brute_force(answers, history, k), (vocab, history, k)
 
 
-@pytest.fixture
-def refusion_command():
-    """`python -m refusion.cli` for a script of many short commands: each command a fork of one
-    interpreter that has imported torch and refusion once (tests/forked_cli.py), with the script's
-    thread settings."""
-    with ForkServer({**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}) as server:
-        yield server.command
+def test_the_corpus_file_round_trips_and_bad_files_are_named(tmp_path):
+    answers = [[3, 4, 5], [], [0, 7]]
+    path = write_corpus(tmp_path, answers)
+    assert path.name == LOOKUP_CORPUS and not list(tmp_path.glob("*.tmp"))
+    assert read_corpus(path).tokens.tolist() == [3, 4, 5, -1, -1, 0, 7, -1]
+    with pytest.raises(ValueError, match=">= 0"):
+        write_corpus(tmp_path, [[1, -3]])
+    (tmp_path / "bad.safetensors").write_bytes(b"not a file")
+    with pytest.raises(ValueError, match="not a readable lookup corpus"):
+        read_corpus(tmp_path / "bad.safetensors")
 
 
-def test_study_quick_runs_every_stage_and_writes_the_curves(tmp_path, refusion_command):
-    """scripts/study.sh --quick: base -> ar/refusion/mdm fine-tunes, each one run with a checkpoint at
-    every curve point (steps 4 and 8) -> every decoder on every checkpoint -> report (untrained)."""
-    env = {**os.environ, "RUNS": str(tmp_path / "runs"), "OUT": str(tmp_path / "out"), "N": "2",
-           "REFUSION": refusion_command}
+MASK = 23
+CFG = dict(vocab_size=24, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+           mask_token_id=MASK, eos_token_id=1)
 
-    def study(*stages):
-        proc = subprocess.run(["bash", str(ROOT / "scripts" / "study.sh"), "--quick", *stages], env=env, cwd=ROOT,
-                              capture_output=True, text=True, timeout=900)
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-        return proc.stdout
 
-    study(*QUICK_STAGES)
-    runs, out = tmp_path / "runs", tmp_path / "out"
-    for stage in ("base", "refusion", "ar", "mdm"):
-        cfg = json.loads((runs / stage / "model" / "config.json").read_text())
-        assert cfg["training_objective"] == ("ar" if stage == "base" else stage)
-        assert (out / "logs" / f"{stage}.metrics.jsonl").is_file()
-    for stage in ("refusion", "ar", "mdm"):  # every curve point kept, and the final model is the last one
-        assert sorted(p.name for p in (runs / stage).glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-8"]
-        assert json.loads((runs / stage / "train_config.json").read_text())["max_steps"] == 8
-        assert ((runs / stage / "model" / "model.safetensors").read_bytes()
-                == (runs / stage / "checkpoint-8" / "model.safetensors").read_bytes())
-    # every fine-tune starts from the base: same tokenizer, and the mask token only where the objective needs it
-    base_tok = (runs / "base" / "model" / "tokenizer.json").read_text()
-    assert all((runs / s / "model" / "tokenizer.json").read_text() == base_tok for s in ("ar", "mdm"))
-    paper_cfg = json.loads((runs / "refusion" / "model" / "config.json").read_text())
-    assert not paper_cfg.get("causal_first_token", False)  # the paper's objective drafts the first token
-    ar_cfg = json.loads((runs / "ar" / "model" / "config.json").read_text())
-    assert "mask_token_id" in ar_cfg and ar_cfg["causal_first_token"]  # the ReFusion vocabulary, never a mask fed
-    for v in ("boundary", "ar-share-25", "joint", "hybrid", "decoupled"):
-        cfg = json.loads((runs / f"refusion-{v}" / "model" / "config.json").read_text())
-        assert cfg["causal_first_token"] and ("mask_adapter" in cfg) == (v == "decoupled")
-        assert sorted(p.name for p in (runs / f"refusion-{v}").glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-8"]
-        assert all((out / f"refusion-{v}@{s}__{t}__speculative.json").is_file() for s in (4, 8) for t in ("sort", "code"))
-    # the bundled model's stage trains the bundled recipe itself (its budget shrunk), from the study's base
-    recipe = tomllib.loads((ROOT / "src/refusion/assets/refusion-tiny/recipe.toml").read_text())
-    bundled_run = json.loads((runs / "refusion-hybrid-8k" / "train_config.json").read_text())
-    assert bundled_run["init"] == str(runs / "base" / "model") and bundled_run["max_steps"] == 8
-    assert all(bundled_run[k] == v for k, v in recipe.items()
-               if k not in ("init", "max_steps", "save_every", "out_dir", "synthetic_examples", "warmup_steps"))
-    assert sorted(p.name for p in (runs / "refusion-hybrid-8k").glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-8"]
-    # the decoupled variant's shared weights are the ARM's, to the bit; its mask path is its own
-    from safetensors.torch import load_file
-    arm = load_file(runs / "ar" / "model" / "model.safetensors")
-    dec = load_file(runs / "refusion-decoupled" / "model" / "model.safetensors")
-    assert all(torch.equal(arm[k], dec[k]) for k in arm) and any("mask_adapter" in k for k in dec)
-    report = (out / "report.md").read_text()
-    assert "| base | ar |" in report
-    for model, decoders in (("ar", ["ar"]), ("refusion", ["ar", "refusion", "refusion-fast", "speculative"]),
-                            ("mdm", ["mdm", "mdm-threshold"])):
-        table = report[report.index(f"### {model}\n"):].split("\n\n")[1].splitlines()[2:]
-        assert [row.split(" | ")[:2] for row in table] == [[f"| {d}", str(s)] for d in decoders for s in (4, 8)]
-        assert json.loads((out / f"{model}@4__sort__{decoders[0]}.json").read_text())["model_path"] == str(
-            runs / model / "checkpoint-4")
-    for plot in ("accuracy_vs_steps.png", "accuracy_vs_tps.png"):
-        assert (out / plot).stat().st_size > 1000
-    # cut off: ar lost its final model, its last checkpoint and one summary; the same command resumes
-    # the run from checkpoint-4 (to the same weights) and evaluates only what is missing
-    weights = (runs / "ar" / "checkpoint-8" / "model.safetensors").read_bytes()
-    shutil.rmtree(runs / "ar" / "model")
-    shutil.rmtree(runs / "ar" / "checkpoint-8")
-    (out / "ar@8__add__ar.json").unlink()
-    log = study(*QUICK_STAGES)
-    assert "study: training ar" in log and "study: training refusion" not in log
-    assert (runs / "ar" / "checkpoint-8" / "model.safetensors").read_bytes() == weights
-    evaluated = [line.split(":")[0] for line in log.splitlines() if not line.startswith("study:")]
-    assert evaluated == ["ar@8 add ar"]
+def test_speculative_drafts_from_the_models_corpus_and_keeps_ar_output(tmp_path, monkeypatch):
+    """A model whose corpus holds its own earlier answers drafts them (corpus kinds, accepted far) and
+    needs fewer forwards for the same tokens; without the file it has no corpus."""
+    save_model(Transformer(ModelConfig(**CFG)).init_weights(seed=7, std=0.5), tmp_path / "m")
+    model = load_model(tmp_path / "m")
+    assert corpus_of(model) is None
+    prompts = [[2, 3, 4], [9, 8, 7, 6], [12, 5]]
+    want = generate_ar(model, prompts, ARParams(gen_length=40), eos_ids=[])
+    write_corpus(tmp_path / "m", [r.tokens for r in want])
+    model = load_model(tmp_path / "m")
+    assert corpus_of(model) is not None
+    kinds = []
+    plain = spec.SpeculativeSeq.next_feed
+
+    def next_feed(self):
+        kinds.append(self.kind)
+        return plain(self)
+
+    monkeypatch.setattr(spec.SpeculativeSeq, "next_feed", next_feed)
+    params = dict(gen_length=40, draft_length=8, adaptive=False)
+    off = generate_speculative(model, prompts, SpeculativeParams(lookup=False, **params), eos_ids=[])
+    assert all(k < widths.CORPUS for k in kinds)
+    kinds.clear()
+    on = generate_speculative(model, prompts, SpeculativeParams(lookup=True, **params), eos_ids=[])
+    assert [r.tokens for r in on] == [r.tokens for r in off] == [r.tokens for r in want]
+    assert any(k >= widths.CORPUS for k in kinds)
+    assert sum(r.forwards for r in on) < 0.5 * sum(r.forwards for r in off)
+    pool = widths.prior_for(model)
+    assert pool.accepted[widths.CORPUS:].sum() > 0
+
+
+def test_lookup_corpus_command_and_an_adapter_carries_its_corpus(tmp_path, monkeypatch, capsys):
+    from test_model_names import write_adapter
+
+    monkeypatch.setenv("REFUSION_CACHE", str(tmp_path / "cache"))
+    base = make_causal_lm(tmp_path / "base", std=0.3)
+    tok = Tokenizer.from_dir(base)
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join([json.dumps({"query": "q", "response": "abc abd", "finished": True}),
+                               json.dumps({"query": "q", "response": "xyz", "finished": False}), "not json", ""]))
+    adapter = tmp_path / "adapter"
+    write_adapter(base, adapter, str(base))
+    assert main(["lookup-corpus", str(data), "--model", str(base), "--out", str(adapter)]) == 0
+    err = capsys.readouterr().err
+    assert "2 answers" in err and "(1 lines without a response skipped)" in err
+    eos = [tok.eos_id] if tok.eos_id is not None else []
+    assert read_corpus(adapter / LOOKUP_CORPUS).tokens.tolist() == [*tok.encode("abc abd"), *eos, -1,
+                                                                     *tok.encode("xyz"), -1]
+    built = bundled.resolve_model(adapter)
+    assert (built / LOOKUP_CORPUS).read_bytes() == (adapter / LOOKUP_CORPUS).read_bytes()
+    out = decode(load_model(built), [tok.encode("abc")], "speculative", gen_length=12, eos_ids=[])
+    assert out[0].tokens == decode(load_model(base), [tok.encode("abc")], "ar", gen_length=12, eos_ids=[])[0].tokens
+    assert main(["lookup-corpus", str(tmp_path / "none.jsonl"), "--model", str(base), "--out", str(adapter)]) == 2
+    assert "cannot read it" in capsys.readouterr().err
+    (tmp_path / "empty.jsonl").write_text("{}\n")
+    assert main(["lookup-corpus", str(tmp_path / "empty.jsonl"), "--model", str(base), "--out", str(adapter)]) == 2
+    assert "no line holds" in capsys.readouterr().err

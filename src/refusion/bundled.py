@@ -20,6 +20,7 @@ install), the default is SmolLM2-135M-Instruct.
 from __future__ import annotations
 
 import hashlib
+import shutil
 import sys
 from pathlib import Path
 
@@ -107,8 +108,11 @@ def adapted_model_dir(adapter: Path) -> Path:
         base = adapter_base(adapter, meta["base"])
     except ValueError as e:
         raise ValueError(f"{adapter}: its base model {meta['base']!r} cannot be found ({e})") from None
+    from refusion.decoding.corpus import LOOKUP_CORPUS
+
+    kept = [f for f in (ADAPTER_CONFIG, ADAPTER_WEIGHTS, LOOKUP_CORPUS) if (adapter / f).is_file()]
     h = hashlib.sha256(str(base.resolve()).encode())
-    for f in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+    for f in kept:
         h.update((adapter / f).read_bytes())
     out = cache_dir() / "models" / "adapted" / h.hexdigest()[:16] / _name(adapter.resolve())
     if (out / "config.json").exists():
@@ -122,6 +126,8 @@ def adapted_model_dir(adapter: Path) -> Path:
     except ValueError as e:
         raise ValueError(f"the mask adapter {adapter} does not fit its base {base}: {e}") from None
     save_model(model, out, tok, overwrite=True)
+    if LOOKUP_CORPUS in kept:  # (the adapter's drafts from its base's own answers: decoding/corpus.py)
+        shutil.copyfile(adapter / LOOKUP_CORPUS, out / LOOKUP_CORPUS)
     return out
 
 

@@ -1,5 +1,6 @@
 """`refusion data`: download the real benchmarks' files into the cache (refusion.tasks.sources).
-`refusion self-generate`: training data a model writes itself (refusion.training.self_generate)."""
+`refusion self-generate`: training data a model writes itself (refusion.training.self_generate).
+`refusion lookup-corpus`: keep a model's own answers beside it as drafts (refusion.decoding.corpus)."""
 
 from __future__ import annotations
 
@@ -33,11 +34,27 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.set_defaults(func=cmd_self_generate)
 
+    c = sub.add_parser("lookup-corpus", help="keep a model's own answers (self-generate's JSONL) beside it: "
+                       "speculative decoding with lookup drafts what it usually writes next from them",
+                       description=_corpus_doc())
+    c.add_argument("data", help="JSONL with a \"response\" per line (refusion self-generate's output); "
+                   "answers to training prompts only, never a test split")
+    c.add_argument("--model", help="whose tokenizer encodes the answers: " + MODEL_HELP)
+    c.add_argument("--out", required=True, help="the model or mask-adapter directory to keep the corpus in "
+                   "(its lookup_corpus.safetensors)")
+    c.set_defaults(func=cmd_lookup_corpus)
+
 
 def _doc_head() -> str:
     from refusion.training import self_generate
 
     return self_generate.__doc__ or ""
+
+
+def _corpus_doc() -> str:
+    from refusion.decoding import corpus
+
+    return corpus.__doc__ or ""
 
 
 def cmd_data(args: argparse.Namespace) -> None:
@@ -71,3 +88,40 @@ def cmd_self_generate(args: argparse.Namespace) -> None:
     print(f"{args.out}: {c['written']} responses written ({c['finished']} ended within {args.max_tokens} tokens), "
           f"{c['skipped']} prompts already there; {c['retokenized']} responses re-encode to other tokens than the "
           "model wrote", file=sys.stderr)
+
+
+def cmd_lookup_corpus(args: argparse.Namespace) -> None:
+    import json
+    from pathlib import Path
+
+    from refusion.decoding.corpus import write_corpus
+    from refusion.model.tokenizer import Tokenizer
+
+    out = Path(args.out)
+    if not out.is_dir():
+        raise ValueError(f"--out {out}: no such directory (a model or mask-adapter directory)")
+    answers, bad = [], 0
+    try:
+        lines = Path(args.data).read_text().splitlines()
+    except OSError as e:
+        raise ValueError(f"{args.data}: cannot read it ({e.strerror})") from None
+    tok = Tokenizer.from_dir(resolve_model_dir(args))
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            text = rec["response"]
+        except (ValueError, KeyError, TypeError):
+            bad += 1
+            continue
+        ids = tok.encode(text)
+        if rec.get("finished") and tok.eos_id is not None:  # the answer ended there: its end is drafted too
+            ids.append(tok.eos_id)
+        answers.append(ids)
+    if not answers:
+        raise ValueError(f"{args.data}: no line holds a JSON object with a \"response\" (refusion self-generate's "
+                         "format)")
+    path = write_corpus(out, answers)
+    print(f"{path}: {len(answers)} answers, {sum(map(len, answers))} tokens"
+          + (f" ({bad} lines without a response skipped)" if bad else ""), file=sys.stderr)

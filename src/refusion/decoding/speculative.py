@@ -61,6 +61,7 @@ from torch import Tensor
 
 from refusion.decoding import widths
 from refusion.decoding.common import DecodeResult, packed_index
+from refusion.decoding.corpus import corpus_of
 from refusion.decoding.lookup import NgramIndex, lookup_by_default
 from refusion.decoding.params import MAX_DRAFT, SpeculativeParams, check_prompts, check_seed
 from refusion.decoding.sampling import draw, position_uniforms, sampling_probs
@@ -219,6 +220,7 @@ class SpeculativeBatch:
         self.next_id = 0
         self.cost = cost  # measured at the first step that needs it
         self.prior = widths.prior_for(model)
+        self.corpus = corpus_of(model)  # drafts from the model's own earlier answers, for rows with lookup
         self.held = 0  # steps since the widths were last chosen (widths.CHOOSE_EVERY)
 
     def __len__(self) -> int:
@@ -400,8 +402,8 @@ class SpeculativeBatch:
                 self.cost.note(B, fed, time.perf_counter() - start, B * W - fed)
 
     def _offer_drafts(self, seqs: list[SpeculativeSeq]) -> None:
-        """Rows with other drafts than the masks': a copy from earlier text (SpeculativeParams.lookup)
-        and a plan (add(plan=...)). A row's next draft is whichever of the masks' draft and these has
+        """Rows with other drafts than the masks': a copy from earlier text and a continuation from the
+        model's lookup corpus (SpeculativeParams.lookup; corpus.py), and a plan (add(plan=...)). A row's next draft is whichever of the masks' draft and these has
         the longest expected accepted prefix (the row's own acceptance of each kind, shrunk towards
         the model's pooled one)."""
         offers = []
@@ -412,6 +414,10 @@ class SpeculativeBatch:
                 copy, n = q.index.propose(q.p.draft_length)
                 if copy:
                     offers.append((q, copy, widths.lookup_kind(n)))
+                if self.corpus is not None:
+                    draft, n = self.corpus.propose(q.index.tokens, q.p.draft_length)
+                    if draft:
+                        offers.append((q, draft, widths.corpus_kind(n)))
             if q.plan is not None:
                 g = len(q.res.tokens)  # the response position the draft starts at
                 if g < len(q.plan):

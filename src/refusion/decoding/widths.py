@@ -79,6 +79,7 @@ import numpy as np
 import torch
 
 from refusion.decoding.common import packed_index
+from refusion.decoding.corpus import CORPUS_NGRAMS
 from refusion.decoding.lookup import LOOKUP_NGRAMS
 from refusion.decoding.params import MAX_DRAFT
 from refusion.model.cache import RaggedKVCache
@@ -309,12 +310,18 @@ def _timed_forward(model: Transformer, cache: RaggedKVCache, rows: int, width: i
 
 FRESH, AFTER_MISS, LOOKUP = 0, 1, 2  # the kinds of draft a step feeds (Acceptance)
 PLAN = LOOKUP + max(LOOKUP_NGRAMS)  # a copy's kind is LOOKUP + its match's length - 1 (lookup_kind)
-KINDS = PLAN + 1  # PLAN: a draft answer given with the prompt (plan-and-infill's, ReFusionParams.verify)
+CORPUS = PLAN + 1  # PLAN: a draft answer given with the prompt (plan-and-infill's, ReFusionParams.verify)
+KINDS = CORPUS + max(CORPUS_NGRAMS)  # a corpus draft's kind is CORPUS + its match's length - 1 (corpus_kind)
 
 
 def lookup_kind(n: int) -> int:
     """The kind of a copy found by matching the text's last n tokens."""
     return LOOKUP + n - 1
+
+
+def corpus_kind(n: int) -> int:
+    """The kind of a draft from the model's lookup corpus found by matching the last n tokens (corpus.py)."""
+    return CORPUS + n - 1
 
 
 class Acceptance:
@@ -323,7 +330,8 @@ class Acceptance:
     the masks' predictions after a fully accepted draft; AFTER_MISS, after a rejection: the rest of
     the old draft (drafted beside the token that was rejected), then the masks'; lookup_kind(n), a
     copy of what followed the same n last tokens earlier in the text (lookup.py); PLAN, the
-    sequence's draft answer at the positions that follow. They are counted
+    sequence's draft answer at the positions that follow; corpus_kind(n), what the model's lookup
+    corpus continues the same n last tokens with (corpus.py). They are counted
     apart because they are accepted very differently. Counts change through record and
     record_many only: what is read from them is kept until they do."""
 

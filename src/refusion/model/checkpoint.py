@@ -228,6 +228,7 @@ def load_model(path: str | Path, dtype: torch.dtype | str | None = None, device:
         model.lm_head.weight = model.embed_tokens.weight
     model.reset_rope()  # buffers are not in the file and were built on "meta"
     model = model.to(device).eval()
+    model.directory = Path(path)  # where files kept beside the weights are read from (decoding/corpus.py)
     if compile:
         enable_compile(model, mode="default" if compile is True else compile)
     return model
