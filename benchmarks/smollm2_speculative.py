@@ -54,6 +54,7 @@ import torch
 
 from refusion.bundled import ASSETS, adapter_base, resolve_model
 from refusion.decoding import decode
+from refusion.decoding.corpus import LOOKUP_CORPUS
 from refusion.model.checkpoint import load_model
 from refusion.model.mask_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_parameters
 from refusion.model.tokenizer import Tokenizer
@@ -169,9 +170,10 @@ def peak_memory(model_dir: Path, prompt: list[int], max_tokens: int) -> int:
 def adapter_costs(base, adapted, adapter_dir: Path | None) -> dict:
     extra = sum(p.numel() for _, p in adapter_parameters(adapted))
     extra += (adapted.config.vocab_size - base.config.vocab_size) * base.config.hidden_size  # the new table row
-    files = {f: (adapter_dir / f).stat().st_size for f in (ADAPTER_CONFIG, ADAPTER_WEIGHTS)} if adapter_dir else {}
+    files = {f: (adapter_dir / f).stat().st_size for f in (ADAPTER_CONFIG, ADAPTER_WEIGHTS, LOOKUP_CORPUS)
+             if adapter_dir and (adapter_dir / f).is_file()}
     return dict(base_parameters=sum(p.numel() for p in base.parameters()), extra_parameters=extra,
-                adapter_file_bytes=sum(files.values()) or None)
+                adapter_file_bytes=sum(files.values()) or None, lookup_corpus_bytes=files.get(LOOKUP_CORPUS))
 
 
 # ---- the table ------------------------------------------------------------------------------------

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from refusion.decoding.corpus import LOOKUP_CORPUS, read_corpus
+
 from tiny_gguf import write_byte_level_gguf
 
 ROOT = Path(__file__).parents[1]
@@ -53,6 +55,8 @@ def check_quick_run(tmp: Path, base: Path, env: dict) -> None:
     asset = runs / "asset" / "smollm2-refusion"
     meta = json.loads((asset / "mask_adapter.json").read_text())
     assert meta["base"] == str(base) and meta["rank"] == 16
+    # the export keeps the data's answers beside the adapter, one per record, as lookup drafts
+    assert int((read_corpus(asset / LOOKUP_CORPUS).tokens == -1).sum()) == len(recs)
     assert (asset / "mask_adapter.safetensors").read_bytes() == (runs / "train" / "adapter" /
                                                                  "mask_adapter.safetensors").read_bytes()
     bench = json.loads((out / "smollm2_speculative.json").read_text())
