@@ -108,7 +108,7 @@ def test_the_controls_are_the_decoders_fields_from_the_server(live, page):
         page.select_option("#decoder", decoder)
         shown = page.locator("#params input").evaluate_all(
             "els => els.map(e => [e.id, e.type === 'checkbox' ? e.checked : e.value])")
-        assert shown == [[f["name"], f["default"] if f["type"] == "boolean" else
+        assert shown == [[f["name"], bool(f["default"]) if f["type"] == "boolean" else
                           ("" if f["default"] is None else str(f["default"]))] for f in fields[decoder]]
     page.select_option("#decoder", "refusion")
     page.fill("#slot_size", "4")

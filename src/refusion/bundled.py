@@ -98,7 +98,7 @@ def adapter_base(adapter: Path, base: str) -> Path:
 def adapted_model_dir(adapter: Path) -> Path:
     """A model directory holding the base the adapter at `adapter` names with the adapter attached:
     built into the download cache the first time, then reused."""
-    from refusion.model.checkpoint import add_mask_token, load_model, save_model
+    from refusion.model.checkpoint import LOOKUP_CORPUS, add_mask_token, load_model, save_model
     from refusion.model.fetch import cache_dir
     from refusion.model.mask_adapter import ADAPTER_WEIGHTS, attach_mask_adapter, read_adapter_config
     from refusion.model.tokenizer import Tokenizer
@@ -108,8 +108,6 @@ def adapted_model_dir(adapter: Path) -> Path:
         base = adapter_base(adapter, meta["base"])
     except ValueError as e:
         raise ValueError(f"{adapter}: its base model {meta['base']!r} cannot be found ({e})") from None
-    from refusion.decoding.corpus import LOOKUP_CORPUS
-
     kept = [f for f in (ADAPTER_CONFIG, ADAPTER_WEIGHTS, LOOKUP_CORPUS) if (adapter / f).is_file()]
     h = hashlib.sha256(str(base.resolve()).encode())
     for f in kept:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-LOOKUP_CORPUS = "lookup_corpus.safetensors"
+from refusion.model.checkpoint import LOOKUP_CORPUS
 CORPUS_NGRAMS = (6, 5, 4, 3, 2, 1)  # suffix lengths tried, longest first
 _P = np.uint64(1_000_003)  # the n-gram hash's multiplier (arithmetic modulo 2**64)
 _MASK = (1 << 64) - 1

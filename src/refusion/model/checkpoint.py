@@ -44,6 +44,9 @@ class CheckpointError(ValueError):
     pass
 
 
+# kept beside the weights: the model's own answers, drafts for speculative decoding (decoding/corpus.py)
+LOOKUP_CORPUS = "lookup_corpus.safetensors"
+
 def _hf_key(name: str) -> str:
     return name if name.startswith("lm_head.") else "model." + name
 
