@@ -54,8 +54,7 @@ import torch
 
 from refusion.bundled import ASSETS, adapter_base, resolve_model
 from refusion.decoding import decode
-from refusion.decoding.corpus import LOOKUP_CORPUS
-from refusion.model.checkpoint import load_model
+from refusion.model.checkpoint import LOOKUP_CORPUS, load_model
 from refusion.model.mask_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_parameters
 from refusion.model.tokenizer import Tokenizer
 from refusion.tasks import Example

@@ -12,7 +12,8 @@ from refusion import bundled
 from refusion.cli import main
 from refusion.decoding import ARParams, decode, generate_ar, widths
 from refusion.decoding import speculative as spec
-from refusion.decoding.corpus import LOOKUP_CORPUS, LookupCorpus, corpus_of, read_corpus, write_corpus
+from refusion.decoding.corpus import LookupCorpus, corpus_of, read_corpus, write_corpus
+from refusion.model.checkpoint import LOOKUP_CORPUS
 from refusion.decoding.speculative import SpeculativeParams, generate_speculative
 from refusion.model.checkpoint import load_model, save_model
 from refusion.model.config import ModelConfig

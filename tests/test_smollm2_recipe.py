@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from refusion.decoding.corpus import LOOKUP_CORPUS, read_corpus
+from refusion.decoding.corpus import read_corpus
+from refusion.model.checkpoint import LOOKUP_CORPUS
 
 from tiny_gguf import write_byte_level_gguf
 

@@ -23,8 +23,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-
-from refusion.model.checkpoint import LOOKUP_CORPUS
 CORPUS_NGRAMS = (6, 5, 4, 3, 2, 1)  # suffix lengths tried, longest first
 _P = np.uint64(1_000_003)  # the n-gram hash's multiplier (arithmetic modulo 2**64)
 _MASK = (1 << 64) - 1
@@ -103,6 +101,8 @@ def write_corpus(directory: str | Path, answers: Sequence[Sequence[int]]) -> Pat
     import torch
     from safetensors.torch import save_file
 
+    from refusion.model.checkpoint import LOOKUP_CORPUS
+
     flat = [t for a in answers for t in (*a, -1)]
     if any(t < -1 for t in flat):
         raise ValueError("corpus token ids must be >= 0")
@@ -132,6 +132,8 @@ def corpus_of(model) -> LookupCorpus | None:
     """The lookup corpus kept in the directory `model` was loaded from (load_model sets
     model.directory), indexed on first use; None where there is none."""
     if model not in _CORPORA:
+        from refusion.model.checkpoint import LOOKUP_CORPUS  # (here: `refusion --help` must not import torch)
+
         d = getattr(model, "directory", None)
         path = Path(d) / LOOKUP_CORPUS if d is not None else None
         _CORPORA[model] = read_corpus(path) if path is not None and path.is_file() else None
