@@ -67,3 +67,19 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def fed_kinds(monkeypatch):
+    """The kind of draft (decoding/widths.py) each speculative step feeds, per row, in order."""
+    from refusion.decoding import speculative
+
+    kinds = []
+    plain = speculative.SpeculativeSeq.next_feed
+
+    def next_feed(self):
+        kinds.append(self.kind)
+        return plain(self)
+
+    monkeypatch.setattr(speculative.SpeculativeSeq, "next_feed", next_feed)
+    return kinds

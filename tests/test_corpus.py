@@ -11,7 +11,6 @@ import pytest
 from refusion import bundled
 from refusion.cli import main
 from refusion.decoding import ARParams, decode, generate_ar, widths
-from refusion.decoding import speculative as spec
 from refusion.decoding.corpus import LookupCorpus, corpus_of, read_corpus, write_corpus
 from refusion.model.checkpoint import LOOKUP_CORPUS
 from refusion.decoding.speculative import SpeculativeParams, generate_speculative
@@ -88,7 +87,7 @@ CFG = dict(vocab_size=24, hidden_size=32, intermediate_size=64, num_layers=2, nu
            mask_token_id=MASK, eos_token_id=1)
 
 
-def test_speculative_drafts_from_the_models_corpus_and_keeps_ar_output(tmp_path, monkeypatch):
+def test_speculative_drafts_from_the_models_corpus_and_keeps_ar_output(tmp_path, fed_kinds):
     """A model whose corpus holds its own earlier answers drafts them (corpus kinds, accepted far) and
     needs fewer forwards for the same tokens; without the file it has no corpus."""
     save_model(Transformer(ModelConfig(**CFG)).init_weights(seed=7, std=0.5), tmp_path / "m")
@@ -99,14 +98,7 @@ def test_speculative_drafts_from_the_models_corpus_and_keeps_ar_output(tmp_path,
     write_corpus(tmp_path / "m", [r.tokens for r in want])
     model = load_model(tmp_path / "m")
     assert corpus_of(model) is not None
-    kinds = []
-    plain = spec.SpeculativeSeq.next_feed
-
-    def next_feed(self):
-        kinds.append(self.kind)
-        return plain(self)
-
-    monkeypatch.setattr(spec.SpeculativeSeq, "next_feed", next_feed)
+    kinds = fed_kinds
     params = dict(gen_length=40, draft_length=8, adaptive=False)
     off = generate_speculative(model, prompts, SpeculativeParams(lookup=False, **params), eos_ids=[])
     assert all(k < widths.CORPUS for k in kinds)

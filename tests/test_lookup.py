@@ -65,17 +65,10 @@ def looping_model() -> Transformer:
     return Transformer(ModelConfig(**CFG)).init_weights(seed=3, std=0.5).eval()
 
 
-def test_copies_are_fed_accepted_and_counted_under_their_own_kind(monkeypatch):
+def test_copies_are_fed_accepted_and_counted_under_their_own_kind(fed_kinds):
     model = looping_model()
     want = generate_ar(model, PROMPTS, ARParams(gen_length=48), eos_ids=[])
-    fed = []
-    plain = spec.SpeculativeSeq.next_feed
-
-    def next_feed(self):
-        fed.append(self.kind)
-        return plain(self)
-
-    monkeypatch.setattr(spec.SpeculativeSeq, "next_feed", next_feed)
+    fed = fed_kinds
     widths.PRIORS.pop(model, None)
     params = dict(gen_length=48, draft_length=8, adaptive=False)
     masks = generate_speculative(model, PROMPTS, SpeculativeParams(**params), eos_ids=[])
