@@ -114,7 +114,12 @@ def choose_widths(batch) -> list[tuple[int, bool]]:
     masks = np.array([-1 if q.p.mask_length is None else q.p.mask_length for q in seqs])
     n = max(K, 1)
     value = expected_accepted(prior(batch.prior, n), np.full(widths.KINDS, n))
-    bare = free & (kind >= widths.LOOKUP) & (masks < 0) & (value[kind] >= value[widths.FRESH])
+    # a copy goes without masks where its kind, or the drafts of other text fed lately on average
+    # (weighted by how many of each kind reached their first position), beat the masks' fresh drafts
+    counts = batch.prior.reached[widths.LOOKUP:, 0]
+    usual = (value[widths.LOOKUP:] * counts).sum() / counts.sum() if counts.sum() > 0 else 0.0
+    beats = (value[kind] >= value[widths.FRESH]) | (usual >= value[widths.FRESH])
+    bare = free & (kind >= widths.LOOKUP) & (masks < 0) & beats
     if bare.any():
         masks = np.where(bare, 0, masks)
         bound = np.where(bare, np.minimum(bound, [len(q.draft) for q in seqs]), bound)

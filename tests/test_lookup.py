@@ -113,6 +113,26 @@ def test_a_copy_goes_without_masks_where_copies_beat_the_masks(monkeypatch):
     assert all(masks > 0 for kind, _, masks in seen if kind >= widths.LOOKUP)
 
 
+def test_a_weak_copy_goes_without_masks_where_copies_usually_beat_them():
+    """Masks behind a copy pay only if their draft is the next one fed. A copy matched on one token
+    (a weak kind) goes bare when the copies this model was fed lately usually beat the masks' fresh
+    drafts, and feeds masks when those copies are mostly the weak kind itself."""
+    model = looping_model()
+    widths.PRIORS.pop(model, None)
+    batch = spec.SpeculativeBatch(model, eos_ids=[])
+    pool = batch.prior
+    weak, strong = widths.lookup_kind(1), widths.lookup_kind(4)
+    pool.reached[widths.FRESH, :8], pool.accepted[widths.FRESH, :8] = 1000, 600
+    pool.reached[weak, :8], pool.accepted[weak, :8] = 100, 10
+    pool.reached[strong, :8], pool.accepted[strong, :8] = 1000, 950
+    beat = batch._copies_beat_masks(8)
+    assert beat[strong] and beat[weak]
+    pool.reached[strong, :8], pool.accepted[strong, :8] = 10, 9  # now the copies fed are mostly weak ones
+    pool.kept.clear()
+    beat = batch._copies_beat_masks(8)
+    assert beat[strong] and not beat[weak]
+
+
 def test_a_kind_of_draft_not_fed_lately_is_fed_again(monkeypatch):
     """A kind's estimate comes only from drafts fed: a kind judged not worth its cost would never be
     corrected. Where every draft costs more than it can earn (a cost linear in the tokens fed), a

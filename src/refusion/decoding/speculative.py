@@ -325,7 +325,7 @@ class SpeculativeBatch:
         rate = widths.rates(reached, accepted, np.array(kind), self.prior)
         masks = [-1 if q.p.mask_length is None else q.p.mask_length for q in seqs]
         # a copy accepted whole is followed by more of the copy, for free: masks behind it pay only
-        # where this model's mask drafts are expected to go further than its copies
+        # where this model's mask drafts are expected to go further than its copies do
         bare = [f and k >= widths.LOOKUP and m < 0 for f, k, m in zip(free, kind, masks)]
         if any(bare):
             beat = self._copies_beat_masks(K)
@@ -352,10 +352,15 @@ class SpeculativeBatch:
                 q.bare = False
 
     def _copies_beat_masks(self, n: int) -> np.ndarray:
-        """[KINDS]: whether each kind of draft is expected (pooled over this model's sequences) to be
-        accepted at least as far as the masks' fresh drafts, over n positions."""
+        """[KINDS]: whether a draft of each kind goes without masks behind it: where it is expected
+        (pooled over this model's sequences, over n positions) to be accepted at least as far as the
+        masks' fresh drafts, or where the drafts of other text usually are. Masks fed behind a weak
+        copy pay only if their draft is then the one the row feeds, and it rarely is where copies
+        usually beat it: the next step most often holds another copy."""
         value = self.prior.expected(max(n, 1))
-        return value >= value[widths.FRESH]
+        fed = self.prior.reached[widths.LOOKUP:, 0]  # the drafts of other text (copies, corpus, plans) fed lately
+        usual = float(value[widths.LOOKUP:] @ fed / fed.sum()) if fed.sum() > 0 else 0.0
+        return (value >= value[widths.FRESH]) | (usual >= value[widths.FRESH])
 
     def _forward(self, lo: int, hi: int, prefill: bool, start: float) -> None:
         seqs = self.running[lo:hi]
