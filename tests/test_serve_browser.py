@@ -102,14 +102,27 @@ def test_the_page_reports_errors(page):
 
 def test_the_controls_are_the_decoders_fields_from_the_server(live, page):
     """The page builds each decoder's controls from GET /v1/decoders: one per field, with its
-    default; a typed value is kept across decoder changes and goes into the request."""
+    default; a typed value is kept across decoder changes and goes into the request. A boolean
+    whose default is unset (the model's choice) is a three-way choice: unset, on or off."""
     fields = {d["id"]: d["fields"] for d in httpx.get(live.url + "/v1/decoders").json()["data"]}
+
+    def shown_default(f):
+        if f["type"] == "boolean":
+            return "" if f["default"] is None else bool(f["default"])
+        return "" if f["default"] is None else str(f["default"])
+
     for decoder in ("speculative", "refusion", "ar", "mdm", "mdm-threshold"):
         page.select_option("#decoder", decoder)
-        shown = page.locator("#params input").evaluate_all(
+        shown = page.locator("#params input, #params select").evaluate_all(
             "els => els.map(e => [e.id, e.type === 'checkbox' ? e.checked : e.value])")
-        assert shown == [[f["name"], bool(f["default"]) if f["type"] == "boolean" else
-                          ("" if f["default"] is None else str(f["default"]))] for f in fields[decoder]]
+        assert shown == [[f["name"], shown_default(f)] for f in fields[decoder]]
+    page.select_option("#decoder", "speculative")
+    assert "lookup" not in page.evaluate("requestBody()")  # unset: the model decides
+    for choice, sent in (("false", False), ("true", True)):
+        page.select_option("#lookup", choice)
+        assert page.evaluate("requestBody()")["lookup"] is sent
+    page.select_option("#lookup", "")
+    assert "lookup" not in page.evaluate("requestBody()")
     page.select_option("#decoder", "refusion")
     page.fill("#slot_size", "4")
     page.check("#recompute_kv")
