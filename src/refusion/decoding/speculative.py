@@ -407,10 +407,11 @@ class SpeculativeBatch:
                 self.cost.note(B, fed, time.perf_counter() - start, B * W - fed)
 
     def _offer_drafts(self, seqs: list[SpeculativeSeq]) -> None:
-        """Rows with other drafts than the masks': a copy from earlier text and a continuation from the
-        model's lookup corpus (SpeculativeParams.lookup; corpus.py), and a plan (add(plan=...)). A row's next draft is whichever of the masks' draft and these has
-        the longest expected accepted prefix (the row's own acceptance of each kind, shrunk towards
-        the model's pooled one)."""
+        """Offer each row the drafts it has besides the masks': with lookup (SpeculativeParams.lookup),
+        a copy of its earlier text (lookup.py) and a continuation from the model's lookup corpus
+        (corpus.py); with a plan (add(plan=...)), the plan's tokens from here. A row's next draft is
+        whichever of the masks' draft and these has the longest expected accepted prefix (the row's
+        own acceptance of each kind, shrunk towards the model's pooled one)."""
         offers = []
         for q in seqs:
             if q.done:
