@@ -1,7 +1,8 @@
 """The lookup corpus (decoding/corpus.py): its index gives, for the longest suffix the corpus holds,
-the continuation after the latest occurrence followed by the suffix's most frequent next token,
-cut at the answer's end; it travels with a model directory and a mask adapter; and the speculative
-decoder drafts from it (under its own kinds) with AR's output unchanged."""
+the continuation its occurrences vote for token by token (the most frequent next token among the
+occurrences that agree so far, until most of them end); it travels with a model directory and a
+mask adapter; and the speculative decoder drafts from it (under its own kinds) with AR's output
+unchanged."""
 
 import json
 
@@ -11,6 +12,7 @@ import pytest
 from refusion import bundled
 from refusion.cli import main
 from refusion.decoding import ARParams, decode, generate_ar, widths
+from refusion.decoding import corpus as corpus_module
 from refusion.decoding.corpus import LookupCorpus, corpus_of, read_corpus, write_corpus
 from refusion.model.checkpoint import LOOKUP_CORPUS
 from refusion.decoding.speculative import SpeculativeParams, generate_speculative
@@ -27,24 +29,29 @@ def flat(answers):
     return np.array([t for a in answers for t in (*a, -1)])
 
 
-def brute_force(answers, history, k, ngrams=(6, 5, 4, 3, 2, 1)):
+def brute_force(answers, history, k, ngrams=(6, 5, 4, 3, 2, 1), votes=512):
     """The definition, by scanning every occurrence."""
     t = flat(answers).tolist()
     for n in ngrams:
         if len(history) < n:
             continue
         suf = list(history[-n:])
-        occ = [s + n for s in range(len(t) - n) if t[s:s + n] == suf and t[s + n] >= 0]
+        occ = [s + n for s in range(len(t) - n) if t[s:s + n] == suf and t[s + n] >= 0][-votes:]
         if not occ:
             continue
-        counts = {}
-        for s in occ:
-            counts[t[s]] = counts.get(t[s], 0) + 1
-        best = max(counts.values())
-        nxt = max(x for x, c in counts.items() if c == best)
-        s = max(s for s in occ if t[s] == nxt)
-        out = t[s:s + k]
-        return (out[:out.index(-1)] if -1 in out else out), n
+        draft = []
+        while len(draft) < k:
+            j = len(draft)
+            counts = {}
+            for s in occ:
+                counts[t[s + j]] = counts.get(t[s + j], 0) + 1
+            best = max(counts.values())
+            win = max(x for x, c in counts.items() if c == best)
+            if win == -1:
+                break
+            draft.append(win)
+            occ = [s for s in occ if t[s + j] == win]
+        return draft, n
     return [], 0
 
 
@@ -57,9 +64,18 @@ def test_the_index_by_hand():
     assert c.propose([11], 4) == ([], 0)  # never seen
     assert c.propose([4], 4) == ([5, 6, 7, 4], 1)  # (the answer-ending 4s are followed by nothing)
     assert LookupCorpus(flat([[1]])).propose([1], 3) == ([], 0)  # a token that only ends answers continues nothing
+    # a vote at every position, not one occurrence followed: "1 2" goes on with 3 twice and 4 once
+    c = LookupCorpus(flat([[1, 2, 3, 9], [1, 2, 3, 8], [1, 2, 4, 8]]))
+    assert c.propose([1], 8) == ([2, 3, 9], 1)  # (9 and 8 tie among the two that agree: the larger id)
+    # most of the occurrences that agree so far end there: the draft ends too
+    assert LookupCorpus(flat([[7, 1], [7, 1], [7, 1, 5]])).propose([7], 8) == ([1], 1)
+    # a corpus not ending with an answer's end is read as if it did
+    assert LookupCorpus(np.array([2, 3, 4])).propose([2], 8) == ([3, 4], 1)
 
 
-def test_the_index_matches_the_definition():
+@pytest.mark.parametrize("votes", [512, 3])
+def test_the_index_matches_the_definition(monkeypatch, votes):
+    monkeypatch.setattr(corpus_module, "MAX_VOTES", votes)  # (3: only an n-gram's latest 3 occurrences vote)
     rng = np.random.default_rng(0)
     for vocab in (3, 6, 40):
         answers = [rng.integers(0, vocab, int(rng.integers(1, 30))).tolist() for _ in range(40)]
@@ -67,7 +83,7 @@ def test_the_index_matches_the_definition():
         for _ in range(200):
             history = rng.integers(0, vocab, int(rng.integers(1, 9))).tolist()
             for k in (1, 5):
-                assert c.propose(history, k) == brute_force(answers, history, k), (vocab, history, k)
+                assert c.propose(history, k) == brute_force(answers, history, k, votes=votes), (vocab, history, k)
 
 
 def test_the_corpus_file_round_trips_and_bad_files_are_named(tmp_path):

@@ -5,11 +5,16 @@ A model's greedy answers repeat its habits ("Let's break this down step by step"
 docstring it fills), so a phrase it wrote once in answer to other prompts is a draft of what it
 writes now. The corpus is the recipe's self-generated answers to training prompts (never a test
 split), kept next to the model as LOOKUP_CORPUS (token ids, answers separated by -1). It is indexed
-when loaded: for each suffix length n in CORPUS_NGRAMS, every n-gram of the corpus maps to the
-occurrence whose next token is the one that most often follows it (the latest such occurrence),
-and a draft is the tokens from there to its answer's end. Like every draft it is verified, so it
-never changes an output; the speculative decoder offers it beside the prompt-lookup copy and the
-masks' draft, counted under its own kind per match length (widths.corpus_kind), when `lookup` is on.
+when loaded: for each suffix length n in CORPUS_NGRAMS, every occurrence of every n-gram (sorted
+hashes, found with searchsorted). A draft follows the longest suffix of the sequence the corpus
+holds, by vote, token by token: among that n-gram's occurrences (its latest MAX_VOTES), the token
+that most of them continue with (a tie: the larger id), then among the occurrences that agree so
+far the most frequent next one, until most of them reach their answer's end (a suffix-tree draft,
+as in SuffixDecoding, arXiv 2411.04975, without the tree: the occurrences are the tree's paths).
+Following one occurrence instead drafts its quirks too; the vote keeps what the model usually
+writes. Like every draft it is verified, so it never changes an output; the speculative decoder
+offers it beside the prompt-lookup copy and the masks' draft, counted under its own kind per match
+length (widths.corpus_kind), when `lookup` is on.
 
     write_corpus(model_dir, [tokenizer.encode(answer) for answer in answers])
     corpus = corpus_of(model)          # the model's directory's corpus, indexed once (None: none there)
@@ -23,7 +28,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+
 CORPUS_NGRAMS = (6, 5, 4, 3, 2, 1)  # suffix lengths tried, longest first
+MAX_VOTES = 512  # occurrences of an n-gram that vote on its continuation: its latest ones (a common one has thousands)
 _P = np.uint64(1_000_003)  # the n-gram hash's multiplier (arithmetic modulo 2**64)
 _MASK = (1 << 64) - 1
 
@@ -40,9 +47,11 @@ class LookupCorpus:
 
     def __init__(self, tokens: np.ndarray, ngrams: tuple[int, ...] = CORPUS_NGRAMS) -> None:
         self.tokens = np.asarray(tokens, dtype=np.int64)
+        if not len(self.tokens) or self.tokens[-1] != -1:  # (every continuation stops at a -1: _vote)
+            self.tokens = np.append(self.tokens, -1)
         self.ngrams = tuple(sorted(ngrams, reverse=True))
-        self.keys: dict[int, np.ndarray] = {}  # n -> sorted n-gram hashes
-        self.starts: dict[int, np.ndarray] = {}  # n -> where the chosen continuation of each begins
+        self.keys: dict[int, np.ndarray] = {}  # n -> the hash of every n-gram followed by a token, sorted
+        self.starts: dict[int, np.ndarray] = {}  # n -> where each one's continuation begins (ascending per hash)
         for n in self.ngrams:
             self.keys[n], self.starts[n] = self._index(n)
 
@@ -50,50 +59,54 @@ class LookupCorpus:
         t = self.tokens
         m = len(t) - n  # n-grams starting at 0..m-1, each followed by a token
         if m <= 0:
-            return np.zeros(0, np.uint64), np.zeros(0, np.int64)
+            return np.zeros(0, np.uint64), np.zeros(0, np.int32)
         h = np.zeros(m, np.uint64)
         bad = np.zeros(m, bool)
         for j in range(n):  # (uint64 arithmetic wraps: the hash is modulo 2**64)
             seg = t[j:j + m]
             h = h * _P + (seg + 1).astype(np.uint64)
             bad |= seg < 0
-        nxt = t[n:n + m]
-        ok = np.flatnonzero(~bad & (nxt >= 0))
-        if not len(ok):
-            return np.zeros(0, np.uint64), np.zeros(0, np.int64)
-        keys, nexts, starts = h[ok], nxt[ok], ok + n
-        # runs of equal (key, next token), each run's occurrences in order: the latest one ends it
-        order = np.lexsort((starts, nexts, keys))
-        keys, nexts, starts = keys[order], nexts[order], starts[order]
-        ends = np.flatnonzero(np.r_[(keys[1:] != keys[:-1]) | (nexts[1:] != nexts[:-1]), True])
-        counts = np.diff(np.r_[-1, ends])
-        # per key, the run with the most occurrences (a tie: the larger next token id, to be deterministic)
-        by = np.lexsort((counts, keys[ends]))
-        last = np.r_[keys[ends][by][1:] != keys[ends][by][:-1], True]
-        chosen = ends[by[last]]
-        return keys[chosen], starts[chosen]
+        ok = np.flatnonzero(~bad & (t[n:n + m] >= 0))
+        order = np.argsort(h[ok], kind="stable")  # (stable: each hash's occurrences stay in corpus order)
+        return h[ok][order], (ok[order] + n).astype(np.int32)
 
     def propose(self, history: Sequence[int], k: int) -> tuple[list[int], int]:
-        """(up to k tokens the corpus continues the longest suffix of `history` it holds with, that
-        suffix's length), or ([], 0). A continuation stops at its answer's end."""
+        """(up to k tokens the corpus most often continues the longest suffix of `history` it holds
+        with, voted token by token, that suffix's length), or ([], 0)."""
         t = self.tokens
         for n in self.ngrams:
             if len(history) < n or not len(self.keys[n]):
                 continue
-            suffix = history[-n:]
-            h = np.uint64(_hash(suffix))
+            suffix = np.asarray(history[-n:], dtype=np.int64)
+            h = np.uint64(_hash(suffix.tolist()))
             keys = self.keys[n]
-            i = int(np.searchsorted(keys, h))
-            if i == len(keys) or keys[i] != h:
+            lo, hi = int(np.searchsorted(keys, h, "left")), int(np.searchsorted(keys, h, "right"))
+            at = self.starts[n][max(lo, hi - MAX_VOTES):hi].astype(np.int64)  # (its latest occurrences)
+            at = at[(t[at[:, None] - n + np.arange(n)] == suffix).all(1)]  # (a hash collision: not this n-gram)
+            if not len(at):
                 continue
-            s = int(self.starts[n][i])
-            if t[s - n:s].tolist() != list(suffix):  # (a hash collision: not this n-gram)
-                continue
-            draft = t[s:s + k].tolist()
-            if -1 in draft:
-                draft = draft[:draft.index(-1)]
-            return draft, n
+            return self._vote(at, k), n
         return [], 0
+
+    def _vote(self, at: np.ndarray, k: int) -> list[int]:
+        """The draft from occurrences whose continuations begin at `at`: at each position the most
+        frequent next token among those that agree so far (-1, an answer's end, counts as a vote to stop)."""
+        t, draft = self.tokens, []
+        for j in range(k):
+            if len(at) == 1:  # one occurrence left: the rest of its answer
+                rest = t[at[0] + j: at[0] + k].tolist()
+                return draft + (rest[:rest.index(-1)] if -1 in rest else rest)
+            nxt = t[at + j]  # (never past the end: the corpus ends with -1, where every continuation stops)
+            if (nxt == nxt[0]).all():  # (unanimous, the usual case: no count needed)
+                win = int(nxt[0])
+            else:
+                values, counts = np.unique(nxt, return_counts=True)
+                win = int(values[len(counts) - 1 - int(counts[::-1].argmax())])  # (a tie: the larger value)
+            if win < 0:
+                break
+            draft.append(win)
+            at = at[nxt == win]
+        return draft
 
 
 def write_corpus(directory: str | Path, answers: Sequence[Sequence[int]]) -> Path:
