@@ -25,10 +25,12 @@ def model(causal_first: bool, seed: int = 4) -> Transformer:
 
 
 @pytest.mark.parametrize("causal_first", [True, False])
-def test_a_right_plan_is_verified_in_one_forward_after_the_prompt(causal_first):
+@pytest.mark.parametrize("policy", ["cost", "adaptive", "fixed"])
+def test_a_right_plan_is_verified_in_one_forward_after_the_prompt(causal_first, policy):
     m = model(causal_first)
-    want = generate_ar(m, PROMPTS, ARParams(gen_length=16), eos_ids=[])
-    p = SpeculativeParams(gen_length=16, widths="fixed", draft_length=16)
+    want = generate_ar(m, PROMPTS, ARParams(gen_length=24), eos_ids=[])
+    # a plan is fed whole, however narrow the drafts of the width policy (here 3 tokens)
+    p = SpeculativeParams(gen_length=24, widths=policy, draft_length=3)
     got = generate_speculative(m, PROMPTS, p, eos_ids=[], plans=[r.tokens for r in want])
     assert [r.tokens for r in got] == [r.tokens for r in want]
     # the prefill verifies the whole plan where the prompt's last token predicts its first token;

@@ -110,19 +110,24 @@ class SpeculativeSeq:
             return self.p.mask_length
         return self.width + 1 if self.width > 0 else 0
 
+    def _fed_draft(self, left: int) -> int:
+        """How many draft tokens this step feeds: up to its width, but a plan whole (one forward
+        verifies a right one, and the forwards saved are what a plan is asked for)."""
+        return min(len(self.draft), left - 1 if self.kind == widths.PLAN else self.width, left - 1)
+
     def next_feed(self) -> tuple[list[int], list[int]]:
         """(ids, positions) of this step's feed; its cache columns are c, c+1, ..."""
         left = self.p.gen_length - len(self.res.tokens)  # positions still to fill
         if self.x is None:  # prefill: the prompt, then masks; the first token is read from the first mask
             # (or from the prompt's last token, which then verifies a draft fed after it: a plan)
-            k = min(len(self.draft), self.width, left - 1) if self.causal_first else 0
+            k = self._fed_draft(left) if self.causal_first else 0
             m = min(self._masks(), left - k) if k else max(1, min(self._masks(), left))
             self.draft = self.draft[:k]
             ids = self.prompt + self.draft + [self.mask_id] * m
             self.anchor, self.fed_k = self.P - self.causal_first, k
             start = 0
         else:
-            k = min(len(self.draft), self.width, left - 1)
+            k = self._fed_draft(left)
             m = min(self._masks(), left - k)
             self.draft = self.draft[:k]  # unfed draft tokens would sit where the masks go
             ids = [self.x] + self.draft + [self.mask_id] * m
@@ -291,7 +296,9 @@ class SpeculativeBatch:
         self.running += self.pending
         self.pending = []
         cfg = self.model.config
-        need = max(q.P + q.p.gen_length for q in self.running) + max(q.p.max_width for q in self.running) + 1
+        # (a row holding a plan may feed the rest of its answer at once)
+        widest = max(q.p.max_width if q.plan is None else max(q.p.max_width, q.p.gen_length + 1) for q in self.running)
+        need = max(q.P + q.p.gen_length for q in self.running) + widest + 1
         if self.cache is None:
             self.cache = RaggedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                                        self.model.embed_tokens.weight.dtype, self.device,
@@ -427,7 +434,7 @@ class SpeculativeBatch:
             if q.plan is not None:
                 g = len(q.res.tokens)  # the response position the draft starts at
                 if g < len(q.plan):
-                    offers.append((q, q.plan[g: g + q.p.draft_length], widths.PLAN))
+                    offers.append((q, q.plan[g:], widths.PLAN))
         if not offers:
             return
         n = max(q.p.draft_length for q, _, _ in offers)
