@@ -34,7 +34,7 @@
 #
 # Models go to runs/study[-quick]/NAME (checkpoint-STEP/ for every curve point, model/ at the budget),
 # results to results/study[-quick]/: per-sample JSONL and a summary JSON per (NAME@STEP, task,
-# decoder), the training logs and configs, report.md, accuracy_vs_steps.png and accuracy_vs_tps.png.
+# decoder), the training logs, configs and metrics (gzipped), report.md, accuracy_vs_steps.png and accuracy_vs_tps.png.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 R=${REFUSION:-.venv/bin/refusion}
@@ -84,9 +84,10 @@ points() {  # points BUDGET: the curve's steps, UNIT doubled up to BUDGET, and B
   echo "$1"
 }
 
-keep_logs() {  # keep_logs NAME: the run's config and metrics beside the results
+keep_logs() {  # keep_logs NAME: the run's config and metrics beside the results (the metrics gzipped:
+  #               a line per step)
   cp "$RUNS/$1/train_config.json" "$OUT/logs/$1.train_config.json"
-  cp "$RUNS/$1/metrics.jsonl" "$OUT/logs/$1.metrics.jsonl"
+  gzip -nc "$RUNS/$1/metrics.jsonl" > "$OUT/logs/$1.metrics.jsonl.gz"
 }
 
 train() {  # train NAME BUDGET [CONFIG]: CONFIG (default configs/study/NAME.toml) from the base, a checkpoint

@@ -1,6 +1,6 @@
 """`refusion` commands run as forks of one process that has imported torch and refusion once.
 
-For a test that runs a script of many short commands (test_corpus.py: `scripts/study.sh --quick`
+For a test that runs a script of many short commands (test_study.py: `scripts/study.sh --quick`
 starts about thirty), where a fresh interpreter spends most of each command importing torch. Each
 command is still a process of its own, forked from a server that has imported and done nothing
 else: the caller's arguments, working directory, environment, stdin / stdout / stderr (the file

@@ -1,4 +1,4 @@
-"""tests/forked_cli.py, the fork server test_corpus.py runs the study script through: a command
+"""tests/forked_cli.py, the fork server test_study.py runs the study script through: a command
 given to it runs with the caller's arguments, directory, environment, stdout, stderr and exit code."""
 
 import json
