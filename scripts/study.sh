@@ -34,7 +34,8 @@
 #
 # Models go to runs/study[-quick]/NAME (checkpoint-STEP/ for every curve point, model/ at the budget),
 # results to results/study[-quick]/: per-sample JSONL and a summary JSON per (NAME@STEP, task,
-# decoder), the training logs, configs and metrics (gzipped), report.md, accuracy_vs_steps.png and accuracy_vs_tps.png.
+# decoder), the training logs, configs and metrics (gzipped), report.md, accuracy_vs_steps.png and
+# accuracy_vs_tps.png.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 R=${REFUSION:-.venv/bin/refusion}
