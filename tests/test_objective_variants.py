@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from refusion.model.config import ConfigError
 from refusion.training.config import TrainConfig
 from refusion.training.joint_layouts import draft_inputs, hybrid_inputs
-from refusion.training.objectives import IGNORE, ar_inputs, make_batch, refusion_inputs, refusion_loss
+from refusion.training.objectives import (IGNORE, ar_inputs, loss_from_ce, make_batch, refusion_inputs,
+                                         refusion_loss)
 from refusion.training.variants import Variant, parse_variant
 
 MASK, PAD, EOS = 99, 0, 2
@@ -207,6 +208,11 @@ def test_draft_loss_is_next_token_mean_plus_mask_mean_per_example():
     assert stats["ar_loss"].item() == pytest.approx(ar.item(), rel=1e-6)
     assert stats["mdm_loss"].item() == pytest.approx(mask.item(), rel=1e-6)
     assert loss.item() == pytest.approx((ar + mask).item(), rel=1e-6)
+    # mask_loss_weight: the mask term weighed, the logged terms as they were
+    w_loss, w_stats = loss_from_ce("refusion", ce, x, batch.response_len, mask_weight=3.0)
+    assert w_loss.item() == pytest.approx((ar + 3 * mask).item(), rel=1e-6)
+    assert w_stats["mdm_loss"].item() == pytest.approx(mask.item(), rel=1e-6)
+    assert w_stats["ar_loss"].item() == pytest.approx(ar.item(), rel=1e-6)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -233,3 +239,10 @@ def test_train_config_checks_variants():
         TrainConfig(variant="decoupled", mask_adapter={"rank": 0}).validate()
     with pytest.raises(ConfigError, match="does not combine with lora"):
         TrainConfig(variant="decoupled", lora={"r": 4}).validate()
+    TrainConfig(variant="joint", mask_loss_weight=3.0).validate()
+    for bad, msg in ((dict(mask_loss_weight=0.0), "finite number > 0"),
+                     (dict(mask_loss_weight=float("nan")), "finite number > 0"),
+                     (dict(objective="ar", mask_loss_weight=2.0), "has none"),
+                     (dict(variant="decoupled", mask_loss_weight=2.0), "AdamW undoes it")):
+        with pytest.raises(ConfigError, match=msg):
+            TrainConfig(**bad).validate()

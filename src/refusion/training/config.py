@@ -47,6 +47,7 @@ class TrainConfig:
     max_length: int = 512  # prompt + response tokens; longer examples are dropped (and counted)
     slot_sizes: list[int] = field(default_factory=lambda: [4, 8, 16, 32])
     eps: float = 1e-3
+    mask_loss_weight: float = 1.0  # refusion objective: loss = AR + mask_loss_weight * MDM (1: the paper's loss)
     mdm_eos_pad_to: int | None = None  # MDM only: EOS-pad responses to this length (LLaDA SFT), e.g. the eval gen_length
     # optimisation
     batch_size: int = 16  # examples per optimizer step, over all processes
@@ -128,6 +129,11 @@ class TrainConfig:
             v = getattr(self, name)
             if not lo <= v <= hi:
                 raise ConfigError(f"{name} must lie in [{lo}, {hi}], got {v}")
+        if not (math.isfinite(self.mask_loss_weight) and self.mask_loss_weight > 0):
+            raise ConfigError(f"mask_loss_weight must be a finite number > 0, got {self.mask_loss_weight}")
+        if self.mask_loss_weight != 1.0 and self.objective != "refusion":
+            raise ConfigError(f"mask_loss_weight weighs the refusion objective's mask term; objective "
+                              f"{self.objective!r} has none: drop it or set objective = \"refusion\"")
         for name in ("weight_decay", "grad_clip"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
@@ -149,6 +155,9 @@ class TrainConfig:
         if self.variant is not None and self.objective != "refusion":
             raise ConfigError(f"variant {self.variant!r} is a variant of the refusion objective, not of {self.objective!r}")
         v = variant_of(self)
+        if v.mask_path and self.mask_loss_weight != 1.0:
+            raise ConfigError(f"mask_loss_weight: the {v.name} variant trains its mask path on its own parameters, "
+                              "whose gradient a weight only rescales (AdamW undoes it): drop mask_loss_weight")
         if self.mask_adapter is not None:
             if not v.mask_path:
                 raise ConfigError("mask_adapter sizes the decoupled and mask-only variants' mask path; set "

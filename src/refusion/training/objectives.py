@@ -331,10 +331,12 @@ def mdm_loss(logits: Tensor, inputs: TrainInputs, response_len: Tensor, b_total:
 
 
 def loss_from_ce(name: str, ce: Tensor, inputs: TrainInputs, response_len: Tensor | None,
-                 n_ar_total: Tensor | None = None, b_total: int | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+                 n_ar_total: Tensor | None = None, b_total: int | None = None, mask_weight: float = 1.0
+                 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The loss of objective `name` from the per-column cross-entropy ce [B, T] (token_ce) of `inputs`'s
     columns: what packed rows hand back once their columns are back in their examples' own rows
-    (training/packing.py), so a packed batch's loss is taken exactly as an unpacked one's."""
+    (training/packing.py), so a packed batch's loss is taken exactly as an unpacked one's.
+    mask_weight (refusion only): loss = AR + mask_weight * MDM; the logged mdm_loss is unweighted."""
     _check_name(name)
     if name == "ar":
         loss, n = ar_term(ce, inputs, n_ar_total)
@@ -344,7 +346,7 @@ def loss_from_ce(name: str, ce: Tensor, inputs: TrainInputs, response_len: Tenso
         return loss, dict(loss=loss.detach(), mdm_loss=loss.detach(), n_masked_tokens=n)
     ar, n_ar = ar_term(ce, inputs, n_ar_total)
     mdm, n_m = mdm_term(ce, inputs, response_len, b_total)
-    loss = ar + mdm
+    loss = ar + mask_weight * mdm if mask_weight != 1.0 else ar + mdm
     return loss, dict(loss=loss.detach(), ar_loss=ar.detach(), mdm_loss=mdm.detach(), n_ar_tokens=n_ar,
                       n_masked_tokens=n_m)
 

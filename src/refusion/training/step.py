@@ -147,7 +147,8 @@ def _backward(run: Run, inputs: TrainInputs, batch: Batch, n_ar: Tensor, B: int,
                 ce = packed.unpack(ce)
             # the decoupled variant's first pass is exactly the ARM's step
             objective = "ar" if drafts is not None else cfg.objective
-            loss, stats = loss_from_ce(objective, ce, sub, sub_batch.response_len, n_ar.to(run.device), B)
+            loss, stats = loss_from_ce(objective, ce, sub, sub_batch.response_len, n_ar.to(run.device), B,
+                                       cfg.mask_loss_weight)
             # DDP and FSDP average gradients over processes; the global loss is their sum
             (loss * run.world).backward()
             if drafts is not None:
