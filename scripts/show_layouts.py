@@ -15,7 +15,7 @@ import argparse
 
 import torch
 
-from refusion.training.joint_layouts import draft_inputs, hybrid_inputs
+from refusion.training.joint_layouts import draft_inputs, hybrid_inputs, joint_hybrid_inputs
 from refusion.training.objectives import IGNORE, make_batch, refusion_inputs
 from refusion.training.variants import VARIANTS, parse_variant
 
@@ -31,6 +31,8 @@ def layout(variant: str, seed: int):
         return draft_inputs(batch, MASK, g, slot_sizes=(2,))
     if v.name == "hybrid":
         return hybrid_inputs(batch, MASK, g, slot_sizes=(2,), eps=0.5)
+    if v.name == "joint-hybrid":
+        return joint_hybrid_inputs(batch, MASK, g, slot_sizes=(2,), eps=0.5)
     return refusion_inputs(batch, MASK, g, slot_sizes=(2,), eps=0.5, boundary=v.boundary, ar_share=v.ar_share)
 
 

@@ -5,7 +5,8 @@
 #   ar                    the base continued with the next-token objective (the ARM baseline)
 #   refusion              the base fine-tuned with the ReFusion objective (mask token added; variant "paper")
 #   mdm                   the base adapted to masked diffusion (the MDM baseline)
-#   refusion-boundary, refusion-ar-share-25, refusion-joint, refusion-hybrid, refusion-decoupled
+#   refusion-boundary, refusion-ar-share-25, refusion-joint, refusion-hybrid, refusion-decoupled,
+#   refusion-joint-hybrid
 #                         the ReFusion objective's variants (TrainConfig.variant), configs/study/NAME.toml
 #   refusion-hybrid-8k    the bundled model: its recipe (src/refusion/assets/refusion-tiny/recipe.toml, the
 #                         hybrid variant to 8000 steps); RUNS/refusion-hybrid-8k/model is bit-identical to it
@@ -40,6 +41,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 R=${REFUSION:-.venv/bin/refusion}
 ALL="base ar refusion mdm refusion-boundary refusion-ar-share-25 refusion-joint refusion-hybrid refusion-decoupled"
+ALL+=" refusion-joint-hybrid"
 ALL+=" refusion-hybrid-8k report"
 BUNDLED_RECIPE=src/refusion/assets/refusion-tiny/recipe.toml
 QUICK=0 NAMED=()

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from refusion.model.config import ConfigError
 from refusion.training.config import TrainConfig
-from refusion.training.joint_layouts import draft_inputs, hybrid_inputs
+from refusion.training.joint_layouts import draft_inputs, hybrid_inputs, joint_hybrid_inputs
 from refusion.training.objectives import (IGNORE, ar_inputs, loss_from_ce, make_batch, refusion_inputs,
                                          refusion_loss)
 from refusion.training.variants import Variant, parse_variant
@@ -76,7 +76,7 @@ def check_rule(x, batch) -> int:
 
 
 @pytest.mark.parametrize("kind,seed", [("paper", 0), ("boundary", 1), ("ar-share:0.5", 2), ("draft", 3), ("draft", 4),
-                                       ("hybrid", 5)])
+                                       ("hybrid", 5), ("joint-hybrid", 6), ("joint-hybrid", 7)])
 def test_every_layout_keeps_the_rule_on_random_batches(kind, seed):
     prompts, responses = random_examples(random.Random(seed), 10, 6, 30)
     batch = make_batch(prompts, responses, PAD)
@@ -84,6 +84,8 @@ def test_every_layout_keeps_the_rule_on_random_batches(kind, seed):
         x = draft_inputs(batch, MASK, gen(seed), slot_sizes=(1, 3, 4, 8))
     elif kind == "hybrid":
         x = hybrid_inputs(batch, MASK, gen(seed), slot_sizes=(2, 3, 5))
+    elif kind == "joint-hybrid":
+        x = joint_hybrid_inputs(batch, MASK, gen(seed), slot_sizes=(1, 2, 3, 5))
     else:
         v = parse_variant(kind)
         x = refusion_inputs(batch, MASK, gen(seed), slot_sizes=(2, 3, 5), boundary=v.boundary, ar_share=v.ar_share)
@@ -183,6 +185,42 @@ def test_hybrid_layout_is_the_arms_example_then_the_papers_layout():
         for q in range(n, n + Lr):  # a paper row: the prompt, and the paper part up to itself
             assert [k for k in range(x.pad.shape[1]) if sees[q, k]] == list(range(len(p))) + list(range(n, q + 1))
     assert torch.equal(x.mask_rate, paper.mask_rate)
+
+
+def test_joint_hybrid_layout_is_the_draft_layout_then_the_papers_layout():
+    prompts, responses = random_examples(random.Random(8), 9, 6, 20)
+    batch = make_batch(prompts, responses, PAD)
+    x = joint_hybrid_inputs(batch, MASK, gen(4), slot_sizes=(2, 3))
+    g = gen(4)  # the same draws, in the same order
+    draft = draft_inputs(batch, MASK, g, slot_sizes=(2, 3))
+    paper = refusion_inputs(batch, MASK, g, slot_sizes=(2, 3))
+    for b, (p, r) in enumerate(zip(prompts, responses)):
+        n, Lr = len(p) + 2 * len(r), len(r)
+        for f in ("input_ids", "position_ids", "labels", "is_masked"):
+            got, d, pp = getattr(x, f)[b].tolist(), getattr(draft, f)[b].tolist(), getattr(paper, f)[b].tolist()
+            assert got[:n] == d[:n] and got[n:n + Lr] == pp[len(p):len(p) + Lr], f
+        assert x.pad[b].tolist() == [False] * (n + Lr) + [True] * (x.pad.shape[1] - n - Lr)
+        sees = x.attn_mask[b, 0]
+        assert torch.equal(sees[:n, :n], draft.attn_mask[b, 0, :n, :n]) and not sees[:n, n:].any()
+        for q in range(n, n + Lr):  # a paper row: the prompt, and the paper part up to itself
+            assert [k for k in range(x.pad.shape[1]) if sees[q, k]] == list(range(len(p))) + list(range(n, q + 1))
+        # the draft masks' p is 1, the paper's masks' p the paper's
+        assert x.mask_rate[b, :n].tolist() == [1.0] * n
+        assert x.mask_rate[b, n:n + Lr].tolist() == [paper.mask_rate[b].item()] * Lr
+    # the MDM term: the draft masks' mean CE per example plus the paper's sum / p / Lr
+    logits = torch.randn(*x.input_ids.shape, 100, generator=gen(5))
+    loss, st = refusion_loss(logits, x, batch.response_len)
+    ce = F.cross_entropy(logits.transpose(1, 2), x.labels.clamp(min=0), reduction="none")
+    mdm = 0.0
+    for b, (p, r) in enumerate(zip(prompts, responses)):
+        n = len(p) + 2 * len(r)
+        m = x.is_masked[b] & (x.labels[b] != X)
+        draft_part = ce[b, :n][m[:n]].sum()
+        paper_part = ce[b, n:][m[n:]].sum() / paper.mask_rate[b]
+        mdm += (draft_part + paper_part) / max(len(r), 1)
+    assert st["mdm_loss"].item() == pytest.approx((mdm / len(prompts)).item(), rel=1e-5)
+    ar_cols = (x.labels != X) & ~x.is_masked
+    assert st["ar_loss"].item() == pytest.approx((ce[ar_cols].sum() / ar_cols.sum()).item(), rel=1e-5)
 
 
 def test_draft_layout_padding_and_empty_rows():

@@ -58,7 +58,7 @@ def test_training_records_mix_the_corpus_into_the_task_data():
 
 # the stages the quick study runs here: all of them
 QUICK_STAGES = ["base", "ar", "refusion", "mdm", "refusion-boundary", "refusion-ar-share-25", "refusion-joint",
-                "refusion-hybrid", "refusion-decoupled", "refusion-hybrid-8k", "report"]
+                "refusion-hybrid", "refusion-decoupled", "refusion-joint-hybrid", "refusion-hybrid-8k", "report"]
 
 
 @pytest.fixture
@@ -101,7 +101,7 @@ def test_study_quick_runs_every_stage_and_writes_the_curves(tmp_path, refusion_c
     assert not paper_cfg.get("causal_first_token", False)  # the paper's objective drafts the first token
     ar_cfg = json.loads((runs / "ar" / "model" / "config.json").read_text())
     assert "mask_token_id" in ar_cfg and ar_cfg["causal_first_token"]  # the ReFusion vocabulary, never a mask fed
-    for v in ("boundary", "ar-share-25", "joint", "hybrid", "decoupled"):
+    for v in ("boundary", "ar-share-25", "joint", "hybrid", "decoupled", "joint-hybrid"):
         cfg = json.loads((runs / f"refusion-{v}" / "model" / "config.json").read_text())
         assert cfg["causal_first_token"] and ("mask_adapter" in cfg) == (v == "decoupled")
         assert sorted(p.name for p in (runs / f"refusion-{v}").glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-8"]

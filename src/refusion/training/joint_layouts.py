@@ -5,7 +5,9 @@ view blind to the first (training/variants.py):
   that draft from in-order prefixes; draft_masks, the same masks as a feed on top of the in-order
   example's cache (the `decoupled` and `mask-only` variants: the in-order part then runs once
   without a graph, and only the masks are back-propagated);
-- hybrid_inputs (the `hybrid` variant): the response in order, then the paper's layout of it.
+- hybrid_inputs (the `hybrid` variant): the response in order, then the paper's layout of it;
+- joint_hybrid_inputs (the `joint-hybrid` variant): the draft layout, then the paper's layout of the
+  response, blind to both (in-order drafting and out-of-order slots, what plan-and-infill asks).
 
 The draft layout, per example, fed in this order (one row of the batch):
 
@@ -134,6 +136,55 @@ def hybrid_inputs(batch: Batch, mask_id: int, gen: torch.Generator, slot_sizes: 
     attn = causal & ~blind & ~pad[:, None, :]
     attn.diagonal(dim1=1, dim2=2).fill_(True)
     return TrainInputs(input_ids, position_ids, labels, is_masked, paper.mask_rate, "custom", attn[:, None], pad,
+                       slot_size=paper.slot_size)
+
+
+def joint_hybrid_inputs(batch: Batch, mask_id: int, gen: torch.Generator,
+                        slot_sizes: tuple[int, ...] = (4, 8, 16, 32), eps: float = 1e-3) -> TrainInputs:
+    """The draft layout and the paper's layout of the same response in one row:
+
+        prompt | response in order (next-token labels) | its blocks of masks (draft_inputs) | the paper's
+        clean slots in random order, then its masked slots (spec section 3) | padding
+
+    The first three parts are draft_inputs's row as it is; the paper's part sees the prompt and,
+    causally, itself, never the in-order response or the masks. Its masks' loss is divided by the
+    paper's p, the draft masks' by 1, so mask_rate is per column: the MDM term is the joint variant's
+    mask term plus the paper's. Draws: draft_inputs's, then refusion_inputs's."""
+    draft = draft_inputs(batch, mask_id, gen, slot_sizes)
+    paper = refusion_inputs(batch, mask_id, gen, slot_sizes, eps)
+    B = draft.input_ids.shape[0]
+    dev = draft.input_ids.device
+    pl, rl = batch.prompt_len[:, None], batch.response_len[:, None]
+    T = int((batch.prompt_len + 3 * batch.response_len).max()) if B else 0
+    T1 = draft.input_ids.shape[1]
+    c = torch.arange(T, device=dev)[None, :]
+    first = c < pl + 2 * rl  # draft_inputs's columns, where they are
+    second = ~first & (c < pl + 3 * rl)  # the paper's response columns, which sit at pl.. in `paper`
+    pad = ~first & ~second
+
+    def ext(x: Tensor, fill) -> Tensor:  # a spare column so clamped gathers stay valid
+        return torch.cat([x, x.new_full((B, 1), fill)], 1)
+
+    d_col = c.clamp(max=T1).expand(B, T)
+    p_col = (c - 2 * rl).clamp(0, paper.input_ids.shape[1])
+
+    def pick(d: Tensor, p: Tensor, fill) -> Tensor:
+        return torch.where(first, ext(d, fill).gather(1, d_col), torch.where(second, ext(p, fill).gather(1, p_col), fill))
+
+    input_ids = pick(draft.input_ids, paper.input_ids, batch.pad_id)
+    position_ids = torch.where(pad, c, pick(draft.position_ids, paper.position_ids, 0))
+    labels = pick(draft.labels, paper.labels, IGNORE)
+    is_masked = pick(draft.is_masked, paper.is_masked, False)
+    mask_rate = torch.where(second, paper.mask_rate[:, None], torch.ones((), device=dev))
+    # draft rows: draft_inputs's attention (its padding columns, the paper's here, are already hidden);
+    # paper rows: the prompt and the paper's part before them
+    attn = torch.zeros(B, T, T, dtype=torch.bool, device=dev)
+    attn[:, :T1, :T1] = draft.attn_mask[:, 0]
+    k = c[:, None, :]
+    paper_rows = (k < pl[:, :, None]) | (second[:, None, :] & (k <= c[:, :, None]))
+    attn = torch.where(second[:, :, None], paper_rows, attn & first[:, :, None]) & ~pad[:, None, :]
+    attn.diagonal(dim1=1, dim2=2).fill_(True)
+    return TrainInputs(input_ids, position_ids, labels, is_masked, mask_rate, "custom", attn[:, None], pad,
                        slot_size=paper.slot_size)
 
 

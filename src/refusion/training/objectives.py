@@ -55,7 +55,8 @@ class TrainInputs:
     attention: None = causal in feed order (plus key padding), "bidirectional" = full over non-pad tokens.
     attn_mask: bool [B, 1, T, T], True = may attend; exactly what the model should get. The diagonal is
     always True so no row (not even a padding row) is all-False, which would make SDPA return NaN.
-    mask_rate: [B] float, the mask probability p of each example (1.0 for AR).
+    mask_rate: [B] float, the mask probability p of each example (1.0 for AR); or [B, T], a p per column,
+    where one row holds masks drawn at two rates (joint_layouts.joint_hybrid_inputs).
     slot_size: [B] long for ReFusion (for logging), None otherwise.
     """
 
@@ -303,7 +304,11 @@ def ar_term(ce: Tensor, inputs: TrainInputs, n_total: Tensor | None = None) -> t
 def mdm_term(ce: Tensor, inputs: TrainInputs, response_len: Tensor, b_total: int | None = None
               ) -> tuple[Tensor, Tensor]:
     sel = inputs.is_masked & (inputs.labels != IGNORE)
-    per_example = torch.where(sel, ce, 0.0).sum(1) / inputs.mask_rate.float()
+    rate = inputs.mask_rate.float()
+    if rate.dim() == 1:  # one p per example
+        per_example = torch.where(sel, ce, 0.0).sum(1) / rate
+    else:  # a p per column (joint_layouts.joint_hybrid_inputs: two kinds of masks in one row)
+        per_example = torch.where(sel, ce / rate, 0.0).sum(1)
     # examples with an empty response have no masked tokens: clamp only avoids 0 / 0
     per_example = per_example / response_len.to(ce.device).clamp(min=1)
     return per_example.sum() / (b_total or ce.shape[0]), sel.sum()

@@ -116,8 +116,10 @@ def default_processes() -> tuple[int, int]:
 
 
 def row_length(cfg: TrainConfig) -> int:
-    """The longest row a forward sees: prompt + response, but the joint layouts (joint, hybrid) put
-    the response in twice, and MDM's EOS padding may lengthen it."""
+    """The longest row a forward sees: prompt + response, but the joint layouts put the response in
+    twice (joint, hybrid) or three times (joint-hybrid), and MDM's EOS padding may lengthen it."""
+    if cfg.objective == "refusion" and variant_of(cfg).name == "joint-hybrid":
+        return 3 * cfg.max_length
     if cfg.objective == "refusion" and variant_of(cfg).name in ("joint", "hybrid"):
         return 2 * cfg.max_length
     if cfg.objective == "mdm" and cfg.mdm_eos_pad_to:

@@ -18,7 +18,8 @@ from torch import Tensor
 
 from refusion.model.cache import KVCache
 from refusion.model.mask_adapter import adapted_from, is_adapter_name
-from refusion.training.joint_layouts import DraftMasks, draft_inputs, draft_masks, hybrid_inputs
+from refusion.training.joint_layouts import (DraftMasks, draft_inputs, draft_masks, hybrid_inputs,
+                                            joint_hybrid_inputs)
 from refusion.training.mask_features import feature_batch, feature_loss
 from refusion.training.objectives import (Batch, TrainInputs, ar_inputs, ar_term, ar_token_count, build_inputs,
                                          loss_from_ce, make_batch, pad_responses, token_ce)
@@ -49,6 +50,8 @@ def train_step(run: Run) -> dict[str, float]:
         inputs = draft_inputs(batch, mask_id, run.layout_gen, tuple(cfg.slot_sizes))
     elif cfg.objective == "refusion" and variant.name == "hybrid":
         inputs = hybrid_inputs(batch, mask_id, run.layout_gen, tuple(cfg.slot_sizes), cfg.eps)
+    elif cfg.objective == "refusion" and variant.name == "joint-hybrid":
+        inputs = joint_hybrid_inputs(batch, mask_id, run.layout_gen, tuple(cfg.slot_sizes), cfg.eps)
     else:
         kw = {} if cfg.objective == "ar" else {"eps": cfg.eps}
         if cfg.objective == "refusion":

@@ -13,6 +13,9 @@ field, `variant`, parsed here without torch so that a config is checked before a
     hybrid        the ARM's example and the paper's layout of the same response in one row, the paper's
                   part blind to the in-order part: next-token training as the ARM's plus the paper's
                   objective, whole (training/joint_layouts.py)
+    joint-hybrid  the joint layout, then the paper's layout of the same response blind to it: masks that
+                  draft from in-order prefixes and masks and clean tokens in the paper's out-of-order
+                  slots, with the ARM's example (training/joint_layouts.py)
     decoupled     the joint layout split in two: the shared weights get exactly the ARM's gradient, the
                   masks a mask embedding and adapters gated to mask rows (model/mask_adapter.py), which
                   see the shared weights and the clean keys and values detached
@@ -30,7 +33,7 @@ from dataclasses import dataclass
 from refusion.model.config import ConfigError
 
 DEFAULT_VARIANT = "hybrid"  # learns next-token skill as fast as an ARM and keeps the paper's objective whole
-VARIANTS = ("paper", "boundary", "ar-share", "joint", "hybrid", "decoupled", "mask-only")
+VARIANTS = ("paper", "boundary", "ar-share", "joint", "hybrid", "joint-hybrid", "decoupled", "mask-only")
 
 
 @dataclass(frozen=True)
@@ -56,13 +59,14 @@ class Variant:
 
 
 def parse_variant(text: str) -> Variant:
-    """'paper', 'boundary', 'ar-share:0.25', 'joint', 'hybrid', 'decoupled' or 'mask-only' -> Variant
+    """'paper', 'boundary', 'ar-share:0.25', 'joint', 'hybrid', 'joint-hybrid', 'decoupled' or 'mask-only'
+    -> Variant
     (ConfigError otherwise)."""
     name, _, arg = text.partition(":")
     if name not in VARIANTS:
         raise ConfigError(f"unknown objective variant {text!r}; choose one of paper, boundary, ar-share:F "
-                          "(F in (0, 1], the share of next-token examples), joint, hybrid, decoupled, "
-                          "mask-only")
+                          "(F in (0, 1], the share of next-token examples), joint, hybrid, joint-hybrid, "
+                          "decoupled, mask-only")
     if name == "ar-share":
         try:
             share = float(arg)
