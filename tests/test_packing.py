@@ -13,7 +13,7 @@ from refusion.model.config import ConfigError, ModelConfig
 from refusion.model.transformer import Transformer
 from refusion.training.config import TrainConfig
 from refusion.training.data import BatchOrder
-from refusion.training.joint_layouts import draft_inputs, hybrid_inputs
+from refusion.training.joint_layouts import draft_inputs, hybrid_inputs, joint_hybrid_inputs
 from refusion.training.objectives import (IGNORE, ar_inputs, ar_token_count, compute_loss, loss_from_ce, make_batch,
                                          mdm_inputs, refusion_inputs, token_ce)
 from refusion.training.packing import first_fit_decreasing, pack
@@ -125,6 +125,7 @@ LAYOUTS = {
     "ar-share": ("refusion", lambda b, g: refusion_inputs(b, MASK, g, (2, 4, 8), boundary=True, ar_share=0.5)),
     "hybrid": ("refusion", lambda b, g: hybrid_inputs(b, MASK, g, (2, 4, 8))),
     "joint": ("refusion", lambda b, g: draft_inputs(b, MASK, g, (2, 4, 8))),
+    "joint-hybrid": ("refusion", lambda b, g: joint_hybrid_inputs(b, MASK, g, (2, 4, 8))),  # a p per column
 }
 
 
