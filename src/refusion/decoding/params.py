@@ -210,6 +210,9 @@ class ReFusionParams:
     join_check: bool = option(False, "check slot joins: a slot after a committed response token starts with that "
                                      "token's causal prediction; one committed right after another slot must too, "
                                      "or is re-planned (greedy only)")
+    causal_infill: bool = option(False, "infill: the token each round takes without a check (the first one not yet "
+                                        "accepted) becomes the causal prediction from the token before it, as "
+                                        "speculative's extra token; the mask's draft only when they agree (greedy only)")
     verify: bool = option(False, "verify the plan-and-infill answer as a draft of the speculative decoder: the "
                                  "output is then AR decoding's, token for token, and the forwards of both count")
 
@@ -231,8 +234,9 @@ class ReFusionParams:
         for name in ("slot_threshold", "token_threshold"):
             check_probability(name, getattr(self, name))
         check_sampling(self.temperature)
-        if self.join_check and self.temperature > 0:
-            raise ValueError("join_check compares slots with the greedy causal prediction: it needs temperature 0")
+        for name in ("join_check", "causal_infill"):
+            if getattr(self, name) and self.temperature > 0:
+                raise ValueError(f"{name} compares drafts with the greedy causal prediction: it needs temperature 0")
 
 
 def _whole_slots(s) -> int:

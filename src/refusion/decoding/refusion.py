@@ -32,6 +32,17 @@ token's causal prediction. The prompt's last token counts too where the model wa
 predict the first response token from it (config causal_first_token: the objective variants);
 under the paper's objective it never was, and the first slot starts from its mask, as `ar` does.
 Not checked: a slot's last token against a slot already committed after it.
+
+Causal infill (`causal_infill`, off by default; greedy only). Each infill verification round takes
+one token per row without a check, the first one not yet accepted (so every round makes progress);
+in the reference it is the mask's draft, and on a model whose masks draft worse than its causal
+path that is where plan-and-infill's answers part from AR's. With the option that token is the
+causal prediction from the accepted token before it (fed in the same pass, so it costs no forward),
+as `speculative` takes the token after its accepted draft; where it replaces the draft, the tokens
+after it are drafted again and the row's cache from it on is fed again before the row is committed
+(its key and value were computed from the draft). With join_check, left to right and token_threshold
+1 the output is greedy AR's; otherwise the tokens accepted above token_threshold, and rows verified
+without the chosen slots before them, still decide.
 """
 
 from __future__ import annotations
@@ -231,9 +242,21 @@ class PlanInfillSeq:
         s, a, tau = self.p.slot_size, self.a, self.p.token_threshold
         w = s - a
         eos_row = None
+        stale = []  # causal_infill: rows with a token replaced after this pass fed it (its KV is not its own)
         for r in range(len(self.chosen)):
             old = self.nacc[r]
             n = old
+            if self.p.causal_infill and old < s:
+                # the token that passes anyway is the causal prediction from the accepted token before it
+                # (fed in this pass: a <= old - 1); the mask's draft stands only where the two agree
+                want = int(amax[r * w + old - 1 - a])
+                if self.drafts[r][old] != want:
+                    self.drafts[r][old] = want
+                    self.nacc[r] = old + 1  # what follows was drafted after the wrong token: drafted again
+                    stale.append(r)
+                    if eos_row is None and any(t in self.eos for t in self.drafts[r][:old + 1]):
+                        eos_row = r
+                    continue
             # the first token fed, and the one right after the previously accepted prefix, pass anyway
             while n < s and (n <= old or pnext[r * w + n - a] > tau):
                 n += 1
@@ -249,10 +272,11 @@ class PlanInfillSeq:
             self.nacc[r] = s
             self.eos_row = (r, j)
         m = min(n - a for n in self.nacc)
-        done = all(n == s for n in self.nacc)
+        done = all(n == s for n in self.nacc) and not any(r < len(self.chosen) for r in stale)
         self.a = a + (m if done else m - 1)
         if not done:
-            self.phase = DRAFT
+            # a replaced token is fed again from offset a on; with nothing left to draft, verify at once
+            self.phase = IVERIFY if all(n == s for n in self.nacc) else DRAFT
             return
         # every row accepted: their KV is already in place after the committed prefix
         cut = self.eos_row
