@@ -120,7 +120,8 @@ def test_study_quick_runs_every_stage_and_writes_the_curves(tmp_path, refusion_c
     assert all(torch.equal(arm[k], dec[k]) for k in arm) and any("mask_adapter" in k for k in dec)
     report = (out / "report.md").read_text()
     assert "| base | ar |" in report
-    for model, decoders in (("ar", ["ar"]), ("refusion", ["ar", "refusion", "refusion-fast", "speculative"]),
+    for model, decoders in (("ar", ["ar"]),
+                            ("refusion", ["ar", "refusion", "refusion-checked", "refusion-fast", "speculative"]),
                             ("mdm", ["mdm", "mdm-threshold"])):
         table = report[report.index(f"### {model}\n"):].split("\n\n")[1].splitlines()[2:]
         assert [row.split(" | ")[:2] for row in table] == [[f"| {d}", str(s)] for d in decoders for s in (4, 8)]
