@@ -232,3 +232,21 @@ def test_batches_without_length_grouping_are_random_and_deterministic():
 def test_variants_with_a_cache_pass_refuse_to_pack(variant):
     with pytest.raises(ConfigError, match=f"pack: the {variant} variant"):
         TrainConfig(variant=variant, init="smollm2", pack=True).validate(check_files=False)
+
+
+def test_mask_loss_weight_reaches_the_trainer(data_file, tmp_path):
+    """joint-hybrid (a mask rate per column) trains packed as unpacked; the logged loss is AR plus
+    mask_loss_weight times the (unweighted) logged mask term, and the first step's terms are the
+    unweighted run's (the same draws, the same weights)."""
+    plain = run_losses(data_file, tmp_path / "plain", variant="joint-hybrid")
+    heavy = run_losses(data_file, tmp_path / "heavy", variant="joint-hybrid", mask_loss_weight=2.5)
+    packed = run_losses(data_file, tmp_path / "packed", variant="joint-hybrid", mask_loss_weight=2.5, pack=True,
+                        micro_batch_size=4)
+    assert heavy[0]["ar_loss"] == pytest.approx(plain[0]["ar_loss"], rel=1e-6)
+    assert heavy[0]["mdm_loss"] == pytest.approx(plain[0]["mdm_loss"], rel=1e-6)
+    for r in heavy:
+        assert r["loss"] == pytest.approx(r["ar_loss"] + 2.5 * r["mdm_loss"], rel=1e-5)
+    assert heavy[-1]["ar_loss"] != pytest.approx(plain[-1]["ar_loss"], rel=1e-4)  # the weight changed the steps
+    for rh, rp in zip(heavy, packed):
+        for k in ("loss", "ar_loss", "mdm_loss", "grad_norm"):
+            assert rp[k] == pytest.approx(rh[k], rel=1e-5, abs=1e-6), k
