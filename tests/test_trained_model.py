@@ -41,6 +41,7 @@ DECODERS = [
     ("mdm-threshold", dict(gen_length=128, block_length=32, threshold=0.9)),
     ("refusion", dict(REFUSION, slot_size=4, slot_threshold=0.7, token_threshold=0.2, join_check=True)),
     ("refusion", dict(REFUSION, join_check=True, causal_infill=True)),
+    ("refusion", dict(REFUSION, join_check=True, causal_infill=True, recheck_rows=True)),
 ]
 
 

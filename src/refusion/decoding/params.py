@@ -213,6 +213,10 @@ class ReFusionParams:
     causal_infill: bool = option(False, "infill: the token each round takes without a check (the first one not yet "
                                         "accepted) becomes the causal prediction from the token before it, as "
                                         "speculative's extra token; the mask's draft only when they agree (greedy only)")
+    recheck_rows: bool = option(False, "after a parallel infill, feed its rows again in one causal pass, each after "
+                                       "the chosen slots before it (as --recompute-kv), and commit them only up to "
+                                       "the first row with a token that pass gives token_threshold or less and does "
+                                       "not predict; the rows after it are re-planned")
     verify: bool = option(False, "verify the plan-and-infill answer as a draft of the speculative decoder: the "
                                  "output is then AR decoding's, token for token, and the forwards of both count")
 

@@ -43,6 +43,14 @@ after it are drafted again and the row's cache from it on is fed again before th
 (its key and value were computed from the draft). With join_check, left to right and token_threshold
 1 the output is greedy AR's; otherwise the tokens accepted above token_threshold, and rows verified
 without the chosen slots before them, still decide.
+
+Row recheck (`recheck_rows`, off by default). Infill rows are verified side by side, each seeing
+the committed tokens and itself, so a row's tokens were never checked after the chosen slots before
+it (a carry drafted in another row, say). With the option the finished rows are fed again in one
+causal pass in slot order (the pass `recompute_kv` makes, whose keys and values are then kept), and
+rows are committed up to the first row after the first with a token that this pass gives
+token_threshold or less and does not predict; the rows from it on are re-planned. One forward per
+infill, none per global verification.
 """
 
 from __future__ import annotations
@@ -287,22 +295,48 @@ class PlanInfillSeq:
             poss += list(range(st, st + n))
         self.eos_row = None
         self.pending = (toks, poss)
-        if self.p.recompute_kv:
+        self.rows_ok = len(self.chosen)
+        if self.p.recompute_kv or self.p.recheck_rows:
             self.phase = RECOMPUTE
             return
         self._commit_infill()
 
     def _after_recompute(self, amax, pmax, pnext, sampled, psampled):
+        if self.p.recheck_rows:
+            self.rows_ok = self._rows_rechecked(amax, pnext)
         self._commit_infill()
+
+    def _rows_rechecked(self, amax: np.ndarray, pnext: np.ndarray) -> int:
+        """recheck_rows: how many infilled rows the recompute pass accepts, in order. Each row was
+        verified beside, not after, the chosen slots before it; in this pass every token follows them
+        (the first row's context is unchanged, so it stands). A token stands if the pass gives it more
+        than token_threshold or predicts it; a row's first token is checked only where it directly
+        follows the row before (else its predecessor is not the token fed before it)."""
+        s, tau = self.p.slot_size, self.p.token_threshold
+        toks, poss = self.pending
+        ok = pnext > tau
+        ok[1:] |= amax[:-1] == np.asarray(toks[1:])
+        for r in range(1, len(self.chosen)):
+            i = r * s
+            if i >= len(toks):
+                break
+            if self.chosen[r] != self.chosen[r - 1] + s:
+                ok[i] = True
+            if not ok[i: i + s].all():
+                return r
+        return len(self.chosen)
 
     def _commit_infill(self) -> None:
         """Commit the infilled rows (self.pending, their KV in place after the committed prefix);
-        with join_check only those before the first bad join, the others are re-planned."""
+        with recheck_rows only those the recompute pass accepts, with join_check only those before
+        the first bad join; the others are re-planned."""
         toks, poss = self.pending
-        k = len(self.chosen)
+        k = self.rows_ok
+        if k < len(self.chosen):
+            toks, poss = toks[: k * self.p.slot_size], poss[: k * self.p.slot_size]
         if self.p.join_check:
             bad = self._bad_joins()
-            if bad.any():
+            if bad[:k].any():
                 k = int(np.argmax(bad))  # >= 1; the rows before it are whole (only the last row is cut at an EOS)
                 toks, poss = toks[: k * self.p.slot_size], poss[: k * self.p.slot_size]
         self.undecoded = [st for st in self.undecoded if st not in self.chosen[:k]]

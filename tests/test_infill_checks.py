@@ -1,11 +1,17 @@
-"""Plan-and-infill's `causal_infill` option (refusion.decoding.refusion, PlanInfillSeq._after_iverify).
+"""Plan-and-infill's infill options `causal_infill` and `recheck_rows` (refusion.decoding.refusion).
 
+causal_infill (PlanInfillSeq._after_iverify):
 Each infill round takes one token per row without a check (the spec's rule: at least one new token per
 row per round). By default that token is the mask's draft; with `causal_infill` it is the causal
 prediction from the accepted token before it, so that, when nothing else is accepted (token_threshold 1)
 and each slot starts from a committed token (left to right, join_check), plan-and-infill decodes
 exactly what greedy AR decodes. A replaced token was fed as the draft, so its key and value are fed
 again before the row is committed: a wrong cache would show up as a later token that differs from AR.
+
+recheck_rows (PlanInfillSeq._rows_rechecked): infill rows are verified side by side, so a row after the
+first was never checked after the chosen slots before it. With the option, every committed token but
+a slot's first is, in the order tokens were committed, above token_threshold or the causal prediction:
+checked against one cache-free causal pass over the whole commit order.
 """
 
 import copy
@@ -14,7 +20,7 @@ import pytest
 
 from refusion.decoding import decode
 from refusion.decoding.refusion import ReFusionParams, generate_refusion
-from test_decoding_refusion import CANDIDATES, PROMPTS, tiny_model
+from test_decoding_refusion import CANDIDATES, PROMPTS, causal_argmax, run_lib, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -87,3 +93,55 @@ def test_on_the_trained_model_left_to_right_with_every_check_is_greedy_ar():
     ar = decode(model, ps, "ar", max_new_tokens=64)
     on = generate_refusion(model, ps, every_check(64, 8, True), eos_ids=model.config.eos_ids)
     assert [r.tokens for r in on] == [a.tokens for a in ar]
+
+
+def unchecked_tokens(model, prompt, events, s, tau) -> int:
+    """Committed tokens, other than a slot's first, that the causal pass over the commit order gives
+    token_threshold or less and does not predict (a margin for the cached passes' other rounding)."""
+    ids, pos = list(prompt), list(range(len(prompt)))
+    for positions, tokens in events:
+        ids += tokens
+        pos += positions
+    amax, probs = causal_argmax(model, ids, pos)
+    P = len(prompt)
+    return sum(1 for i in range(P, len(ids)) if (pos[i] - P) % s
+               and amax[i - 1] != ids[i] and float(probs[i - 1, ids[i]]) < tau - 1e-4)
+
+
+@pytest.mark.parametrize("model_seed,tau", [(0, 0.3), (3, 0.1), (3, 0.3), (5, 0.2)])
+def test_recheck_rows_leaves_no_unchecked_token(model_seed, tau):
+    model = tiny_model(model_seed)
+    s = 4
+    kw = dict(gen_length=16, slot_size=s, slot_threshold=0.0, token_threshold=tau, join_check=True,
+              causal_infill=True)
+    ps = PROMPTS + CANDIDATES[:9]
+    on, ev_on = run_lib(model, ps, kw, set(), recheck_rows=True)
+    _, ev_off = run_lib(model, ps, kw, set())
+    for p, r, ev in zip(ps, on, ev_on):
+        assert r.positions == list(range(len(p), len(p) + 16))  # no holes
+        assert unchecked_tokens(model, p, ev, s, tau) == 0, p
+    # without the recheck, rows after the first keep tokens drafted beside their predecessors
+    assert sum(unchecked_tokens(model, p, ev, s, tau) for p, ev in zip(ps, ev_off)) > 0
+
+
+def test_recheck_rows_that_accept_everything_is_recompute_kv():
+    """token_threshold 0: every row stands, so the pass is exactly the recompute ablation's."""
+    model = tiny_model(3)
+    ps = PROMPTS + CANDIDATES[:5]
+    kw = dict(gen_length=16, slot_size=4, slot_threshold=0.0, token_threshold=0.0)
+    a = generate_refusion(model, ps, ReFusionParams(recompute_kv=True, **kw), eos_ids=[])
+    b = generate_refusion(model, ps, ReFusionParams(recheck_rows=True, **kw), eos_ids=[])
+    assert [(x.tokens, x.positions, x.forwards) for x in a] == [(y.tokens, y.positions, y.forwards) for y in b]
+
+
+def test_every_check_on_the_trained_model_keeps_greedy_ar_answers():
+    """The bundled model with all three checks: batch equals one at a time, no holes."""
+    from bundled import bundled, task_examples
+
+    model, tok = bundled()
+    ps = [tok.chat_prompt_ids(ex.prompt) for ex in task_examples(2)]
+    params = ReFusionParams(gen_length=64, slot_size=8, join_check=True, causal_infill=True, recheck_rows=True)
+    together = generate_refusion(model, ps, params)
+    for p, r in zip(ps, together):
+        (alone,) = generate_refusion(model, [p], params)
+        assert (r.tokens, r.positions, r.forwards) == (alone.tokens, alone.positions, alone.forwards)
