@@ -162,7 +162,7 @@ ar_decoders() { ev "$1" "$2" ar; }
 refusion_decoders() {
   ev "$1" "$2" speculative ar "refusion --slot-size 8 --slot-threshold 0.9 --token-threshold 0.4" \
     "refusion --slot-size 8 --slot-threshold 0.7 --token-threshold 0.2 --tag fast" \
-    "refusion --slot-size 8 --slot-threshold 0.9 --token-threshold 0.4 --join-check --causal-infill --tag checked"
+    "refusion --slot-size 8 --slot-threshold 0.9 --token-threshold 0.4 --join-check --causal-infill --recheck-rows --tag checked"
 }
 quick_decoders() { ev "$1" "$2" speculative; }  # --quick's variants: the stage runs, one decoder
 mdm_decoders() {
