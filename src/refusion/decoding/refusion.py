@@ -313,7 +313,7 @@ class PlanInfillSeq:
         than token_threshold or predicts it; a row's first token is checked only where it directly
         follows the row before (else its predecessor is not the token fed before it)."""
         s, tau = self.p.slot_size, self.p.token_threshold
-        toks, poss = self.pending
+        toks = self.pending[0]
         ok = pnext > tau
         ok[1:] |= amax[:-1] == np.asarray(toks[1:])
         for r in range(1, len(self.chosen)):

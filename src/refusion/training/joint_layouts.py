@@ -30,6 +30,7 @@ Draws (all batched): size_idx = randint(len(slot_sizes), (B,)), then phase = ran
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -96,6 +97,47 @@ def draft_inputs(batch: Batch, mask_id: int, gen: torch.Generator, slot_sizes: t
                        pad, slot_size=L[:, 0])
 
 
+class _Joined(NamedTuple):
+    """Columns of a row that holds `front`'s columns (prompt and `views` copies of the response) and
+    then the paper's response columns; c [1, T] the column index."""
+
+    input_ids: Tensor
+    position_ids: Tensor
+    labels: Tensor
+    is_masked: Tensor
+    c: Tensor
+    first: Tensor
+    second: Tensor
+    pad: Tensor
+
+
+def _then_paper(front: TrainInputs, paper: TrainInputs, batch: Batch, views: int) -> _Joined:
+    """front's columns as they are (prompt + `views` * response long), then the paper's response
+    columns (which sit at prompt_len.. in `paper`), then padding."""
+    B = front.input_ids.shape[0]
+    dev = front.input_ids.device
+    pl, rl = batch.prompt_len[:, None], batch.response_len[:, None]
+    T = int((batch.prompt_len + (views + 1) * batch.response_len).max()) if B else 0
+    c = torch.arange(T, device=dev)[None, :]
+    first = c < pl + views * rl
+    second = ~first & (c < pl + (views + 1) * rl)
+    pad = ~first & ~second
+
+    def ext(x: Tensor, fill) -> Tensor:  # a spare column so clamped gathers stay valid
+        return torch.cat([x, x.new_full((B, 1), fill)], 1)
+
+    f_col = c.clamp(max=front.input_ids.shape[1]).expand(B, T)
+    p_col = (c - views * rl).clamp(0, paper.input_ids.shape[1])
+
+    def pick(f: Tensor, p: Tensor, fill) -> Tensor:
+        return torch.where(first, ext(f, fill).gather(1, f_col), torch.where(second, ext(p, fill).gather(1, p_col), fill))
+
+    input_ids = pick(front.input_ids, paper.input_ids, batch.pad_id)
+    position_ids = torch.where(pad, c, pick(front.position_ids, paper.position_ids, 0))
+    return _Joined(input_ids, position_ids, pick(front.labels, paper.labels, IGNORE),
+                   pick(front.is_masked, paper.is_masked, False), c, first, second, pad)
+
+
 def hybrid_inputs(batch: Batch, mask_id: int, gen: torch.Generator, slot_sizes: tuple[int, ...] = (4, 8, 16, 32),
                   eps: float = 1e-3) -> TrainInputs:
     """The ARM's example and the paper's layout of the same response in one row:
@@ -106,29 +148,9 @@ def hybrid_inputs(batch: Batch, mask_id: int, gen: torch.Generator, slot_sizes: 
     The in-order part is causal; the paper's part sees the prompt and, causally, itself, never the
     in-order part (which holds its masked tokens' true values). Draws: exactly refusion_inputs's."""
     paper = refusion_inputs(batch, mask_id, gen, slot_sizes, eps)
-    arm = ar_inputs(batch)
-    B = arm.input_ids.shape[0]
-    dev = arm.input_ids.device
+    j = _then_paper(ar_inputs(batch), paper, batch, views=1)
+    input_ids, position_ids, labels, is_masked, c, first, second, pad = j
     pl, rl = batch.prompt_len[:, None], batch.response_len[:, None]
-    T = int((batch.prompt_len + 2 * batch.response_len).max()) if B else 0
-    c = torch.arange(T, device=dev)[None, :]
-    first = c < pl + rl  # prompt and in-order response: arm's columns as they are
-    second = ~first & (c < pl + 2 * rl)  # the paper's response columns, which sit at pl.. in `paper`
-    pad = ~first & ~second
-
-    def ext(x: Tensor, fill) -> Tensor:  # a spare column so clamped gathers stay valid
-        return torch.cat([x, x.new_full((B, 1), fill)], 1)
-
-    a_col = c.clamp(max=arm.input_ids.shape[1]).expand(B, T)
-    p_col = (c - rl).clamp(0, paper.input_ids.shape[1])
-
-    def pick(a: Tensor, p: Tensor, fill) -> Tensor:
-        return torch.where(first, ext(a, fill).gather(1, a_col), torch.where(second, ext(p, fill).gather(1, p_col), fill))
-
-    input_ids = pick(arm.input_ids, paper.input_ids, batch.pad_id)
-    position_ids = torch.where(pad, c, pick(arm.position_ids, paper.position_ids, 0))
-    labels = pick(arm.labels, paper.labels, IGNORE)
-    is_masked = pick(arm.is_masked, paper.is_masked, False)
     k = c[:, None, :]
     causal = k <= c[:, :, None]
     # a paper row sees the prompt and the paper part before it; an in-order row everything before it
@@ -152,29 +174,11 @@ def joint_hybrid_inputs(batch: Batch, mask_id: int, gen: torch.Generator,
     mask term plus the paper's. Draws: draft_inputs's, then refusion_inputs's."""
     draft = draft_inputs(batch, mask_id, gen, slot_sizes)
     paper = refusion_inputs(batch, mask_id, gen, slot_sizes, eps)
-    B = draft.input_ids.shape[0]
-    dev = draft.input_ids.device
-    pl, rl = batch.prompt_len[:, None], batch.response_len[:, None]
-    T = int((batch.prompt_len + 3 * batch.response_len).max()) if B else 0
+    input_ids, position_ids, labels, is_masked, c, first, second, pad = _then_paper(draft, paper, batch, views=2)
+    B, T = input_ids.shape
     T1 = draft.input_ids.shape[1]
-    c = torch.arange(T, device=dev)[None, :]
-    first = c < pl + 2 * rl  # draft_inputs's columns, where they are
-    second = ~first & (c < pl + 3 * rl)  # the paper's response columns, which sit at pl.. in `paper`
-    pad = ~first & ~second
-
-    def ext(x: Tensor, fill) -> Tensor:  # a spare column so clamped gathers stay valid
-        return torch.cat([x, x.new_full((B, 1), fill)], 1)
-
-    d_col = c.clamp(max=T1).expand(B, T)
-    p_col = (c - 2 * rl).clamp(0, paper.input_ids.shape[1])
-
-    def pick(d: Tensor, p: Tensor, fill) -> Tensor:
-        return torch.where(first, ext(d, fill).gather(1, d_col), torch.where(second, ext(p, fill).gather(1, p_col), fill))
-
-    input_ids = pick(draft.input_ids, paper.input_ids, batch.pad_id)
-    position_ids = torch.where(pad, c, pick(draft.position_ids, paper.position_ids, 0))
-    labels = pick(draft.labels, paper.labels, IGNORE)
-    is_masked = pick(draft.is_masked, paper.is_masked, False)
+    dev = input_ids.device
+    pl = batch.prompt_len[:, None]
     mask_rate = torch.where(second, paper.mask_rate[:, None], torch.ones((), device=dev))
     # draft rows: draft_inputs's attention (its padding columns, the paper's here, are already hidden);
     # paper rows: the prompt and the paper's part before them
