@@ -22,21 +22,9 @@ from refusion.training.mask_features import (PrefixCache, block_starts, example_
 from refusion.training.objectives import IGNORE, token_ce
 from refusion.training.setup import setup
 from refusion.training.trainer import TrainConfig, fit
-from tiny_causal_lm import addition_records, assert_clean_logits_are_the_bases, make_causal_lm
+from tiny_causal_lm import addition_records, assert_clean_logits_are_the_bases, base_dir, data_file  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def base_dir(tmp_path_factory):
-    return make_causal_lm(tmp_path_factory.mktemp("base") / "base")
-
-
-@pytest.fixture(scope="module")
-def data_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "add.jsonl"
-    path.write_text("\n".join(json.dumps(r) for r in addition_records()))
-    return path
 
 
 def adapted_model(base_dir, layers: int, seed: int = 3):

@@ -14,21 +14,9 @@ from refusion.model.mask_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter
 from refusion.model.tokenizer import Tokenizer
 from refusion.training.setup import setup
 from refusion.training.trainer import TrainConfig, fit
-from tiny_causal_lm import addition_records, assert_clean_logits_are_the_bases, make_causal_lm
+from tiny_causal_lm import assert_clean_logits_are_the_bases, base_dir, data_file  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def base_dir(tmp_path_factory):
-    return make_causal_lm(tmp_path_factory.mktemp("base") / "base")
-
-
-@pytest.fixture(scope="module")
-def data_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "add.jsonl"
-    path.write_text("\n".join(json.dumps(r) for r in addition_records()))
-    return path
 
 
 def config(base_dir, data_file, out, **kw) -> TrainConfig:

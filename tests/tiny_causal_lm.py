@@ -5,6 +5,8 @@ import json
 import random
 from pathlib import Path
 
+import pytest
+
 from refusion.model.checkpoint import save_model
 from refusion.model.config import ModelConfig
 from refusion.model.tokenizer import Tokenizer
@@ -43,6 +45,20 @@ def make_causal_lm(path: Path, seed: int = 1, std: float = 0.02) -> Path:
     cfg = ModelConfig(vocab_size=n, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id, model_type="llama",
                       qk_norm=False, tie_word_embeddings=True, max_position_embeddings=1024, **SHAPE)
     save_model(Transformer(cfg).init_weights(std=std, seed=seed), path, tok)
+    return path
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory) -> Path:
+    """A module's tiny causal LM (make_causal_lm): import it into a test module to use it."""
+    return make_causal_lm(tmp_path_factory.mktemp("base") / "base")
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory) -> Path:
+    """The addition records as a {"query", "response"} JSONL file."""
+    path = tmp_path_factory.mktemp("data") / "add.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in addition_records()))
     return path
 
 
