@@ -244,17 +244,7 @@ def plot_accuracy_vs_tps(avg: list[dict], path: str | Path) -> Path:
     top = max(100 * a["accuracy"] for a in avg)
     ax.set_ylim(0, min(100, max(10, math.ceil(top * 1.2 / 10) * 10)))
     ax.set_ylabel("mean accuracy over tasks (%)")
-    tasks = Counter(tuple(a["tasks"]) for a in avg).most_common(1)[0][0]
-    ax.set_title(f"Accuracy against throughput (mean over {', '.join(tasks)})", fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8, frameon=False,
-              title="model · decoder" + ("\n(* other tasks)" if any(a["mixed"] for a in avg) else ""),
-              title_fontsize=8)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120, bbox_inches="tight")  # the legend sits outside the axes: keep it in the file
-    plt.close(fig)
-    return path
+    return _titled_and_saved(plt, fig, ax, avg, "Accuracy against throughput", "model · decoder", path)
 
 
 def plot_curves(points: list[dict], path: str | Path) -> Path:
@@ -292,15 +282,20 @@ def plot_curves(points: list[dict], path: str | Path) -> Path:
     ax.set_xlabel("training steps (log scale)")
     ax.set_ylim(0, 101)
     ax.set_ylabel("mean accuracy over tasks (%), 95% interval")
-    tasks = Counter(tuple(c["tasks"]) for c in points).most_common(1)[0][0]
-    ax.set_title(f"Accuracy against training steps (mean over {', '.join(tasks)})", fontsize=10)
+    return _titled_and_saved(plt, fig, ax, points, "Accuracy against training steps", "run · decoder", path)
+
+
+def _titled_and_saved(plt, fig, ax, rows: list[dict], title: str, legend_title: str, path: str | Path) -> Path:
+    """A plot's title (naming the tasks most rows average over), grid and legend, written to path."""
+    tasks = Counter(tuple(r["tasks"]) for r in rows).most_common(1)[0][0]
+    ax.set_title(f"{title} (mean over {', '.join(tasks)})", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8, frameon=False,
-              title="run · decoder" + ("\n(* other tasks)" if any(c["mixed"] for c in points) else ""),
+              title=legend_title + ("\n(* other tasks)" if any(r["mixed"] for r in rows) else ""),
               title_fontsize=8)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
+    fig.savefig(path, dpi=120, bbox_inches="tight")  # the legend sits outside the axes: keep it in the file
     plt.close(fig)
     return path
 
