@@ -1,26 +1,31 @@
-"""Synthetic task families: determinism, disjoint splits, gold scores correct, wrong answers do not."""
+"""Synthetic task families (and, for determinism and disjoint splits, the word tasks): determinism, disjoint splits, gold scores correct, wrong answers do not."""
 
 import json
 
 import pytest
 
 from refusion.training.data import synthetic_records
-from refusion.tasks import Example, all_tasks
+from refusion.tasks import Example, all_tasks, get_task, words
 from refusion.tasks.synthetic import TASKS, extract_code, extract_final_number, extract_letter, load, mixture
 
 
-@pytest.mark.parametrize("name", sorted(TASKS))
+GENERATED = sorted([*TASKS, *words.TASKS])  # every generated family: these and the word tasks
+
+
+@pytest.mark.parametrize("name", GENERATED)
 def test_deterministic_and_seeded(name):
-    a, b, c = load(name, "test", 20, seed=0), load(name, "test", 20, seed=0), load(name, "test", 20, seed=1)
-    assert [(e.prompt, e.target) for e in a] == [(e.prompt, e.target) for e in b]
+    load = get_task(name).load
+    a, b, c = load("test", 20, seed=0), load("test", 20, seed=0), load("test", 20, seed=1)
+    assert [(e.prompt, e.target, e.answer) for e in a] == [(e.prompt, e.target, e.answer) for e in b]
     assert [e.prompt for e in a] != [e.prompt for e in c]
     assert [e.id for e in a] == [f"{name}/test/{i}" for i in range(20)]
 
 
-@pytest.mark.parametrize("name", sorted(TASKS))
+@pytest.mark.parametrize("name", GENERATED)
 def test_train_and_test_never_overlap(name):
-    train = {e.prompt for seed in (0, 1) for e in load(name, "train", 3000, seed=seed)}
-    test = [e.prompt for e in load(name, "test", 300)]
+    load = get_task(name).load
+    train = {e.prompt for seed in (0, 1) for e in load("train", 3000, seed=seed)}
+    test = [e.prompt for e in load("test", 300)]
     assert len(set(test)) == len(test) and not train & set(test)
 
 

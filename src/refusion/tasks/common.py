@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import random
 import re
+from collections.abc import Callable
 
 from refusion.tasks import Example
 
@@ -29,6 +31,34 @@ def check_generated_n(name: str, split: str, n: int, test_size: int) -> None:
     if n > limit:
         what = "distinct test examples" if split == "test" else f"{split} examples (each held in memory)"
         raise ValueError(f"task {name!r} supplies at most {limit} {what}; n {n} asks for more: ask for at most {limit}")
+
+
+def in_test_split(prompt: str) -> bool:
+    """Which split a generated prompt belongs to: a stable hash of its text, so the two never share one."""
+    return int(hashlib.sha1(prompt.encode()).hexdigest()[:8], 16) % 10 == 0
+
+
+def generated_split(family: str, name: str, split: str, n: int | None, seed: int, test_size: int,
+                    make: Callable[[random.Random], Example]) -> list[Example]:
+    """n examples of a generated task in `split` (default 500 test / 20000 train; at most test_size
+    test): make(rng) draws one (its id is set here), with rng seeded by name, split, seed and index.
+    Test prompts are distinct; train prompts may repeat."""
+    if split not in ("train", "test"):
+        raise ValueError(f"{family} tasks have splits 'train' and 'test', not {split!r}")
+    n = n if n is not None else (500 if split == "test" else 20000)
+    check_generated_n(name, split, n, test_size)
+    out, seen, i = [], set(), 0
+    want_test = split == "test"
+    while len(out) < n:
+        ex = make(random.Random(f"{name}/{split}/{seed}/{i}"))
+        i += 1
+        if in_test_split(ex.prompt) == want_test and not (want_test and ex.prompt in seen):
+            seen.add(ex.prompt)
+            ex.id = f"{name}/{split}/{len(out)}"
+            out.append(ex)
+        if i > 50 * n + 1000:
+            raise ValueError(f"task {name!r} cannot produce {n} distinct {split} examples")
+    return out
 
 
 _NUM = re.compile(r"-?\d+(?:\.\d+)?")

@@ -12,7 +12,6 @@ the range, so no test prompt can ever be drawn for training, whatever the seeds.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 import re
@@ -20,17 +19,12 @@ from collections.abc import Callable
 
 from refusion.tasks import Example, Score, Task
 from refusion.tasks.code import sandbox_scorers
-from refusion.tasks.common import (check_generated_n, extract_code, extract_final_number, extract_letter,
-                                   numbers_equal)
+from refusion.tasks.common import extract_code, extract_final_number, extract_letter, generated_split, numbers_equal
 
 NAMES = ["Ann", "Ben", "Cara", "Dan", "Eve", "Finn", "Gia", "Hal", "Ivy", "Jon", "Kai", "Lea", "Max", "Nia",
          "Omar", "Pia", "Raj", "Sam", "Tess", "Uma"]
 OBJECTS = ["apples", "pens", "stickers", "coins", "books", "marbles", "cards", "shells", "stamps", "beads"]
 LETTERS = "ABCD"
-
-
-def in_test_split(prompt: str) -> bool:
-    return int(hashlib.sha1(prompt.encode()).hexdigest()[:8], 16) % 10 == 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -256,22 +250,7 @@ TEST_SIZES = {"arith": 100_000, "code": 600, "choice": 100_000, "table": 8000}
 def load(name: str, split: str, n: int | None = None, seed: int = 0) -> list[Example]:
     """n examples of `name` in `split` (default 500 test / 20000 train; at most TEST_SIZES test). Test prompts are distinct;
     train prompts may repeat (with different hidden tests or numbers elsewhere)."""
-    if split not in ("train", "test"):
-        raise ValueError(f"synthetic tasks have splits 'train' and 'test', not {split!r}")
-    n = n if n is not None else (500 if split == "test" else 20000)
-    check_generated_n(name, split, n, TEST_SIZES[name])
-    out, seen, i = [], set(), 0
-    want_test = split == "test"
-    while len(out) < n:
-        ex = _generate(name, random.Random(f"{name}/{split}/{seed}/{i}"))
-        i += 1
-        if in_test_split(ex.prompt) == want_test and not (want_test and ex.prompt in seen):
-            seen.add(ex.prompt)
-            ex.id = f"{name}/{split}/{len(out)}"
-            out.append(ex)
-        if i > 50 * n + 1000:
-            raise ValueError(f"task {name!r} cannot produce {n} distinct {split} examples")
-    return out
+    return generated_split("synthetic", name, split, n, seed, TEST_SIZES[name], lambda rng: _generate(name, rng))
 
 
 def _task(name: str, kind: str, score, description: str, score_many=None) -> Task:

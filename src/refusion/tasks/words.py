@@ -10,7 +10,7 @@ responses run to 12-73 tokens, long enough that decoding several tokens per forw
 are the tasks of the fixture model tests/fixtures/refusion-words (configs/refusion-words.toml).
 
 Every example is a pure function of (task, split, seed, index). Train and test are disjoint by the
-same stable hash of the prompt as the synthetic families (refusion.tasks.synthetic.in_test_split).
+same stable hash of the prompt as the synthetic families (refusion.tasks.common.in_test_split).
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ import random
 from collections.abc import Callable
 
 from refusion.tasks import Example, Score, Task
-from refusion.tasks.common import check_generated_n, extract_final_number, numbers_equal
-from refusion.tasks.synthetic import in_test_split
+from refusion.tasks.common import extract_final_number, generated_split, numbers_equal
 
 WORDS = ["red", "blue", "green", "cat", "dog", "fox", "owl", "sun", "moon", "star", "tree", "leaf", "rock", "sea",
          "rain", "snow", "wind", "fire", "bird", "fish", "bear", "wolf", "lamp", "door", "book", "cup", "hat", "box",
@@ -90,21 +89,8 @@ TEST_SIZES = {"sort": 100_000, "add": 4000, "repeat": 100_000}
 def load(name: str, split: str, n: int | None = None, seed: int = 0) -> list[Example]:
     """n examples of `name` in `split` (default 500 test / 20000 train; at most TEST_SIZES test);
     test prompts are distinct."""
-    if split not in ("train", "test"):
-        raise ValueError(f"word tasks have splits 'train' and 'test', not {split!r}")
-    n = n if n is not None else (500 if split == "test" else 20000)
-    check_generated_n(name, split, n, TEST_SIZES[name])
-    out, seen, i = [], set(), 0
-    want_test = split == "test"
-    while len(out) < n:
-        prompt, target, answer = MAKERS[name](random.Random(f"{name}/{split}/{seed}/{i}"))
-        i += 1
-        if in_test_split(prompt) == want_test and not (want_test and prompt in seen):
-            seen.add(prompt)
-            out.append(Example(f"{name}/{split}/{len(out)}", prompt, target, answer))
-        if i > 50 * n + 1000:
-            raise ValueError(f"task {name!r} cannot produce {n} distinct {split} examples")
-    return out
+    return generated_split("word", name, split, n, seed, TEST_SIZES[name],
+                           lambda rng: Example("", *MAKERS[name](rng)))
 
 
 def _task(name: str, kind: str, score, description: str) -> Task:
