@@ -12,7 +12,11 @@ from refusion.model.checkpoint import add_mask_token, load_model
 from refusion.model.config import ConfigError
 from refusion.model.mask_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_parameters, attach_mask_adapter
 from refusion.model.tokenizer import Tokenizer
+from refusion.training.joint_layouts import draft_masks
+from refusion.training.mask_features import offset_accuracy, offset_hits
+from refusion.training.objectives import ar_inputs, token_ce
 from refusion.training.setup import setup
+from refusion.training.step import _global_batch, base_distribution, soft_ce
 from refusion.training.trainer import TrainConfig, fit
 from tiny_causal_lm import assert_clean_logits_are_the_bases, base_dir, data_file  # noqa: F401 (fixtures)
 
@@ -37,9 +41,10 @@ def metrics(out) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in ("seconds", "tokens_per_s", "layout_s")} for r in recs]
 
 
-def test_mask_only_trains_the_mask_path_alone_and_resumes_exactly(base_dir, data_file, tmp_path):
+@pytest.mark.parametrize("target", ["token", "distribution"])
+def test_mask_only_trains_the_mask_path_alone_and_resumes_exactly(base_dir, data_file, tmp_path, target):
     out = tmp_path / "run"
-    run = setup(config(base_dir, data_file, out))
+    run = setup(config(base_dir, data_file, out, mask_target=target))
     trainable = {n for n, p in run.model.named_parameters() if p.requires_grad}
     assert trainable == {n for n, _ in adapter_parameters(run.model)}
     held = {id(p) for g in run.optimizer.param_groups for p in g["params"]}
@@ -55,6 +60,7 @@ def test_mask_only_trains_the_mask_path_alone_and_resumes_exactly(base_dir, data
     log = metrics(out)
     assert [r["step"] for r in log] == list(range(1, 7)) and all(r["ar_loss"] > 0 for r in log)
     assert all(r["loss"] == r["mdm_loss"] for r in log)
+    assert all(0 <= r[f"mask_acc_{o}"] <= 1 for r in log for o in range(5))
     # checkpoints and the result hold the mask path (and the training state), never the base
     for d in (out / "checkpoint-3", out / "checkpoint-6"):
         assert {p.name for p in d.iterdir()} == {ADAPTER_CONFIG, ADAPTER_WEIGHTS, "training_state.pt"}
@@ -66,7 +72,7 @@ def test_mask_only_trains_the_mask_path_alone_and_resumes_exactly(base_dir, data
     want = (final / ADAPTER_WEIGHTS).read_bytes()
     shutil.rmtree(out / "checkpoint-6")
     shutil.rmtree(final)
-    fit(setup(config(base_dir, data_file, out)), progress=False)
+    fit(setup(config(base_dir, data_file, out, mask_target=target)), progress=False)
     assert metrics(out) == log
     assert (final / ADAPTER_WEIGHTS).read_bytes() == want
 
@@ -80,3 +86,48 @@ def test_mask_only_needs_a_pretrained_model_and_trains_alone(base_dir, data_file
         config(base_dir, data_file, tmp_path / "x", gradient_checkpointing=True).validate()
     with pytest.raises(ConfigError, match="mask_adapter sizes the decoupled and mask-only"):
         config(base_dir, data_file, tmp_path / "x", variant="joint").validate()
+
+
+def test_distribution_targets_are_the_bases_next_token_distributions_at_the_masks(base_dir, data_file, tmp_path):
+    """mask_target "distribution": mask i of a row learns the in-order pass's distribution from the column
+    whose label is that mask's token (prompt_len + i - 1), and the soft cross-entropy against a one-hot
+    target is the token's cross-entropy."""
+    run = setup(config(base_dir, data_file, tmp_path / "run", mask_target="distribution"))
+    batch = _global_batch(run, run.order(0))
+    clean = ar_inputs(batch)
+    masks = draft_masks(batch, run.model.config.mask_token_id, torch.Generator().manual_seed(0), (4, 8))
+    with torch.no_grad():
+        logits = run.model(clean.input_ids, clean.position_ids, None)
+    base = base_distribution(logits, batch.prompt_len, masks.valid)
+    for b in range(len(batch.prompt_len)):
+        pl = int(batch.prompt_len[b])
+        for i in range(masks.valid.shape[1]):
+            if masks.valid[b, i]:
+                assert clean.labels[b, pl + i - 1] == masks.labels[b, i]
+                assert torch.allclose(base[b, i], logits[b, pl + i - 1].float().softmax(-1), atol=1e-7)
+            else:
+                assert not base[b, i].any()
+    mask_logits = torch.randn(*masks.valid.shape, logits.shape[-1], generator=torch.Generator().manual_seed(1))
+    one_hot = torch.nn.functional.one_hot(masks.labels.clamp(min=0), logits.shape[-1]).float()
+    want = token_ce(mask_logits, masks.labels)
+    assert torch.allclose(soft_ce(mask_logits, one_hot, masks.valid), want, atol=1e-5)
+    assert not soft_ce(mask_logits, one_hot, masks.valid)[~masks.valid].any()
+
+
+def test_mask_accuracy_is_counted_per_block_offset():
+    # argmax 0, 1, 2, 3, 4, 5 against targets 0, 1, 9, 3, 4, 9 at offsets 0, 1, 1, 2, 4, 7
+    logits = torch.eye(6) * 5
+    stats = offset_hits(logits, torch.tensor([0, 1, 9, 3, 4, 9]), torch.tensor([0, 1, 1, 2, 4, 7]))
+    assert offset_accuracy(stats) == {"mask_acc_0": 1.0, "mask_acc_1": 0.5, "mask_acc_2": 1.0, "mask_acc_3": 0.0,
+                                      "mask_acc_4": 0.5}
+    assert stats == {}  # the counts were taken out
+
+
+def test_mask_target_is_for_the_mask_only_variant(base_dir, data_file, tmp_path):
+    with pytest.raises(ConfigError, match="mask_target must be"):
+        config(base_dir, data_file, tmp_path / "x", mask_target="logits").validate()
+    with pytest.raises(ConfigError, match="needs variant = \"mask-only\" without feature_cache"):
+        config(base_dir, data_file, tmp_path / "x", mask_target="distribution", feature_cache=True,
+               mask_adapter={"rank": 4, "layers": 1}).validate()
+    with pytest.raises(ConfigError, match="needs variant"):
+        TrainConfig(objective="refusion", variant="joint", mask_target="distribution").validate()

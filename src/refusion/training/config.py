@@ -33,6 +33,8 @@ class TrainConfig:
     #                              the adapted ones once per example, train the adapted blocks alone on those
     #                              features (training/mask_features.py); mask_adapter.layers says how many
     feature_phases: int = 4  # feature_cache: block phases (sets of cut points) computed per example
+    mask_target: str = "token"  # mask-only: what each mask learns to predict, its token ("token") or the frozen
+    #                             base's next-token distribution at its position ("distribution": distillation)
     mask_token: bool = False  # give the model a mask token even where the objective needs none (an ARM
     #                           whose vocabulary, and so whose softmax, matches its ReFusion siblings')
     init: str | None = None  # a checkpoint directory or a model name (refusion.bundled); None: a fresh model
@@ -176,6 +178,11 @@ class TrainConfig:
             if self.lora is not None or self.strategy == "fsdp" or self.gradient_checkpointing:
                 raise ConfigError("the mask-only variant trains its adapters on top of a frozen model: it does not "
                                   "combine with lora, strategy fsdp or gradient_checkpointing")
+        if self.mask_target not in ("token", "distribution"):
+            raise ConfigError(f"mask_target must be \"token\" or \"distribution\", got {self.mask_target!r}")
+        if self.mask_target != "token" and (v.name != "mask-only" or self.feature_cache):
+            raise ConfigError("mask_target = \"distribution\" distils the frozen base's next-token distribution "
+                              "into the masks: it needs variant = \"mask-only\" without feature_cache")
         if self.feature_cache:
             if v.name != "mask-only":
                 raise ConfigError("feature_cache trains a mask-only adapter on features of a frozen model: set "

@@ -46,6 +46,7 @@ ON_REQUEST = {
     "slot_sizes": "the objective lays out its examples differently",
     "eps": "the objective masks at other rates",
     "mask_loss_weight": "the mask term weighs differently against the next-token term",
+    "mask_target": "the masks learn from other targets",
     "mdm_eos_pad_to": "the objective pads responses differently",
     "max_steps": "the run ends at the new max_steps, and since the cosine schedule spans max_steps, " + _SCHEDULE,
     "lr": _SCHEDULE,

@@ -250,12 +250,29 @@ def feature_loss(model: Transformer, fb: FeatureBatch, B: int) -> tuple[Tensor, 
     row = real // R
     per_example = torch.zeros(Bm, dtype=ce.dtype).index_add_(0, row, ce) / fb.valid.sum(1).clamp(min=1)
     loss = per_example.sum() / B
+    stats = {"loss": loss.detach(), "mdm_loss": loss.detach(), "n_masked_tokens": torch.tensor(len(real))}
+    stats.update(offset_hits(logits, target, real % R - fb.block.reshape(-1)[real]))
+    return loss, stats
+
+
+OFFSETS = 5  # mask accuracy is logged at block offsets 0..3 and 4 or more
+
+
+def offset_hits(logits: Tensor, target: Tensor, offset: Tensor) -> dict[str, Tensor]:
+    """How many masks at each block offset (0-3, then 4 and beyond) predict their token greedily, and
+    how many there are: logits [N, V], target and offset [N], one mask each."""
     with torch.no_grad():
         hit = logits.argmax(-1) == target
-        offset = (real % R - fb.block.reshape(-1)[real]).clamp(max=4)
-        stats = {"loss": loss.detach(), "mdm_loss": loss.detach(), "n_masked_tokens": torch.tensor(len(real))}
-        for o in range(5):
+        offset = offset.clamp(max=OFFSETS - 1)
+        out = {}
+        for o in range(OFFSETS):
             at = offset == o
-            stats[f"mask_hits_{o}"] = hit[at].sum()
-            stats[f"masks_{o}"] = at.sum()
-    return loss, stats
+            out[f"mask_hits_{o}"], out[f"masks_{o}"] = hit[at].sum(), at.sum()
+    return out
+
+
+def offset_accuracy(totals: dict[str, Tensor]) -> dict[str, float]:
+    """Pop offset_hits' counts (summed over micro-batches) from totals: mask_acc_0 .. mask_acc_4, the
+    share of masks at each block offset that predicted their token."""
+    return {f"mask_acc_{o}": float(totals.pop(f"mask_hits_{o}")) / max(float(totals.pop(f"masks_{o}")), 1)
+            for o in range(OFFSETS)}

@@ -20,7 +20,7 @@ from refusion.model.cache import KVCache
 from refusion.model.mask_adapter import adapted_from, is_adapter_name
 from refusion.training.joint_layouts import (DraftMasks, draft_inputs, draft_masks, hybrid_inputs,
                                             joint_hybrid_inputs)
-from refusion.training.mask_features import feature_batch, feature_loss
+from refusion.training.mask_features import feature_batch, feature_loss, offset_accuracy, offset_hits
 from refusion.training.objectives import (Batch, TrainInputs, ar_inputs, ar_term, ar_token_count, build_inputs,
                                          loss_from_ce, make_batch, pad_responses, token_ce)
 from refusion.training.optimizer import lr_at
@@ -63,8 +63,8 @@ def train_step(run: Run) -> dict[str, float]:
     n_ar, B = ar_token_count(inputs), len(idx)
     if variant.name == "mask-only":
         totals, tokens = _mask_only_backward(run, inputs, drafts, batch, n_ar, B)
-    else:
-        totals, tokens = _backward(run, inputs, batch, n_ar, B, drafts)
+        return _finish(run, totals, tokens, layout_s, split=False, extra=offset_accuracy(totals))
+    totals, tokens = _backward(run, inputs, batch, n_ar, B, drafts)
     return _finish(run, totals, tokens, layout_s, split=drafts is not None)
 
 
@@ -102,9 +102,7 @@ def _feature_backward(run: Run, idx: list[int]) -> tuple[dict[str, Tensor], int,
         loss.backward()
         for key, v in stats.items():
             totals[key] = totals.get(key, 0) + v
-    acc = {f"mask_acc_{o}": float(totals.pop(f"mask_hits_{o}")) / max(float(totals.pop(f"masks_{o}")), 1)
-           for o in range(5)}
-    return totals, int(totals["n_masked_tokens"]), acc
+    return totals, int(totals["n_masked_tokens"]), offset_accuracy(totals)
 
 
 def _global_batch(run: Run, idx: list[int]) -> Batch:
@@ -167,7 +165,9 @@ def _mask_only_backward(run: Run, inputs: TrainInputs, masks: DraftMasks, batch:
                         ) -> tuple[dict[str, Tensor], int]:
     """The mask-only variant, per micro-batch: the in-order example runs on the frozen model without a
     graph, into a cache (its next-token loss, the base's, is only logged); the masks run on top of it
-    and their loss trains the mask path, the only parameters that require gradients."""
+    and their loss trains the mask path, the only parameters that require gradients. Each mask's
+    target is its token, or with mask_target "distribution" the base's next-token distribution at its
+    position, read from the in-order pass's logits (no forward added)."""
     cfg, model = run.cfg, run.model
     autocast = torch.autocast(run.device.type, dtype=torch.bfloat16) if cfg.dtype == "bfloat16" else nullcontext()
     totals: dict[str, Tensor] = {}
@@ -181,17 +181,40 @@ def _mask_only_backward(run: Run, inputs: TrainInputs, masks: DraftMasks, batch:
         with torch.no_grad(), autocast:
             logits = model(clean.input_ids, clean.position_ids, None, cache=cache)
             ar, n_ar_sub = ar_term(token_ce(logits, clean.labels), clean, n_ar.to(run.device))
+            base = base_distribution(logits, sub_batch.prompt_len.to(run.device), sub_masks.valid) \
+                if cfg.mask_target == "distribution" else None
         del logits
         with autocast:
             logits = model(sub_masks.input_ids, sub_masks.position_ids, sub_masks.attn_mask(len(cache)), cache=cache)
-        ce = token_ce(logits, sub_masks.labels)
+        ce = token_ce(logits, sub_masks.labels) if base is None else soft_ce(logits, base, sub_masks.valid)
         mdm = (ce.sum(1) / sub_batch.response_len.to(ce.device).clamp(min=1)).sum() / B
         mdm.backward()
         stats = dict(loss=mdm.detach(), ar_loss=ar, mdm_loss=mdm.detach(), n_ar_tokens=n_ar_sub,
                      n_masked_tokens=sub_masks.valid.sum())
+        valid = sub_masks.valid
+        offset = torch.arange(valid.shape[1], device=valid.device)[None, :] - sub_masks.block
+        stats.update(offset_hits(logits[valid], sub_masks.labels[valid], offset[valid]))
         for key, v in stats.items():
             totals[key] = totals.get(key, 0) + v
     return totals, tokens
+
+
+def base_distribution(logits: Tensor, prompt_len: Tensor, valid: Tensor) -> Tensor:
+    """The in-order pass's next-token distributions [B, M, V] (float32) at the masks' positions: mask i
+    of a row sits at response token i, which column prompt_len + i - 1 predicts; zeros where not valid."""
+    B, M = valid.shape
+    col = prompt_len[:, None] - 1 + torch.arange(M, device=valid.device)[None, :]
+    col = torch.where(valid, col, 0)
+    rows = logits.gather(1, col[:, :, None].expand(B, M, logits.shape[-1])).float()
+    return torch.where(valid[:, :, None], rows.softmax(-1), 0.0)
+
+
+def soft_ce(logits: Tensor, target: Tensor, valid: Tensor) -> Tensor:
+    """Per-column cross-entropy [B, M] in float32 against target distributions [B, M, V] (the base's:
+    equal to the KL divergence from them up to their entropy, which no parameter changes); 0 where not
+    valid."""
+    ce = -(target * logits.float().log_softmax(-1)).sum(-1)
+    return torch.where(valid, ce, 0.0)
 
 
 def _mask_pass(run: Run, clean: TrainInputs, masks: DraftMasks, batch: Batch, B: int, autocast) -> dict[str, Tensor]:
