@@ -12,11 +12,11 @@ from refusion.model.checkpoint import add_mask_token, load_model
 from refusion.model.config import ConfigError
 from refusion.model.mask_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_parameters, attach_mask_adapter
 from refusion.model.tokenizer import Tokenizer
-from refusion.training.joint_layouts import draft_masks
+from refusion.training.joint_layouts import base_distribution, draft_masks
 from refusion.training.mask_features import offset_accuracy, offset_hits
-from refusion.training.objectives import ar_inputs, token_ce
+from refusion.training.objectives import ar_inputs, soft_ce, token_ce
 from refusion.training.setup import setup
-from refusion.training.step import _global_batch, base_distribution, soft_ce
+from refusion.training.step import _global_batch
 from refusion.training.trainer import TrainConfig, fit
 from tiny_causal_lm import assert_clean_logits_are_the_bases, base_dir, data_file  # noqa: F401 (fixtures)
 

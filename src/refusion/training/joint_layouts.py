@@ -241,3 +241,13 @@ def draft_masks(batch: Batch, mask_id: int, gen: torch.Generator, slot_sizes: tu
     return DraftMasks(torch.where(valid, mask_id, batch.pad_id), torch.where(valid, pl + i, 0),
                       torch.where(valid, resp, IGNORE), valid, torch.where(valid, pl + block, 0),
                       torch.where(valid, block, -1))
+
+
+def base_distribution(logits: Tensor, prompt_len: Tensor, valid: Tensor) -> Tensor:
+    """The in-order pass's next-token distributions [B, M, V] (float32) at the masks' positions: mask i
+    of a row sits at response token i, which column prompt_len + i - 1 predicts; zeros where not valid."""
+    B, M = valid.shape
+    col = prompt_len[:, None] - 1 + torch.arange(M, device=valid.device)[None, :]
+    col = torch.where(valid, col, 0)
+    rows = logits.gather(1, col[:, :, None].expand(B, M, logits.shape[-1])).float()
+    return torch.where(valid[:, :, None], rows.softmax(-1), 0.0)

@@ -294,6 +294,14 @@ def token_ce(logits: Tensor, labels: Tensor) -> Tensor:
     return ce.view(B, T)
 
 
+def soft_ce(logits: Tensor, target: Tensor, valid: Tensor) -> Tensor:
+    """Per-column cross-entropy [B, M] in float32 against target distributions [B, M, V] (the base's:
+    equal to the KL divergence from them up to their entropy, which no parameter changes); 0 where not
+    valid."""
+    ce = -(target * logits.float().log_softmax(-1)).sum(-1)
+    return torch.where(valid, ce, 0.0)
+
+
 def ar_term(ce: Tensor, inputs: TrainInputs, n_total: Tensor | None = None) -> tuple[Tensor, Tensor]:
     sel = (inputs.labels != IGNORE) & ~inputs.is_masked
     n = sel.sum()

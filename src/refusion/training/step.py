@@ -18,11 +18,11 @@ from torch import Tensor
 
 from refusion.model.cache import KVCache
 from refusion.model.mask_adapter import adapted_from, is_adapter_name
-from refusion.training.joint_layouts import (DraftMasks, draft_inputs, draft_masks, hybrid_inputs,
-                                            joint_hybrid_inputs)
+from refusion.training.joint_layouts import (DraftMasks, base_distribution, draft_inputs, draft_masks,
+                                            hybrid_inputs, joint_hybrid_inputs)
 from refusion.training.mask_features import feature_batch, feature_loss, offset_accuracy, offset_hits
 from refusion.training.objectives import (Batch, TrainInputs, ar_inputs, ar_term, ar_token_count, build_inputs,
-                                         loss_from_ce, make_batch, pad_responses, token_ce)
+                                         loss_from_ce, make_batch, pad_responses, soft_ce, token_ce)
 from refusion.training.optimizer import lr_at
 from refusion.training.packing import pack
 from refusion.training.setup import Run
@@ -197,24 +197,6 @@ def _mask_only_backward(run: Run, inputs: TrainInputs, masks: DraftMasks, batch:
         for key, v in stats.items():
             totals[key] = totals.get(key, 0) + v
     return totals, tokens
-
-
-def base_distribution(logits: Tensor, prompt_len: Tensor, valid: Tensor) -> Tensor:
-    """The in-order pass's next-token distributions [B, M, V] (float32) at the masks' positions: mask i
-    of a row sits at response token i, which column prompt_len + i - 1 predicts; zeros where not valid."""
-    B, M = valid.shape
-    col = prompt_len[:, None] - 1 + torch.arange(M, device=valid.device)[None, :]
-    col = torch.where(valid, col, 0)
-    rows = logits.gather(1, col[:, :, None].expand(B, M, logits.shape[-1])).float()
-    return torch.where(valid[:, :, None], rows.softmax(-1), 0.0)
-
-
-def soft_ce(logits: Tensor, target: Tensor, valid: Tensor) -> Tensor:
-    """Per-column cross-entropy [B, M] in float32 against target distributions [B, M, V] (the base's:
-    equal to the KL divergence from them up to their entropy, which no parameter changes); 0 where not
-    valid."""
-    ce = -(target * logits.float().log_softmax(-1)).sum(-1)
-    return torch.where(valid, ce, 0.0)
 
 
 def _mask_pass(run: Run, clean: TrainInputs, masks: DraftMasks, batch: Batch, B: int, autocast) -> dict[str, Tensor]:
