@@ -60,7 +60,7 @@ if [[ $QUICK == 1 ]]; then
 else
   RUNS=${RUNS:-runs/smollm2-refusion} OUT=${OUT:-results/smollm2-refusion}
   ASSET=${ASSET:-src/refusion/assets/smollm2-refusion}
-  N_PROMPTS=${N_PROMPTS:-600} MAX_TOKENS=${MAX_TOKENS:-256}
+  N_PROMPTS=${N_PROMPTS:-1200} MAX_TOKENS=${MAX_TOKENS:-256}  # (up to 1365 a larger sample holds a smaller one: kept answers stay used)
   TRAIN_SHRINK=() BENCH=()
 fi
 BASE=${BASE:-smollm2}
