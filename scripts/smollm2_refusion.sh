@@ -26,7 +26,7 @@
 #
 # Everything resumes: the import and the export are skipped when done, self-generate skips the prompts
 # already answered, training continues from its last checkpoint (and is skipped once RUNS/train/adapter
-# exists), the benchmark skips the rows its JSON has. THREADS (default 1) CPU threads for data and train;
+# exists), the benchmark skips the rows its JSON has. THREADS (default 2) CPU threads for data and train;
 # GEN_BATCH (default 32) prompts per self-generate batch.
 # --quick writes to runs/smollm2-refusion-quick and results/smollm2-refusion-quick, and exports to
 # RUNS/asset/smollm2-refusion, never into the package.
@@ -65,7 +65,7 @@ else
 fi
 BASE=${BASE:-smollm2}
 [[ -n ${GGUF:-} ]] && BASE=$RUNS/base
-THREADS=${THREADS:-1}
+THREADS=${THREADS:-2}
 GEN_BATCH=${GEN_BATCH:-32}  # self-generate's batch: on a CPU a 32-row step costs about twice an 8-row one
 export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS
 mkdir -p "$RUNS" "$OUT/logs"
