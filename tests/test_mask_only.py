@@ -16,7 +16,7 @@ from refusion.training.joint_layouts import base_distribution, draft_masks
 from refusion.training.mask_features import offset_accuracy, offset_hits
 from refusion.training.objectives import ar_inputs, soft_ce, token_ce
 from refusion.training.setup import setup
-from refusion.training.step import _global_batch
+from refusion.training.step import _global_batch, train_step
 from refusion.training.trainer import TrainConfig, fit
 from tiny_causal_lm import assert_clean_logits_are_the_bases, base_dir, data_file  # noqa: F401 (fixtures)
 
@@ -112,12 +112,17 @@ def test_distribution_targets_are_the_bases_next_token_distributions_at_the_mask
     want = token_ce(mask_logits, masks.labels)
     assert torch.allclose(soft_ce(mask_logits, one_hot, masks.valid), want, atol=1e-5)
     assert not soft_ce(mask_logits, one_hot, masks.valid)[~masks.valid].any()
+    # the option reaches the training loss: at step 1 (adapters at zero effect) both runs' masks predict
+    # the same tokens, and their losses differ (the base's distribution against its argmax token)
+    first = {t: train_step(setup(config(base_dir, data_file, tmp_path / t, mask_target=t))) for t in
+             ("token", "distribution")}
+    assert all(first["token"][f"mask_acc_{o}"] == first["distribution"][f"mask_acc_{o}"] for o in range(5))
+    assert first["token"]["mdm_loss"] != first["distribution"]["mdm_loss"]
 
 
 def test_mask_accuracy_is_counted_per_block_offset():
-    # argmax 0, 1, 2, 3, 4, 5 against targets 0, 1, 9, 3, 4, 9 at offsets 0, 1, 1, 2, 4, 7
-    logits = torch.eye(6) * 5
-    stats = offset_hits(logits, torch.tensor([0, 1, 9, 3, 4, 9]), torch.tensor([0, 1, 1, 2, 4, 7]))
+    # predictions 0, 1, 2, 3, 4, 5 against targets 0, 1, 9, 3, 4, 9 at offsets 0, 1, 1, 2, 4, 7
+    stats = offset_hits(torch.arange(6), torch.tensor([0, 1, 9, 3, 4, 9]), torch.tensor([0, 1, 1, 2, 4, 7]))
     assert offset_accuracy(stats) == {"mask_acc_0": 1.0, "mask_acc_1": 0.5, "mask_acc_2": 1.0, "mask_acc_3": 0.0,
                                       "mask_acc_4": 0.5}
     assert stats == {}  # the counts were taken out

@@ -251,23 +251,22 @@ def feature_loss(model: Transformer, fb: FeatureBatch, B: int) -> tuple[Tensor, 
     per_example = torch.zeros(Bm, dtype=ce.dtype).index_add_(0, row, ce) / fb.valid.sum(1).clamp(min=1)
     loss = per_example.sum() / B
     stats = {"loss": loss.detach(), "mdm_loss": loss.detach(), "n_masked_tokens": torch.tensor(len(real))}
-    stats.update(offset_hits(logits, target, real % R - fb.block.reshape(-1)[real]))
+    stats.update(offset_hits(logits.detach().argmax(-1), target, real % R - fb.block.reshape(-1)[real]))
     return loss, stats
 
 
 OFFSETS = 5  # mask accuracy is logged at block offsets 0..3 and 4 or more
 
 
-def offset_hits(logits: Tensor, target: Tensor, offset: Tensor) -> dict[str, Tensor]:
+def offset_hits(predicted: Tensor, target: Tensor, offset: Tensor) -> dict[str, Tensor]:
     """How many masks at each block offset (0-3, then 4 and beyond) predict their token greedily, and
-    how many there are: logits [N, V], target and offset [N], one mask each."""
-    with torch.no_grad():
-        hit = logits.argmax(-1) == target
-        offset = offset.clamp(max=OFFSETS - 1)
-        out = {}
-        for o in range(OFFSETS):
-            at = offset == o
-            out[f"mask_hits_{o}"], out[f"masks_{o}"] = hit[at].sum(), at.sum()
+    how many there are: predicted (the logits' argmax), target and offset [N], one mask each."""
+    hit = predicted == target
+    offset = offset.clamp(max=OFFSETS - 1)
+    out = {}
+    for o in range(OFFSETS):
+        at = offset == o
+        out[f"mask_hits_{o}"], out[f"masks_{o}"] = hit[at].sum(), at.sum()
     return out
 
 

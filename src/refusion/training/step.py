@@ -193,7 +193,8 @@ def _mask_only_backward(run: Run, inputs: TrainInputs, masks: DraftMasks, batch:
                      n_masked_tokens=sub_masks.valid.sum())
         valid = sub_masks.valid
         offset = torch.arange(valid.shape[1], device=valid.device)[None, :] - sub_masks.block
-        stats.update(offset_hits(logits[valid], sub_masks.labels[valid], offset[valid]))
+        # (the argmax before selecting rows: logits[valid] would copy every mask's vocabulary-wide row)
+        stats.update(offset_hits(logits.detach().argmax(-1)[valid], sub_masks.labels[valid], offset[valid]))
         for key, v in stats.items():
             totals[key] = totals.get(key, 0) + v
     return totals, tokens
