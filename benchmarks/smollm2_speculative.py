@@ -302,12 +302,12 @@ def main() -> None:
                     which, decoder, params = OURS[name]
                     for b in benches:
                         decode(models[which], prompts[b][:bs], decoder, gen_length=32, eos_ids=eos, **params)
-            for name in names:
-                if name == "hf prompt-lookup" and bs > 1:
-                    continue  # transformers' assisted generation runs one sequence at a time
-                for bench in benches:
-                    if (threads, bs, name, bench) in done:
-                        continue
+            # benchmark by benchmark, AR first: a run stopped between two benchmarks leaves each finished
+            # one whole (its AR and its settings timed together), and rerunning it adds the rest
+            for bench in benches:
+                for name in names:
+                    if (threads, bs, name, bench) in done or (name == "hf prompt-lookup" and bs > 1):
+                        continue  # (transformers' assisted generation runs one sequence at a time)
                     if name in OURS:
                         which, decoder, params = OURS[name]
                         r = run_ours(models[which], prompts[bench], decoder, dict(params, gen_length=args.max_tokens),
@@ -315,7 +315,8 @@ def main() -> None:
                     else:
                         r = run_hf(hf, prompts[bench], args.max_tokens, bs, eos, pad,
                                    args.lookup_tokens if name == "hf prompt-lookup" else None)
-                    rows.append(dict(threads=threads, batch_size=bs, name=name, bench=bench, **r))
+                    rows.append(dict(threads=threads, batch_size=bs, name=name, bench=bench,
+                                     finished_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **r))
                     tokens = sum(map(len, r["outputs"]))
                     late = (f" ({r['graphs_compiled']} graphs, {r['recompiles']} recompiles during it, "
                             f"{r['compile_seconds']:.0f} s not timed)" if r.get("compile_seconds") else "")
