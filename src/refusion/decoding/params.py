@@ -134,6 +134,9 @@ class SpeculativeParams:
                                         "base, and copies go further), off otherwise")
     accept_prob: float | None = option(None, "lossy: also accept a draft token whose probability is at least this "
                                              "(default: exact; greedy: only values < 0.5 matter)")
+    redraft: bool = option(False, "also feed, behind each draft token, masks that see the draft only up to it, so "
+                                  "that after a partly accepted draft the next one is drafted from the accepted "
+                                  "tokens (wider forwards; exact either way). Needs --widths fixed or adaptive")
 
     def __post_init__(self) -> None:
         # widths and draft_length default by each other (and adaptive=False, the older spelling of
@@ -167,6 +170,9 @@ class SpeculativeParams:
         check_sampling(self.temperature, self.top_k, self.top_p)
         if self.lookup is not None and not isinstance(self.lookup, bool):
             raise ValueError(f"lookup must be true, false or unset (the model's default), got {self.lookup!r}")
+        if self.redraft and self.widths == "cost":
+            raise ValueError("redraft needs widths fixed or adaptive (the cost policy does not price its masks): "
+                             "add --widths fixed or --widths adaptive")
         if self.accept_prob is not None:
             check_probability("accept_prob", self.accept_prob)
             if self.accept_prob == 0:
@@ -185,7 +191,7 @@ class SpeculativeParams:
     def max_width(self) -> int:
         """The most tokens one step can feed after the prefill: x, the draft and the masks."""
         masks = self.mask_length if self.mask_length is not None else self.draft_length + 1
-        return 1 + self.draft_length + masks
+        return 1 + self.draft_length + masks * (1 + self.draft_length if self.redraft else 1)
 
 
 register(Decoder("speculative", SpeculativeParams, "refusion.decoding.speculative:generate_speculative",

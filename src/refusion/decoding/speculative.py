@@ -101,6 +101,9 @@ class SpeculativeSeq:
         if plan and self.causal_first:  # the prefill can verify it: the prompt's last token predicts its first
             self.draft, self.kind = list(plan), widths.PLAN
         self.bare = False  # this step feeds its draft without masks behind it (a copy: _choose_widths)
+        # redraft: this step's blocks of masks behind x and each draft token but the last, each seeing
+        # the draft up to its own place only: feed index of the first, and each one's length (0: none)
+        self.redraft_from = self.redraft_len = 0
         self.anchor = 0  # feed index whose logits give the first token of this step
 
     def _masks(self) -> int:
@@ -133,12 +136,21 @@ class SpeculativeSeq:
             ids = [self.x] + self.draft + [self.mask_id] * m
             self.anchor, self.fed_k = 0, k
             start = self.P + len(self.res.tokens) - 1  # x's position
+        pos = list(range(start, start + len(ids)))
+        self.redraft_from = self.redraft_len = 0
+        if self.p.redraft and self.x is not None and k and m:
+            # block i drafts from x, d1..di: its masks sit at the positions after d_i's (after x's for i = 0)
+            self.redraft_from, self.redraft_len = len(ids), m
+            for i in range(k):
+                ids += [self.mask_id] * m
+                pos += range(start + i + 1, start + i + 1 + m)
         self.res.forwards += 1
         self.res.tokens_fed += len(ids)
-        return ids, list(range(start, start + len(ids)))
+        return ids, pos
 
-    def advance(self, j: int, extra: int, mask_preds: list[int]) -> None:
-        """Commit the first j draft tokens and `extra`; keep their KV; make the next draft."""
+    def advance(self, j: int, extra: int, mask_preds: list[int], redrafted: list[int] | None = None) -> None:
+        """Commit the first j draft tokens and `extra`; keep their KV; make the next draft (after a
+        rejection, `redrafted` when this step fed redraft blocks: the draft from the accepted tokens)."""
         prefill = self.x is None
         k = self.fed_k
         commit = (self.draft[:j] + [extra])[: self.p.gen_length - len(self.res.tokens)]
@@ -161,12 +173,15 @@ class SpeculativeSeq:
             self.c = self.P + j if prefill else self.c + j + 1
             # after a mismatch the rest of the old draft still guesses the positions after `extra`;
             # after a full accept `extra` took the first mask's position
-            self.draft = self.draft[j + 1:] + mask_preds if j < k else mask_preds[1:]
+            if redrafted is not None and j < k:
+                self.draft = redrafted
+            else:
+                self.draft = self.draft[j + 1:] + mask_preds if j < k else mask_preds[1:]
         if k:
             self.acceptance.record(self.kind, j, k)
         if not prefill or k:
             self.drafts_tried += k > 0
-            self.kind = widths.FRESH if j == k else widths.AFTER_MISS
+            self.kind = widths.FRESH if j == k or redrafted is not None else widths.AFTER_MISS
             if self.p.widths == "adaptive" and self.p.draft_length > 0:
                 self._adapt(j, k)
         else:
@@ -395,7 +410,10 @@ class SpeculativeBatch:
         used = max(q.c for q in seqs) + W
         cache = self.cache.at(col_t, keys=used, row0=lo)
         # a query sees every kept column of its row and its own row's fed tokens up to itself
-        mask = torch.arange(used, device=self.device)[None, None, :] <= col_t[:, :, None]
+        cols = torch.arange(used, device=self.device)[None, None, :]
+        mask = cols <= col_t[:, :, None]
+        if any(q.redraft_len for q in seqs):
+            mask = self._redraft_mask(seqs, packed[2], fed_w, cols)
         real = packed_index(fed_w, W, self.device)  # ragged rows: only real tokens
         logits = self.model(ids_t, pos_t, attn_mask=mask[:, None], cache=cache, num_logits=need, real=real).float()
         j, extra, drafts = self._judge(seqs, logits, ids_t[:, W - need:], pos_t[:, W - need:] - prompt_t[:, None],
@@ -403,15 +421,36 @@ class SpeculativeBatch:
         host = torch.cat([j[:, None], extra[:, None], drafts], 1).cpu().numpy()  # the step's one transfer
         kinds = np.array([q.kind for q in seqs])
         for b, (q, (ids, _)) in enumerate(zip(seqs, feeds)):
-            a, k = int(meta[0, b]), q.fed_k
+            a, k, j = int(meta[0, b]), q.fed_k, int(host[b, 0])
             masks_from = a + 1 + k  # the masks after the anchor and the draft
-            q.advance(int(host[b, 0]), int(host[b, 1]), host[b, 2 + masks_from: 2 + need].tolist())
+            if q.redraft_len:  # (the blocks after the draft's own masks: block j drafts from the accepted tokens)
+                r, first = q.redraft_len, a + q.redraft_from
+                redrafted = host[b, 2 + first + j * r + 1: 2 + first + (j + 1) * r].tolist() if j < k else None
+                q.advance(j, int(host[b, 1]), host[b, 2 + masks_from: 2 + first].tolist(), redrafted)
+            else:
+                q.advance(j, int(host[b, 1]), host[b, 2 + masks_from: 2 + need].tolist())
         self._offer_drafts(seqs)
         if not prefill:
             self.prior.record_many(kinds, host[:, 0], meta[1])
             if self.cost is not None:  # what this step took, its host work included
                 fed = int(fed_w.sum()) if self.cost.packed else B * W
                 self.cost.note(B, fed, time.perf_counter() - start, B * W - fed)
+
+    def _redraft_mask(self, seqs: list[SpeculativeSeq], col: np.ndarray, fed_w: np.ndarray, cols: Tensor) -> Tensor:
+        """The step's attention mask [B, W, used] when rows feed redraft blocks: a query sees its row's
+        kept columns and fed tokens up to `upto` (itself, but for block i's masks x, d1..di), and the
+        columns from `own` (its block's first) to itself. col [B, W]: each fed slot's cache column."""
+        upto, own = col.copy(), col + 1
+        W = col.shape[1]
+        for b, q in enumerate(seqs):
+            r = q.redraft_len
+            for i in range(q.fed_k if r else 0):
+                s = W - fed_w[b] + q.redraft_from + i * r  # the block's first slot in the right-aligned row
+                upto[b, s:s + r] = col[b, W - fed_w[b]] + i  # x's column, then d1's, ...
+                own[b, s:s + r] = col[b, s]
+        upto_t, own_t = torch.from_numpy(np.stack([upto, own])).to(self.device)
+        at = torch.from_numpy(col).to(self.device)[:, :, None]
+        return (cols <= upto_t[:, :, None]) | ((cols >= own_t[:, :, None]) & (cols <= at))
 
     def _offer_drafts(self, seqs: list[SpeculativeSeq]) -> None:
         """Offer each row the drafts it has besides the masks': with lookup (SpeculativeParams.lookup),

@@ -1,0 +1,74 @@
+"""`speculative --redraft`: blocks of masks behind x and each draft token, each seeing the draft only up
+to its own place, so that after a rejection the next draft comes from the accepted tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from refusion.decoding import widths
+from refusion.decoding.speculative import SpeculativeBatch, SpeculativeParams, generate_speculative
+from test_decoding_speculative import MASK, PROMPTS, ar, tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+REDRAFT = [dict(draft_length=3, mask_length=2, widths="fixed"), dict(draft_length=4, widths="fixed"),
+           dict(widths="adaptive"), dict(widths="adaptive", lookup=True), dict(draft_length=2, widths="fixed", lookup=True)]
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("kw", REDRAFT, ids=[str(k) for k in REDRAFT])
+def test_greedy_equals_ar_batched_and_alone(seed, kw):
+    model = tiny_model(seed)
+    ref = ar(model, PROMPTS, 24, [1])
+    params = SpeculativeParams(gen_length=24, redraft=True, **kw)
+    together = generate_speculative(model, PROMPTS, params, eos_ids=[1])
+    for p, r, a in zip(PROMPTS, together, ref):
+        assert r.tokens == a.tokens and r.positions == a.positions and r.finished == a.finished
+        (alone,) = generate_speculative(model, [p], params, eos_ids=[1])
+        assert (alone.tokens, alone.positions) == (r.tokens, r.positions)
+
+
+@pytest.mark.parametrize("j", [0, 1, 2])
+def test_after_a_rejection_the_draft_is_the_masks_behind_the_accepted_tokens(j):
+    """A draft right up to d_j and wrong at d_{j+1}: the next draft is what masks fed after x, d1..dj
+    predict in a plain causal forward of the sequence (their first, at the place of the token the
+    causal head supplies, is dropped), and the step's other masks do not leak into it."""
+    model, p, k, m = tiny_model(3), PROMPTS[1], 4, 5
+    free = ar(model, [p], 30, [])[0].tokens
+    batch = SpeculativeBatch(model, eos_ids=[])
+    batch.add(p, SpeculativeParams(gen_length=30, draft_length=k, mask_length=m, widths="fixed", redraft=True))
+    batch.step()  # the prefill: commits free[0]
+    (q,) = batch.running
+    assert q.res.tokens == free[:1]
+    draft = list(free[1:1 + k])
+    draft[j] = (draft[j] + 1) % MASK
+    q.draft = draft
+    batch.step()
+    assert q.res.tokens == free[:j + 2]  # x's successor d1..dj accepted, then the causal token
+    assert q.kind == widths.FRESH
+    seq = p + free[:j + 1]  # up to d_j
+    ids = torch.tensor([seq + [MASK] * m])
+    with torch.inference_mode():
+        logits = model(ids, torch.arange(ids.shape[1])[None])
+    assert q.draft == logits[0, len(seq) + 1:].argmax(-1).tolist()
+
+
+def test_redraft_feeds_a_block_per_draft_token_and_counts_them():
+    model, p = tiny_model(2), PROMPTS[0]
+    batch = SpeculativeBatch(model, eos_ids=[])
+    batch.add(p, SpeculativeParams(gen_length=20, draft_length=3, mask_length=2, widths="fixed", redraft=True))
+    batch.step()
+    (q,) = batch.running
+    q.draft = [5, 6, 7]
+    ids, pos = q.next_feed()
+    x = q.x
+    n = len(p) + len(q.res.tokens) - 1  # x's position
+    assert ids == [x, 5, 6, 7, MASK, MASK] + [MASK] * 6
+    assert pos == list(range(n, n + 6)) + [n + 1, n + 2, n + 2, n + 3, n + 3, n + 4]
+
+
+def test_redraft_needs_widths_it_can_price():
+    with pytest.raises(ValueError, match="redraft needs widths fixed or adaptive"):
+        SpeculativeParams(redraft=True)
+    assert SpeculativeParams(redraft=True, widths="fixed", draft_length=3, mask_length=2).max_width == 1 + 3 + 2 * 4
