@@ -12,6 +12,8 @@ template applied), greedy, each setting decodes every prompt at each thread coun
                                  (`--no-lookup`; its default widths)
     speculative +lookup          the same with prompt-lookup drafts too (`--lookup`, this model's default): each step feeds the
                                  masks' draft or a copy of earlier text, whichever it expects to go further
+    speculative +redraft,        the two above with redraft blocks (`--redraft`: after a rejection the next
+    speculative +lookup +redraft draft comes from masks that saw the accepted tokens only)
     refusion s8 0.9/0.4          plan-and-infill on the adapted model (spec section 4); expected to change
                                  answers, since the base's causal path never saw out-of-order slots
     base ar compiled             base ar through compiled graphs (`--compile-mode`, default max-autotune:
@@ -66,6 +68,8 @@ OURS = {  # name -> (which model, decoder, params without gen_length)
     "base ar": ("base", "ar", {}),
     "speculative": ("adapted", "speculative", {"lookup": False}),
     "speculative +lookup": ("adapted", "speculative", {"lookup": True}),
+    "speculative +redraft": ("adapted", "speculative", {"lookup": False, "redraft": True}),
+    "speculative +lookup +redraft": ("adapted", "speculative", {"lookup": True, "redraft": True}),
     "refusion s8 0.9/0.4": ("adapted", "refusion", dict(slot_size=8, serial_blocks=1, slot_threshold=0.9,
                                                         token_threshold=0.4)),
     "base ar compiled": ("base compiled", "ar", {}),

@@ -3,6 +3,7 @@ to its own place, so that after a rejection the next draft comes from the accept
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -13,7 +14,8 @@ from test_decoding_speculative import MASK, PROMPTS, ar, tiny_model
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 REDRAFT = [dict(draft_length=3, mask_length=2, widths="fixed"), dict(draft_length=4, widths="fixed"),
-           dict(widths="adaptive"), dict(widths="adaptive", lookup=True), dict(draft_length=2, widths="fixed", lookup=True)]
+           dict(widths="adaptive"), dict(widths="adaptive", lookup=True), dict(draft_length=2, widths="fixed", lookup=True),
+           dict(), dict(lookup=True), dict(mask_length=3)]
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -68,7 +70,33 @@ def test_redraft_feeds_a_block_per_draft_token_and_counts_them():
     assert pos == list(range(n, n + 6)) + [n + 1, n + 2, n + 2, n + 3, n + 3, n + 4]
 
 
-def test_redraft_needs_widths_it_can_price():
-    with pytest.raises(ValueError, match="redraft needs widths fixed or adaptive"):
-        SpeculativeParams(redraft=True)
+def test_what_redraft_feeds_is_what_the_cost_policy_prices():
     assert SpeculativeParams(redraft=True, widths="fixed", draft_length=3, mask_length=2).max_width == 1 + 3 + 2 * 4
+    assert SpeculativeParams(redraft=True).max_width == 1 + 8 + 9 * 9  # (the cost policy drafts at most 8 with it)
+    assert [widths.fed_tokens(w, -1, True) for w in range(4)] == [1, 1 + 1 + 2 * 2, 1 + 2 + 3 * 3, 1 + 3 + 4 * 4]
+    assert [widths.fed_tokens(w, 2, True) for w in range(3)] == [1 + 2, 1 + 1 + 2 * 2, 1 + 2 + 2 * 3]
+    w, m = np.arange(5)[:, None], np.array([-1, 2])[None, :]
+    for r in (False, True):
+        assert widths.fed_tokens_of(w, m, r).tolist() == [[widths.fed_tokens(a, b, r) for b in (-1, 2)] for a in range(5)]
+
+
+def test_the_steps_feed_what_the_policy_priced():
+    """Every redrafting step of the cost policy feeds fed_tokens(width, masks, redraft) tokens."""
+    model = tiny_model(1)
+    batch = SpeculativeBatch(model, eos_ids=[], cost=widths.CostModel.of(lambda r, t: 1e-3 + 1e-5 * t))
+    batch.add(PROMPTS[3], SpeculativeParams(gen_length=40, redraft=True))
+    batch.step()
+    (q,) = batch.running
+    checked = 0
+    while len(batch):
+        batch._choose_widths()
+        k = min(q.width, len(q.draft), q.p.gen_length - len(q.res.tokens) - 1)
+        ids, _ = q.next_feed()
+        q.res.forwards -= 1
+        q.res.tokens_fed -= len(ids)
+        left = q.p.gen_length - len(q.res.tokens)
+        if k and q.width + 1 <= left - k:  # (near the end the masks are cut to the positions left)
+            assert len(ids) == widths.fed_tokens(k, -1, True)
+            checked += 1
+        batch.step()
+    assert checked > 3

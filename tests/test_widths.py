@@ -170,28 +170,30 @@ def test_rates_follow_a_rows_own_counts_its_kind_of_draft_and_its_standing_again
 # ---- the choice -----------------------------------------------------------------------------------
 
 
-def brute_force(rate, bound, masks, width, free, floor, cost):
+def brute_force(rate, bound, masks, width, free, floor, cost, redraft=None):
     B, K = rate.shape
     value = np.concatenate([np.ones((B, 1)), 1 + np.cumsum(np.cumprod(rate, 1), 1)], 1)
     choices = [range(floor[b], bound[b] + 1) if free[b] else [min(width[b], bound[b])] for b in range(B)]
     best = 0.0
     for ws in itertools.product(*choices):
-        best = max(best, sum(value[b, w] for b, w in enumerate(ws)) / seconds(ws, masks, cost))
+        best = max(best, sum(value[b, w] for b, w in enumerate(ws)) / seconds(ws, masks, cost, redraft))
     return best
 
 
-def seconds(ws, masks, cost) -> float:
+def seconds(ws, masks, cost, redraft=None) -> float:
     """What the forward of these widths costs: its tokens (packed) or rows x its widest row, and
-    what its padding costs on top."""
-    fed = [1 + w + (masks[b] if masks[b] >= 0 else (w + 1 if w else 0)) for b, w in enumerate(ws)]
+    what its padding costs on top. redraft: rows feeding a block of masks behind x and every draft token."""
+    redraft = [False] * len(ws) if redraft is None else redraft
+    fed = [1 + w + (masks[b] if masks[b] >= 0 else (w + 1 if w else 0)) * (w + 1 if redraft[b] and w else 1)
+           for b, w in enumerate(ws)]
     B, total = len(ws), sum(fed) if cost.packed else len(ws) * max(fed)
     return cost(B, [total])[0] + cost.pad * (B * max(fed) - total)
 
 
-def ratio(ws, rate, masks, cost):
+def ratio(ws, rate, masks, cost, redraft=None):
     B = len(ws)
     value = np.concatenate([np.ones((B, 1)), 1 + np.cumsum(np.cumprod(rate, 1), 1)], 1)
-    return sum(value[b, w] for b, w in enumerate(ws)) / seconds(ws, masks, cost)
+    return sum(value[b, w] for b, w in enumerate(ws)) / seconds(ws, masks, cost, redraft)
 
 
 def random_choice(rng, max_rows=4, max_k=6):
@@ -203,8 +205,9 @@ def random_choice(rng, max_rows=4, max_k=6):
     return rate, bound, masks, rng.integers(0, K + 1, B), rng.random(B) < 0.8, np.minimum(rng.integers(0, 2, B), bound)
 
 
+@pytest.mark.parametrize("redrafting", [False, True])
 @pytest.mark.parametrize("packed", [True, False])
-def test_the_choice_is_the_best_ratio_of_a_brute_force_search(packed):
+def test_the_choice_is_the_best_ratio_of_a_brute_force_search(packed, redrafting):
     rng = np.random.default_rng(0)
     # a CPU's cost (a fixed part, a part per token) and a GPU's (nearly flat until the tokens fill it)
     cost = CostModel.of(linear(), packed) if packed else CostModel.of(lambda r, t: 1e-3 * (1 + max(0, t - 96) / 64),
@@ -212,10 +215,11 @@ def test_the_choice_is_the_best_ratio_of_a_brute_force_search(packed):
     for trial in range(300):
         rate, bound, masks, width, free, floor = random_choice(rng)
         B = len(bound)
-        ws = best_widths(rate, bound, masks, width, free, cost, floor)
+        redraft = rng.random(B) < 0.5 if redrafting else None
+        ws = best_widths(rate, bound, masks, width, free, cost, floor, redraft)
         assert all(floor[b] <= ws[b] <= bound[b] if free[b] else ws[b] == min(width[b], bound[b]) for b in range(B))
-        best = brute_force(rate, bound, masks, width, free, floor, cost)
-        assert ratio(ws, rate, masks, cost) >= best * (1 - 1e-9), trial
+        best = brute_force(rate, bound, masks, width, free, floor, cost, redraft)
+        assert ratio(ws, rate, masks, cost, redraft) >= best * (1 - 1e-9), trial
 
 
 def test_a_cpu_batch_pays_for_its_padding():

@@ -106,6 +106,8 @@ def top_p_option():
 WIDTH_POLICIES = ("cost", "adaptive", "fixed")
 COST_DRAFT_LENGTH = 32  # the cost policy's default bound: it picks narrower widths itself where they pay
 DRAFT_LENGTH = 16  # the adaptive and fixed policies' default
+# redraft feeds width + 1 blocks of width + 1 masks: the cost policy drafts at most this far with it
+REDRAFT_COST_DRAFT = 8
 
 
 @dataclass(frozen=True)
@@ -136,7 +138,7 @@ class SpeculativeParams:
                                              "(default: exact; greedy: only values < 0.5 matter)")
     redraft: bool = option(False, "also feed, behind each draft token, masks that see the draft only up to it, so "
                                   "that after a partly accepted draft the next one is drafted from the accepted "
-                                  "tokens (wider forwards; exact either way). Needs --widths fixed or adaptive")
+                                  "tokens (wider forwards, which the cost policy prices; exact either way)")
 
     def __post_init__(self) -> None:
         # widths and draft_length default by each other (and adaptive=False, the older spelling of
@@ -170,9 +172,6 @@ class SpeculativeParams:
         check_sampling(self.temperature, self.top_k, self.top_p)
         if self.lookup is not None and not isinstance(self.lookup, bool):
             raise ValueError(f"lookup must be true, false or unset (the model's default), got {self.lookup!r}")
-        if self.redraft and self.widths == "cost":
-            raise ValueError("redraft needs widths fixed or adaptive (the cost policy does not price its masks): "
-                             "add --widths fixed or --widths adaptive")
         if self.accept_prob is not None:
             check_probability("accept_prob", self.accept_prob)
             if self.accept_prob == 0:
@@ -190,8 +189,9 @@ class SpeculativeParams:
     @property
     def max_width(self) -> int:
         """The most tokens one step can feed after the prefill: x, the draft and the masks."""
-        masks = self.mask_length if self.mask_length is not None else self.draft_length + 1
-        return 1 + self.draft_length + masks * (1 + self.draft_length if self.redraft else 1)
+        d = min(self.draft_length, REDRAFT_COST_DRAFT) if self.redraft and self.widths == "cost" else self.draft_length
+        masks = self.mask_length if self.mask_length is not None else d + 1
+        return 1 + d + masks * (1 + d if self.redraft else 1)
 
 
 register(Decoder("speculative", SpeculativeParams, "refusion.decoding.speculative:generate_speculative",

@@ -36,6 +36,14 @@ model's copies go further than its masks' drafts, a copy is fed with no masks be
 follows an accepted copy is copied too): a model whose masks draft poorly still gains where its
 answers repeat their context.
 
+Redraft (`redraft`): the masks behind a draft see the whole draft, so after a rejection they have
+drafted from a token that was not kept, and the next step can only feed the rest of the old draft.
+With redraft a step also feeds, behind x and behind each draft token but the last, a block of masks
+that sees the draft only up to its own place (an attention mask, not feed order, says so; clean
+tokens never see a mask, so the output is untouched). Whatever prefix is accepted, the block behind
+it has drafted from exactly the committed tokens: every step then feeds a fresh draft, at the price
+of width + 1 blocks of masks, which the cost policy prices (widths.fed_tokens).
+
 Widths (widths.py): how many draft tokens and masks each sequence feeds. By default (`widths`
 cost) they are chosen before every step to maximise the batch's expected committed tokens per
 second of measured forward cost; `adaptive` grows a sequence's width by 2 after a fully accepted
@@ -63,7 +71,7 @@ from refusion.decoding import widths
 from refusion.decoding.common import DecodeResult, packed_index
 from refusion.decoding.corpus import corpus_of
 from refusion.decoding.lookup import NgramIndex, lookup_by_default
-from refusion.decoding.params import MAX_DRAFT, SpeculativeParams, check_prompts, check_seed
+from refusion.decoding.params import MAX_DRAFT, REDRAFT_COST_DRAFT, SpeculativeParams, check_prompts, check_seed
 from refusion.decoding.sampling import draw, position_uniforms, sampling_probs
 from refusion.model.cache import RaggedKVCache
 from refusion.model.transformer import Transformer
@@ -338,8 +346,9 @@ class SpeculativeBatch:
         # a row drafts at most draft_length tokens (PACKED_BATCH_DRAFT beside others on a CPU), and one
         # fewer than the positions it has left
         most = widths.PACKED_BATCH_DRAFT if self.cost.packed and len(seqs) > 1 else widths.MAX_DRAFT
-        bound = [max(0, min(q.p.draft_length, most if f else q.p.draft_length, q.p.gen_length - len(q.res.tokens) - 1,
-                            q.draft_end())) for q, f in zip(seqs, free)]
+        bound = [max(0, min(q.p.draft_length, (min(most, REDRAFT_COST_DRAFT) if q.p.redraft else most) if f
+                            else q.p.draft_length, q.p.gen_length - len(q.res.tokens) - 1, q.draft_end()))
+                 for q, f in zip(seqs, free)]
         K = max(bound)
         kind = [q.kind for q in seqs]
         reached = np.array([q.acceptance.reached[q.kind, :K] for q in seqs])
@@ -361,7 +370,8 @@ class SpeculativeBatch:
         unexplored = self.prior.unexplored()
         floor = [min(int(q.drafts_tried < widths.EXPLORE or unexplored[q.kind]), b) for q, b in zip(seqs, bound)]
         chosen = widths.best_widths(rate, np.array(bound), np.array(masks), np.array([q.width for q in seqs]),
-                                    np.array(free), self.cost, np.array(floor))
+                                    np.array(free), self.cost, np.array(floor),
+                                    np.array([q.p.redraft and not b for q, b in zip(seqs, bare)]))
         for q, f, b, w in zip(seqs, free, bare, chosen.tolist()):
             if f:
                 q.width, q.bare = w, b

@@ -426,21 +426,23 @@ def expected_accepted(rate: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 
 
 def best_widths(rate: np.ndarray, bound: np.ndarray, masks: np.ndarray, width: np.ndarray, free: np.ndarray,
-                cost: CostModel, floor: np.ndarray | None = None) -> np.ndarray:
+                cost: CostModel, floor: np.ndarray | None = None, redraft: np.ndarray | None = None) -> np.ndarray:
     """The widths [B] with the most expected committed tokens per second of one forward.
 
     rate [B, K]: each row's acceptance rate per draft position; bound [B]: the most draft tokens
     each row may feed (<= K); masks [B]: a row's fixed number of masks, or -1 for width + 1 (none
     at width 0); width [B]: the widths now; free [B]: the rows whose width is chosen here (the
-    others keep theirs); floor [B]: the least width of each free row (<= bound). Widths are as if
+    others keep theirs); floor [B]: the least width of each free row (<= bound); redraft [B]: the
+    rows that feed redraft blocks (fed_tokens). Widths are as if
     the draft were there: a row with a shorter draft feeds fewer draft tokens but its masks, which
     draft that far for the next step.
     """
     B, K = rate.shape
     floor = np.zeros(B, dtype=np.int64) if floor is None else floor
+    redraft = np.zeros(B, dtype=bool) if redraft is None else redraft
     if B == 1:  # (numpy's cost per call is most of the work at one row)
         return np.array([best_width(rate[0].tolist(), int(bound[0]), int(masks[0]), int(width[0]), bool(free[0]),
-                                    cost, int(floor[0]))])
+                                    cost, int(floor[0]), bool(redraft[0]))])
     # value[b, w]: the tokens a draft of w commits in expectation (ufuncs' own accumulate and reduce:
     # what np.cumsum and .sum() call, without their cost per call)
     value = np.ones((B, K + 1))
@@ -449,7 +451,7 @@ def best_widths(rate: np.ndarray, bound: np.ndarray, masks: np.ndarray, width: n
     rows = np.arange(B)
     if not cost.packed:  # padded to the widest row: every row drafts up to one common width
         w = np.arange(K + 1)
-        fed = fed_tokens_of(w[None, :], masks[:, None])  # [B, K+1]
+        fed = fed_tokens_of(w[None, :], masks[:, None], redraft[:, None])  # [B, K+1]
         common = np.maximum(np.minimum(w[:, None], bound[None, :]), floor[None, :])
         idx = np.where(free[None, :], common, pinned[None, :])  # [K+1, B]
         # (the cost at these K + 1 token counts only: rows x width would make a long grid)
@@ -458,11 +460,11 @@ def best_widths(rate: np.ndarray, bound: np.ndarray, masks: np.ndarray, width: n
     # a CPU computes the rows' tokens: widen one row by one draft token at a time, the best value
     # per token first, and keep the count with the best ratio. Each row's steps are ordered by the
     # running minimum of their value per token, so that every count widens each row by a prefix
-    # (its gains shrink with depth; only its first step, which adds a draft and two masks, costs more)
+    # (its gains shrink with depth, while what a widening feeds stays or, with redraft, grows)
     start = np.where(free, floor, pinned)
     w = np.arange(1, K + 1)  # [K]: the width each widening reaches
     gain = value[:, 1:] - value[:, :-1]
-    tokens = np.where(masks[:, None] >= 0, 1, np.where(w == 1, 3, 2))  # what it adds to fed_tokens
+    tokens = np.diff(fed_tokens_of(np.arange(K + 1)[None, :], masks[:, None], redraft[:, None]), axis=1)
     valid = (w > np.where(free, start, bound)[:, None]) & (w <= bound[:, None])
     key = np.minimum.accumulate(np.where(valid, gain / tokens, np.inf), axis=1)
     order = np.flatnonzero(valid)
@@ -472,7 +474,7 @@ def best_widths(rate: np.ndarray, bound: np.ndarray, masks: np.ndarray, width: n
     np.add.accumulate(gain.ravel()[order], out=v[1:])
     np.add.accumulate(tokens.ravel()[order], out=t[1:])
     v += np.add.reduce(value[rows, start])
-    start_fed = fed_tokens_of(start, masks)
+    start_fed = fed_tokens_of(start, masks, redraft)
     t += int(np.add.reduce(start_fed))
     seconds = cost.grid(B, int(t[-1]) + 1)[t]
     if not cost.pad:
@@ -482,7 +484,7 @@ def best_widths(rate: np.ndarray, bound: np.ndarray, masks: np.ndarray, width: n
     # row leaves empty in the others, and widths closer to one common width (a family the order above
     # does not reach) may do better: the best of both
     row, reach = np.divmod(order, K)
-    fed = fed_tokens_of(reach + 1, masks[row])
+    fed = fed_tokens_of(reach + 1, masks[row], redraft[row])
     widest = np.empty(len(fed) + 1, dtype=np.int64)
     widest[0] = start_fed.max()
     widest[1:] = fed
@@ -492,26 +494,28 @@ def best_widths(rate: np.ndarray, bound: np.ndarray, masks: np.ndarray, width: n
     greedy = start + np.bincount(row[:n], minlength=B)
     common = np.maximum(np.minimum(np.arange(K + 1)[:, None], np.where(free, bound, pinned)[None, :]),
                         start[None, :])  # [K + 1, B]: every free row up to one width
-    common_fed = fed_tokens_of(common, masks)
+    common_fed = fed_tokens_of(common, masks, redraft[None, :])
     ct = common_fed.sum(1)
     cratio = value[rows, common].sum(1) / (cost.grid(B, int(ct.max()) + 1)[ct] + cost.pad * (B * common_fed.max(1) - ct))
     c = int(cratio.argmax())
     return common[c] if cratio[c] > ratio[n] else greedy
 
 
-def fed_tokens(width: int, masks: int) -> int:
+def fed_tokens(width: int, masks: int, redraft: bool = False) -> int:
     """What a row feeds at this width: its newest token, the drafts and the masks (masks < 0: width
-    + 1, none at width 0)."""
-    return 1 + width + (masks if masks >= 0 else (width + 1 if width else 0))
+    + 1, none at width 0); with redraft, a block of them behind every draft token and the newest."""
+    m = masks if masks >= 0 else (width + 1 if width else 0)
+    return 1 + width + m * (width + 1 if redraft and width else 1)
 
 
-def fed_tokens_of(width: np.ndarray, masks: np.ndarray) -> np.ndarray:
+def fed_tokens_of(width: np.ndarray, masks: np.ndarray, redraft: np.ndarray | bool = False) -> np.ndarray:
     """fed_tokens elementwise, on broadcast arrays."""
-    return 1 + width + np.where(masks >= 0, masks, (width + 1) * (width > 0))
+    m = np.where(masks >= 0, masks, (width + 1) * (width > 0))
+    return 1 + width + m * np.where(np.asarray(redraft) & (width > 0), width + 1, 1)
 
 
 def best_width(rate: list[float], bound: int, masks: int, width: int, free: bool, cost: CostModel,
-               floor: int = 0) -> int:
+               floor: int = 0, redraft: bool = False) -> int:
     """best_widths for one row, in plain Python: the same width, from the same roundings (its
     rate's running products and sums, each widening's gain, one division per width). One row's
     widenings come in order of depth: their value per token never grows (the running minimum)."""
@@ -524,7 +528,7 @@ def best_width(rate: list[float], bound: int, masks: int, width: int, free: bool
         run *= r
         total += run
         value.append(1 + total)
-    fed = [fed_tokens(w, masks) for w in range(bound + 1)]
+    fed = [fed_tokens(w, masks, redraft) for w in range(bound + 1)]
     seconds = cost.grid(1, fed[bound] + 1)
     best, best_ratio = floor, value[floor] / seconds[fed[floor]]
     gained = 0.0  # the packed choice sums the widenings' gains onto value[floor]
