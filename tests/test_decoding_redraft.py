@@ -31,29 +31,34 @@ def test_greedy_equals_ar_batched_and_alone(seed, kw):
         assert (alone.tokens, alone.positions) == (r.tokens, r.positions)
 
 
-@pytest.mark.parametrize("j", [0, 1, 2])
-def test_after_a_rejection_the_draft_is_the_masks_behind_the_accepted_tokens(j):
-    """A draft right up to d_j and wrong at d_{j+1}: the next draft is what masks fed after x, d1..dj
-    predict in a plain causal forward of the sequence (their first, at the place of the token the
-    causal head supplies, is dropped), and the step's other masks do not leak into it."""
-    model, p, k, m = tiny_model(3), PROMPTS[1], 4, 5
-    free = ar(model, [p], 30, [])[0].tokens
+@pytest.mark.parametrize("js", [(0,), (1,), (2,), (2, 0), (0, 3), (1, 1, 2)])
+def test_after_a_rejection_the_draft_is_the_masks_behind_the_accepted_tokens(js):
+    """Each row's draft right up to d_j and wrong at d_{j+1}: its next draft is what masks fed after
+    x, d1..dj predict in a plain causal forward of the sequence (their first, at the place of the
+    token the causal head supplies, is dropped): neither the step's other masks nor the other rows
+    (ragged: other prompt and draft lengths) leak into it."""
+    model, m = tiny_model(3), 5
+    prompts = [PROMPTS[1], PROMPTS[3], PROMPTS[0]][:len(js)]
+    ks = [4, 5, 3][:len(js)]
+    free = ar(model, prompts, 30, [])
     batch = SpeculativeBatch(model, eos_ids=[])
-    batch.add(p, SpeculativeParams(gen_length=30, draft_length=k, mask_length=m, widths="fixed", redraft=True))
-    batch.step()  # the prefill: commits free[0]
-    (q,) = batch.running
-    assert q.res.tokens == free[:1]
-    draft = list(free[1:1 + k])
-    draft[j] = (draft[j] + 1) % MASK
-    q.draft = draft
+    for p, k in zip(prompts, ks):
+        batch.add(p, SpeculativeParams(gen_length=30, draft_length=k, mask_length=m, widths="fixed", redraft=True))
+    batch.step()  # the prefill: commits each row's first token
+    for q, f, j, k in zip(batch.running, free, js, ks):
+        assert q.res.tokens == f.tokens[:1]
+        draft = list(f.tokens[1:1 + k])
+        draft[j] = (draft[j] + 1) % MASK
+        q.draft = draft
     batch.step()
-    assert q.res.tokens == free[:j + 2]  # x's successor d1..dj accepted, then the causal token
-    assert q.kind == widths.FRESH
-    seq = p + free[:j + 1]  # up to d_j
-    ids = torch.tensor([seq + [MASK] * m])
-    with torch.inference_mode():
-        logits = model(ids, torch.arange(ids.shape[1])[None])
-    assert q.draft == logits[0, len(seq) + 1:].argmax(-1).tolist()
+    for q, p, f, j in zip(batch.running, prompts, free, js):
+        assert q.res.tokens == f.tokens[:j + 2]  # d1..dj accepted, then the causal token
+        assert q.kind == widths.FRESH
+        seq = p + f.tokens[:j + 1]  # up to d_j
+        ids = torch.tensor([seq + [MASK] * m])
+        with torch.inference_mode():
+            logits = model(ids, torch.arange(ids.shape[1])[None])
+        assert q.draft == logits[0, len(seq) + 1:].argmax(-1).tolist()
 
 
 def test_redraft_feeds_a_block_per_draft_token_and_counts_them():
