@@ -421,9 +421,10 @@ class SpeculativeBatch:
         cache = self.cache.at(col_t, keys=used, row0=lo)
         # a query sees every kept column of its row and its own row's fed tokens up to itself
         cols = torch.arange(used, device=self.device)[None, None, :]
-        mask = cols <= col_t[:, :, None]
         if any(q.redraft_len for q in seqs):
-            mask = self._redraft_mask(seqs, packed[2], fed_w, cols)
+            mask = self._redraft_mask(seqs, packed[2], fed_w, cols, col_t)
+        else:
+            mask = cols <= col_t[:, :, None]
         real = packed_index(fed_w, W, self.device)  # ragged rows: only real tokens
         logits = self.model(ids_t, pos_t, attn_mask=mask[:, None], cache=cache, num_logits=need, real=real).float()
         j, extra, drafts = self._judge(seqs, logits, ids_t[:, W - need:], pos_t[:, W - need:] - prompt_t[:, None],
@@ -446,10 +447,12 @@ class SpeculativeBatch:
                 fed = int(fed_w.sum()) if self.cost.packed else B * W
                 self.cost.note(B, fed, time.perf_counter() - start, B * W - fed)
 
-    def _redraft_mask(self, seqs: list[SpeculativeSeq], col: np.ndarray, fed_w: np.ndarray, cols: Tensor) -> Tensor:
+    def _redraft_mask(self, seqs: list[SpeculativeSeq], col: np.ndarray, fed_w: np.ndarray, cols: Tensor,
+                      col_t: Tensor) -> Tensor:
         """The step's attention mask [B, W, used] when rows feed redraft blocks: a query sees its row's
         kept columns and fed tokens up to `upto` (itself, but for block i's masks x, d1..di), and the
-        columns from `own` (its block's first) to itself. col [B, W]: each fed slot's cache column."""
+        columns from `own` (its block's first) to itself. col [B, W]: each fed slot's cache column
+        (col_t: the same, already on the device)."""
         upto, own = col.copy(), col + 1
         W = col.shape[1]
         for b, q in enumerate(seqs):
@@ -459,7 +462,7 @@ class SpeculativeBatch:
                 upto[b, s:s + r] = col[b, W - fed_w[b]] + i  # x's column, then d1's, ...
                 own[b, s:s + r] = col[b, s]
         upto_t, own_t = torch.from_numpy(np.stack([upto, own])).to(self.device)
-        at = torch.from_numpy(col).to(self.device)[:, :, None]
+        at = col_t[:, :, None]
         return (cols <= upto_t[:, :, None]) | ((cols >= own_t[:, :, None]) & (cols <= at))
 
     def _offer_drafts(self, seqs: list[SpeculativeSeq]) -> None:
