@@ -105,12 +105,12 @@ def test_calibration_measures_the_grid_and_fits_a_short_context():
 
 
 def test_a_model_padding_its_products_costs_in_steps_and_its_steps_are_measured(monkeypatch):
-    """few_rows_linear computes 2..STREAMED_ROWS rows as the next power of two: the table looks such a
+    """few_rows_linear computes 1..STREAMED_ROWS rows as the next power of two (one as two): the table looks such a
     forward up there (and an observation moves those cells), and calibration measures every step
     however long it takes."""
     f = linear()
     cost = CostModel.of(f, padded_upto=16)
-    for n, looked_up in [(1, 1), (2, 2), (3, 4), (5, 8), (8, 8), (9, 16), (16, 16), (17, 17), (40, 40)]:
+    for n, looked_up in [(0, 0), (1, 2), (2, 2), (3, 4), (5, 8), (8, 8), (9, 16), (16, 16), (17, 17), (40, 40)]:
         assert cost(1, [n])[0] == pytest.approx(f(1, looked_up), rel=1e-9), n
     assert np.array_equal(cost.grid(1, 20)[:17], cost(1, np.arange(17)))
     live = CostModel(cost.rows, cost.tokens, cost.seconds, packed=True, padded_upto=16)

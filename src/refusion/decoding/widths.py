@@ -26,7 +26,7 @@ one wide row and the others one token wide) and added to the table's. `CostModel
 function (`SpeculativeBatch(cost=...)`, `generate_speculative(cost=...)`; tests/conftest.py
 gives every test one). A model whose products of a few rows are padded to a power of two
 (model/transformer.py: few_rows_linear) costs in steps: a forward of N <= STREAMED_ROWS tokens is
-looked up at the next power of two, and those widths are measured whatever they take.
+looked up at the next power of two (at least 2), and those widths are measured whatever they take.
 
 What a draft is worth (`Acceptance`): per sequence, kind of draft (the masks' fresh predictions
 after a fully accepted draft, or what follows a rejection, which is accepted far less often) and
@@ -150,7 +150,8 @@ class CostModel:
     (a CPU) rather than rows x its widest row; pad: what each padding slot of a packed batch costs
     on top (seconds per slot of rows x widest row not taken by a real token: attention and the
     cache see the padded grid). frozen: never refreshed by observe(). padded_upto: a forward of
-    2..padded_upto tokens computes the next power of two (few_rows_linear), and costs what it does."""
+    1..padded_upto tokens computes the next power of two, at least 2 (few_rows_linear), and costs what
+    it does."""
 
     def __init__(self, rows: Sequence[int], tokens: Sequence[Sequence[float]], seconds: Sequence[Sequence[float]],
                  packed: bool, frozen: bool = False, pad: float = 0.0, padded_upto: int = 0) -> None:
@@ -223,11 +224,11 @@ class CostModel:
 
 
 def _padded(t: np.ndarray, upto: int) -> np.ndarray:
-    """Token counts as the products compute them: 2..upto rounded up to a power of two (no rounding
-    with upto 0)."""
+    """Token counts as the products compute them: 1..upto rounded up to a power of two, and to at
+    least 2 (few_rows_linear; no rounding with upto 0)."""
     if not upto:
         return t
-    return np.where((t > 1) & (t <= upto), 2.0 ** np.ceil(np.log2(np.maximum(t, 1.0))), t)
+    return np.where((t > 0) & (t <= upto), np.maximum(2.0 ** np.ceil(np.log2(np.maximum(t, 1.0))), 2.0), t)
 
 
 def _shares(f: float) -> tuple[float, float]:

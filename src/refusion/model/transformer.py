@@ -128,7 +128,9 @@ def _global_hooks() -> bool:
 # (x @ W.T) does not: for 2-16 rows MKL repacks W on every call, and two rows cost about twice one.
 # W @ x.T streams W once (benchmarks/forward_cost.py, modes eager and eager-linear). For weights
 # that sit in cache (a small model) F.linear is the faster, so a model takes this path only when its
-# weights are far larger than a CPU's last-level cache.
+# weights are far larger than a CPU's last-level cache. One row takes it too, padded to two: MKL's
+# product of one vector (gemv) reads W at a fraction of the speed of its two-row product, and on
+# one thread only, so a one-token forward (AR decoding) cost more than a two-token one.
 STREAMED_BYTES = 128 * 2**20
 STREAMED_ROWS = 16  # past it the two are as fast
 
@@ -141,7 +143,7 @@ def linear(m: nn.Module, x: Tensor, streamed: bool = False) -> Tensor:
     if type(m) is nn.Linear and not (m._forward_hooks or m._forward_pre_hooks):
         p = m._parameters  # (not m.weight: see Block)
         w, b = p["weight"], p["bias"]
-        if (streamed and x.is_cpu and 1 < x.numel() // w.shape[1] <= STREAMED_ROWS and w.dtype == torch.float32
+        if (streamed and x.is_cpu and x.numel() // w.shape[1] <= STREAMED_ROWS and w.dtype == torch.float32
                 and not torch.compiler.is_compiling()):
             return few_rows_linear(x, w, b)
         return F.linear(x, w, b)
@@ -154,7 +156,7 @@ def few_rows_linear(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
     order: equal to F.linear's within float32 rounding, not bit for bit."""
     flat = x.reshape(-1, w.shape[1])
     n = flat.shape[0]
-    rows = 1 << (n - 1).bit_length()  # MKL's cost is steps at 2, 4, 8 and 16 rows, and more between them
+    rows = max(2, 1 << (n - 1).bit_length())  # MKL's cost is steps at 2, 4, 8 and 16 rows, more between them
     if rows != n:
         flat = torch.cat([flat, flat.new_zeros(rows - n, flat.shape[1])])
     y = torch.mm(w, flat.t())[:, :n].t().contiguous()
