@@ -219,9 +219,20 @@ def test_a_model_larger_than_any_cache_streams_its_weights():
     assert big.streamed and all(b.streamed for b in big.layers)
 
 
-def test_a_streamed_model_computes_what_it_did_and_decodes_as_ar(monkeypatch):
-    """With few_rows_linear on every product of 1-16 rows (the layers' and the LM head's), logits
-    equal F.linear's within float32 rounding, and greedy speculative decoding is still AR's output."""
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_streamed_model_computes_what_it_did_and_decodes_as_ar(monkeypatch, threads):
+    """With few_rows_linear on every product of 1-4 rows (on one thread) or 1-16 (on several), the
+    layers' and the LM head's, logits equal F.linear's within float32 rounding, and greedy
+    speculative decoding is still AR's output."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _streamed_model_run(monkeypatch, 4 if threads == 1 else 16)
+    finally:
+        torch.set_num_threads(n)
+
+
+def _streamed_model_run(monkeypatch, bound: int) -> None:
     from refusion.decoding import ARParams, SpeculativeParams, generate_ar, generate_speculative
     import refusion.model.transformer as transformer
 
@@ -230,14 +241,14 @@ def test_a_streamed_model_computes_what_it_did_and_decodes_as_ar(monkeypatch):
     real_few_rows = transformer.few_rows_linear
     monkeypatch.setattr(transformer, "few_rows_linear", lambda x, w, b: calls.append(x.shape) or real_few_rows(x, w, b))
     g = torch.Generator().manual_seed(0)
-    for T in (1, 2, 7, 16, 17):
+    for T in (1, 2, 4, 5, 7, 16, 17):
         ids = torch.randint(0, 49, (1, T), generator=g)
         m.set_streamed(False)
         want = logits(m, ids.tolist())
         assert not calls
         m.set_streamed(True)
         torch.testing.assert_close(logits(m, ids.tolist()), want, atol=1e-5, rtol=1e-5)
-        assert len(calls) == (0 if T == 17 else 4 * 2 + 1)  # 4 products a block, and the LM head
+        assert len(calls) == (0 if T > bound else 4 * 2 + 1), T  # 4 products a block, and the LM head
         calls.clear()
     prompts = [[3, 4, 5], [6, 7, 8, 9, 10]]
     ar = generate_ar(m, prompts, ARParams(gen_length=20), eos_ids=[1])

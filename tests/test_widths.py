@@ -14,7 +14,7 @@ from refusion.decoding import speculative as spec
 from refusion.decoding.speculative import SpeculativeBatch, SpeculativeParams, generate_speculative
 from refusion.decoding.widths import Acceptance, CostModel, best_widths
 from refusion.model.config import ModelConfig
-from refusion.model.transformer import STREAMED_ROWS, Transformer
+from refusion.model.transformer import Transformer, streamed_rows
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 MEASURED = widths.cost_model  # (conftest.py gives every test a fixed table instead)
@@ -105,7 +105,7 @@ def test_calibration_measures_the_grid_and_fits_a_short_context():
 
 
 def test_a_model_padding_its_products_costs_in_steps_and_its_steps_are_measured(monkeypatch):
-    """few_rows_linear computes 1..STREAMED_ROWS rows as the next power of two (one as two): the table looks such a
+    """few_rows_linear computes 1..streamed_rows() rows as the next power of two (one as two): the table looks such a
     forward up there (and an observation moves those cells), and calibration measures every step
     however long it takes."""
     f = linear()
@@ -122,8 +122,8 @@ def test_a_model_padding_its_products_costs_in_steps_and_its_steps_are_measured(
     assert widths.measure_cost(model).padded_upto == 0
     model.set_streamed(True)
     streamed = widths.measure_cost(model)
-    assert streamed.padded_upto == STREAMED_ROWS
-    assert list(streamed.tokens[0]) == [w for w in widths.CALIBRATION_WIDTHS if w <= STREAMED_ROWS]
+    assert streamed.padded_upto == streamed_rows() == 4  # (one thread: tests/conftest.py)
+    assert list(streamed.tokens[0]) == [w for w in widths.CALIBRATION_WIDTHS if w <= 4]
     assert list(streamed.tokens[1]) == [8, 16]  # 8 rows of 1 and of 2 tokens
 
 

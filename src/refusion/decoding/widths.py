@@ -25,7 +25,7 @@ still see rows x the widest row: the cost of each padding slot is measured too (
 one wide row and the others one token wide) and added to the table's. `CostModel.of` makes a fixed table from a
 function (`SpeculativeBatch(cost=...)`, `generate_speculative(cost=...)`; tests/conftest.py
 gives every test one). A model whose products of a few rows are padded to a power of two
-(model/transformer.py: few_rows_linear) costs in steps: a forward of N <= STREAMED_ROWS tokens is
+(model/transformer.py: few_rows_linear) costs in steps: a forward of N <= streamed_rows() tokens is
 looked up at the next power of two (at least 2), and those widths are measured whatever they take.
 
 What a draft is worth (`Acceptance`): per sequence, kind of draft (the masks' fresh predictions

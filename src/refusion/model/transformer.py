@@ -130,9 +130,16 @@ def _global_hooks() -> bool:
 # that sit in cache (a small model) F.linear is the faster, so a model takes this path only when its
 # weights are far larger than a CPU's last-level cache. One row takes it too, padded to two: MKL's
 # product of one vector (gemv) reads W at a fraction of the speed of its two-row product, and on
-# one thread only, so a one-token forward (AR decoding) cost more than a two-token one.
+# one thread only, so a one-token forward (AR decoding) cost more than a two-token one. On one thread
+# F.linear is the faster again from 5 rows; on several, W @ x.T up to 16 (forward_cost.py).
 STREAMED_BYTES = 128 * 2**20
-STREAMED_ROWS = 16  # past it the two are as fast
+STREAMED_ROWS = 16  # with several threads: past it the two are as fast
+STREAMED_ROWS_ONE_THREAD = 4
+
+
+def streamed_rows() -> int:
+    """The most rows a streamed model's products take few_rows_linear with, at the current thread count."""
+    return STREAMED_ROWS if torch.get_num_threads() > 1 else STREAMED_ROWS_ONE_THREAD
 
 
 def linear(m: nn.Module, x: Tensor, streamed: bool = False) -> Tensor:
@@ -143,7 +150,7 @@ def linear(m: nn.Module, x: Tensor, streamed: bool = False) -> Tensor:
     if type(m) is nn.Linear and not (m._forward_hooks or m._forward_pre_hooks):
         p = m._parameters  # (not m.weight: see Block)
         w, b = p["weight"], p["bias"]
-        if (streamed and x.is_cpu and x.numel() // w.shape[1] <= STREAMED_ROWS and w.dtype == torch.float32
+        if (streamed and x.is_cpu and x.numel() // w.shape[1] <= streamed_rows() and w.dtype == torch.float32
                 and not torch.compiler.is_compiling()):
             return few_rows_linear(x, w, b)
         return F.linear(x, w, b)
@@ -318,7 +325,7 @@ class Transformer(nn.Module):
         in this model's eager forwards as it stands (device, dtype, compiled or not); 0 when none is."""
         w = self.embed_tokens.weight
         on = self.streamed and self.compiled is None and w.device.type == "cpu" and w.dtype == torch.float32
-        return STREAMED_ROWS if on else 0
+        return streamed_rows() if on else 0
 
     def reset_rope(self, device: torch.device | str | None = None) -> None:
         """(Re)build the non-persistent buffers: the RoPE frequencies, the cos / sin tables of every
