@@ -113,6 +113,9 @@ def test_a_model_padding_its_products_costs_in_steps_and_its_steps_are_measured(
     for n, looked_up in [(0, 0), (1, 2), (2, 2), (3, 4), (5, 8), (8, 8), (9, 16), (16, 16), (17, 17), (40, 40)]:
         assert cost(1, [n])[0] == pytest.approx(f(1, looked_up), rel=1e-9), n
     assert np.array_equal(cost.grid(1, 20)[:17], cost(1, np.arange(17)))
+    # a padded model's table keeps its steps: a convex curve under the step at 8 would price 8 tokens at 1.67
+    stepped = CostModel([1, 8], [[1, 2, 4, 8, 16], [8, 16]], [[1, 1, 1, 2, 3], [2, 3]], packed=True, padded_upto=4)
+    assert stepped(1, [8])[0] == 2 and stepped(1, [12])[0] == 2.5
     live = CostModel(cost.rows, cost.tokens, cost.seconds, packed=True, padded_upto=16)
     before = live.seconds[0].copy()
     live.observe(1, 5, 3 * float(live(1, [5])[0]))  # 5 tokens: the cell of 8 moves, no other
@@ -123,7 +126,8 @@ def test_a_model_padding_its_products_costs_in_steps_and_its_steps_are_measured(
     model.set_streamed(True)
     streamed = widths.measure_cost(model)
     assert streamed.padded_upto == streamed_rows() == 4  # (one thread: tests/conftest.py)
-    assert list(streamed.tokens[0]) == [w for w in widths.CALIBRATION_WIDTHS if w <= 4]
+    # past the padded widths, two at least and up to twice the first: the slope after the step is measured
+    assert list(streamed.tokens[0]) == [1, 2, 3, 4, 5, 6, 8, 12]
     assert list(streamed.tokens[1]) == [8, 16]  # 8 rows of 1 and of 2 tokens
 
 

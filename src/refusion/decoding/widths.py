@@ -86,7 +86,7 @@ from refusion.model.cache import RaggedKVCache
 from refusion.model.transformer import Transformer
 
 CALIBRATION_ROWS = (1, 8)
-CALIBRATION_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
+CALIBRATION_WIDTHS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)  # (a CPU's costs step: 4 -> 5 on one thread)
 CALIBRATION_CONTEXT = 64  # cached columns the calibration's queries attend to
 CALIBRATION_SECONDS = 0.15  # per row count; at least two widths are measured whatever they take
 REFRESH_RATE = 0.1  # how far one step's timing moves the table (in log seconds)
@@ -119,11 +119,15 @@ def _line(x: np.ndarray, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
     return np.where(x < xs[0], lo, np.where(x > xs[-1], hi, y))
 
 
-def _smooth(xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
+def _smooth(xs: np.ndarray, ys: np.ndarray, convex: bool = True) -> np.ndarray:
     """The greatest nondecreasing convex function below the points (xs ascending), at xs: what is
     left of timings once a busy machine's spikes, which only ever add time, are taken out. A
-    forward's cost has that shape: flat while the device has room (an accelerator), then linear."""
+    forward's cost has that shape: flat while the device has room (an accelerator), then linear.
+    convex=False: nondecreasing only (a model whose products are padded to powers of two costs in
+    steps, and a convex curve under a step would price the widths past it far below what they take)."""
     ys = np.minimum.accumulate(ys[::-1])[::-1]  # nondecreasing: a point is no dearer than any to its right
+    if not convex:
+        return ys
     hull = [0]
     for i in range(1, len(xs)):  # the lower convex hull, left to right
         while len(hull) >= 2:
@@ -158,7 +162,8 @@ class CostModel:
         self.padded_upto = padded_upto
         self.rows = np.asarray(rows, dtype=float)
         self.tokens = [np.asarray(t, dtype=float) for t in tokens]
-        self.seconds = [_smooth(t, np.asarray(s, dtype=float)) for t, s in zip(self.tokens, seconds)]
+        self.seconds = [_smooth(t, np.asarray(s, dtype=float), convex=not padded_upto)
+                        for t, s in zip(self.tokens, seconds)]
         self.packed, self.frozen, self.pad = packed, frozen, float(pad) if packed else 0.0
         self.floor = 0.5 * min(float(s.min()) for s in self.seconds)  # no estimate below it, extrapolated or not
         self.grids: dict[int, np.ndarray] = {}  # rows -> self(rows, [0, 1, 2, ...]) until observe() moves the table
@@ -273,11 +278,16 @@ def measure_cost(model: Transformer) -> CostModel:
                               rows=rows, capacity=ctx + widths[-1])
         for w in widths[:2]:  # a shape's first call allocates (or compiles: width 1 and wider are two graphs)
             _timed_forward(model, cache, rows, w, ctx)
-        start, measured = time.perf_counter(), []
+        start, measured, past = time.perf_counter(), [], []
         for w in widths:
-            if len(measured) >= 2 and rows * w > upto and time.perf_counter() - start > CALIBRATION_SECONDS:
+            # (past the padded widths, up to twice the first one at least: the slope after the last
+            # step is measured, not guessed from the step itself)
+            if (len(measured) >= 2 and len(past) >= 2 and past[-1] >= 2 * past[0]
+                    and time.perf_counter() - start > CALIBRATION_SECONDS):
                 break  # the rest is extrapolated (and refreshed as real steps run)
             measured.append(min(_timed_forward(model, cache, rows, w, ctx) for _ in range(3)))
+            if rows * w > upto:
+                past.append(rows * w)
         tokens.append([rows * w for w in widths[: len(measured)]])
         seconds.append(measured)
     cost = CostModel(CALIBRATION_ROWS, tokens, seconds, packed=weight.device.type == "cpu", padded_upto=upto)
