@@ -19,7 +19,7 @@ import torch
 
 from refusion.model.config import ModelConfig
 from refusion.decoding import ARParams, decode, generate_ar
-from refusion.decoding import speculative as spec
+from refusion.decoding import speculative as spec, widths
 from refusion.decoding.speculative import SpeculativeBatch, SpeculativeParams, generate_speculative
 from refusion.model.transformer import Transformer
 from reference_cache import ReferenceKVCache
@@ -32,7 +32,8 @@ WIDTHS = [dict(), dict(adaptive=False), dict(draft_length=3, mask_length=2, adap
           dict(draft_length=0), dict(draft_length=5, mask_length=0, adaptive=False), dict(draft_length=2),
           dict(widths="adaptive"), dict(widths="adaptive", draft_length=2), dict(widths="cost", mask_length=3),
           dict(widths="cost", draft_length=64), dict(lookup=True), dict(lookup=True, widths="adaptive"),
-          dict(lookup=True, draft_length=4, adaptive=False)]
+          dict(lookup=True, draft_length=4, adaptive=False), dict(fresh_after_miss=True),
+          dict(fresh_after_miss=True, draft_length=4, adaptive=False), dict(fresh_after_miss=True, lookup=True)]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -131,6 +132,23 @@ def test_cache_after_every_step_equals_a_fresh_causal_pass(oracle):
                     torch.testing.assert_close(vs[i], v[0], atol=1e-5, rtol=1e-5)
                 checked += 1
     assert checked > 10
+
+
+@pytest.mark.parametrize("fresh", [False, True])
+def test_after_a_rejection_the_next_draft_is_the_rest_or_nothing(fresh):
+    """Off (spec section 7, step 3): the rest of the rejected draft, then the masks' tokens, counted as
+    drafts after a miss. fresh_after_miss: nothing, so the next step's masks draft from the committed
+    tokens alone. A draft accepted whole is followed by the masks' tokens either way."""
+    p = SpeculativeParams(gen_length=20, draft_length=4, widths="fixed")
+    q = spec.SpeculativeSeq(0, [2, 3], p, MASK, set(), 0, None, causal_first=True, fresh_after_miss=fresh)
+    q.x, q.c, q.res.tokens = 9, 2, [9]  # after the prefill: x = 9 is committed, its KV not cached yet
+    q.draft, q.fed_k = [5, 6, 7, 8], 4  # this step fed x, 5, 6, 7, 8 and five masks
+    q.advance(1, 11, [12, 13, 14, 15, 16])  # 5 accepted, 6 rejected: 11 committed in its place
+    assert q.res.tokens == [9, 5, 11] and q.c == 4
+    assert (q.draft, q.kind) == (([], widths.FRESH) if fresh else ([7, 8, 12, 13, 14, 15, 16], widths.AFTER_MISS))
+    q.draft, q.fed_k = [20, 21], 2
+    q.advance(2, 22, [22, 23, 24])  # accepted whole: the first mask drafted 22's own position
+    assert q.res.tokens == [9, 5, 11, 20, 21, 22] and (q.draft, q.kind) == ([23, 24], widths.FRESH)
 
 
 def test_counters_by_hand(oracle):

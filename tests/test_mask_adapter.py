@@ -108,7 +108,8 @@ def test_a_fresh_mask_path_changes_nothing():
         assert torch.equal(base(ids, pos), m(ids, pos))
 
 
-@pytest.mark.parametrize("widths", [dict(), dict(draft_length=4, mask_length=3, adaptive=False)])
+@pytest.mark.parametrize("widths", [dict(), dict(draft_length=4, mask_length=3, adaptive=False),
+                                    dict(fresh_after_miss=False)])
 def test_speculative_on_the_adapted_model_is_the_base_models_greedy_output(widths):
     base = base_model(5)
     model = adapted(base, 3)
@@ -124,6 +125,18 @@ def test_speculative_on_the_adapted_model_is_the_base_models_greedy_output(width
     # not vacuous: the adapted masks were fed beside the clean tokens (and change logits: test above),
     # more than AR's prompts and one token per forward
     assert sum(r.tokens_fed for r in got) > sum(map(len, prompts)) + sum(r.forwards for r in got)
+
+
+def test_a_mask_adapted_model_drafts_afresh_after_a_miss_by_default():
+    """fresh_after_miss unset: on for a model with a mask adapter, off for one without; set, as set."""
+    from refusion.decoding.speculative import SpeculativeBatch
+
+    base = base_model(5)
+    for model, default in ((adapted(base, 3), True), (base, False)):
+        batch = SpeculativeBatch(model, eos_ids=[1])
+        for value, want in ((None, default), (True, True), (False, False)):
+            batch.add([2, 3], SpeculativeParams(gen_length=4, fresh_after_miss=value))
+            assert batch.pending[-1].fresh_after_miss is want
 
 
 def test_adapter_round_trips_alone_and_inside_a_model_directory(tmp_path):

@@ -139,6 +139,12 @@ class SpeculativeParams:
     redraft: bool = option(False, "also feed, behind each draft token, masks that see the draft only up to it, so "
                                   "that after a partly accepted draft the next one is drafted from the accepted "
                                   "tokens (wider forwards, which the cost policy prices; exact either way)")
+    fresh_after_miss: bool | None = option(None, "after a rejected draft token, drop the rest of the draft, so that "
+                                                 "the next step's masks draft from the committed tokens alone (off: "
+                                                 "the rest of the draft, then the masks' tokens drafted behind the "
+                                                 "rejected one; exact either way). Default: on for a model with a "
+                                                 "mask adapter, whose masks rarely guess past a token they did not "
+                                                 "see, off otherwise")
 
     def __post_init__(self) -> None:
         # widths and draft_length default by each other (and adaptive=False, the older spelling of
@@ -170,8 +176,10 @@ class SpeculativeParams:
             raise ValueError(f"mask_length {self.mask_length} exceeds {MAX_DRAFT}, the most masks a step may feed; "
                              "lower mask_length (default: the draft width + 1)")
         check_sampling(self.temperature, self.top_k, self.top_p)
-        if self.lookup is not None and not isinstance(self.lookup, bool):
-            raise ValueError(f"lookup must be true, false or unset (the model's default), got {self.lookup!r}")
+        for name in ("lookup", "fresh_after_miss"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, bool):
+                raise ValueError(f"{name} must be true, false or unset (the model's default), got {v!r}")
         if self.accept_prob is not None:
             check_probability("accept_prob", self.accept_prob)
             if self.accept_prob == 0:

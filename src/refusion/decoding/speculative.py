@@ -36,11 +36,18 @@ model's copies go further than its masks' drafts, a copy is fed with no masks be
 follows an accepted copy is copied too): a model whose masks draft poorly still gains where its
 answers repeat their context.
 
-Redraft (`redraft`): the masks behind a draft see the whole draft, so after a rejection they have
-drafted from a token that was not kept, and the next step can only feed the rest of the old draft.
-With redraft a step also feeds, behind x and behind each draft token but the last, a block of masks
-that sees the draft only up to its own place (an attention mask, not feed order, says so; clean
-tokens never see a mask, so the output is untouched). Whatever prefix is accepted, the block behind
+After a rejection (`fresh_after_miss`): the masks behind a draft see the whole draft, so after a
+rejection they have drafted from a token that was not kept. Spec section 7 then feeds the rest of the
+old draft and those masks' tokens, which a model trained for it (the masks of a ReFusion model)
+often gets right. A mask adapter's masks rarely do, and a rejected stale draft leaves the masks
+behind it stale again, so for such a model (the default) the row drops the rest: the next step
+feeds its masks behind whatever it verifies (another draft: a copy; or none), and they draft from
+the committed tokens alone.
+
+Redraft (`redraft`): instead of that one step without a mask draft, a step also feeds, behind x
+and behind each draft token but the last, a block of masks that sees the draft only up to its own
+place (an attention mask, not feed order, says so; clean tokens never see a mask, so the output is
+untouched). Whatever prefix is accepted, the block behind
 it has drafted from exactly the committed tokens: every step then feeds a fresh draft, at the price
 of width + 1 blocks of masks, which the cost policy prices (widths.fed_tokens).
 
@@ -81,13 +88,15 @@ class SpeculativeSeq:
     """One sequence of a SpeculativeBatch: committed tokens (all but the newest, x, have their KV
     in cache columns [0, c)), the draft for the positions after x, its width (the most draft tokens
     its next step feeds) and how far its drafts were accepted. seed: the key of its sampled draws;
-    lookup: whether it also drafts copies of earlier text (p.lookup as the batch settled it)."""
+    lookup: whether it also drafts copies of earlier text (p.lookup as the batch settled it);
+    fresh_after_miss: p.fresh_after_miss, settled the same way."""
 
     def __init__(self, sid: int, prompt: list[int], p: SpeculativeParams, mask_id: int, eos: set[int],
                  seed: int, on_commit: Callable[[list[int], list[int]], None] | None,
-                 causal_first: bool = False, plan: list[int] | None = None, lookup: bool = False) -> None:
+                 causal_first: bool = False, plan: list[int] | None = None, lookup: bool = False,
+                 fresh_after_miss: bool = False) -> None:
         self.sid, self.prompt, self.p, self.mask_id, self.eos = sid, prompt, p, mask_id, eos
-        self.seed, self.on_commit = seed, on_commit
+        self.seed, self.on_commit, self.fresh_after_miss = seed, on_commit, fresh_after_miss
         self.P = len(prompt)
         # the first token from the prompt's last token (a model trained for it: causal_first_token),
         # else from the first mask; either way the masks fed after the prompt draft from position P on
@@ -183,13 +192,15 @@ class SpeculativeSeq:
             # after a full accept `extra` took the first mask's position
             if redrafted is not None and j < k:
                 self.draft = redrafted
+            elif j < k and self.fresh_after_miss:
+                self.draft = []  # the next step's masks draft from the committed tokens
             else:
                 self.draft = self.draft[j + 1:] + mask_preds if j < k else mask_preds[1:]
         if k:
             self.acceptance.record(self.kind, j, k)
         if not prefill or k:
             self.drafts_tried += k > 0
-            self.kind = widths.FRESH if j == k or redrafted is not None else widths.AFTER_MISS
+            self.kind = widths.FRESH if j == k or redrafted is not None or self.fresh_after_miss else widths.AFTER_MISS
             if self.p.widths == "adaptive" and self.p.draft_length > 0:
                 self._adapt(j, k)
         else:
@@ -271,7 +282,9 @@ class SpeculativeBatch:
         cfg = self.model.config
         q = SpeculativeSeq(self.next_id, list(prompt), p, self.mask_id, self.eos, seed or 0, on_commit,
                            causal_first=cfg.causal_first_token, plan=plan,
-                           lookup=p.lookup if p.lookup is not None else lookup_by_default(cfg))
+                           lookup=p.lookup if p.lookup is not None else lookup_by_default(cfg),
+                           fresh_after_miss=(p.fresh_after_miss if p.fresh_after_miss is not None
+                                             else cfg.mask_adapter is not None))
         self.next_id += 1
         self.pending.append(q)
         return q.sid
