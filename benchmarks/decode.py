@@ -1,6 +1,6 @@
 """Accuracy and speed of every decoder on the same model and held-out prompts, per task family.
 
-    python benchmarks/decode.py --model src/refusion/assets/refusion-tiny --tasks arith,code,choice,table
+    python benchmarks/decode.py --model src/refusion/assets/refusion-tiny --tasks sort,add,repeat,code
     python benchmarks/decode.py --model tests/fixtures/refusion-words --tasks sort,add,repeat
     python benchmarks/decode.py --model tests/fixtures/refusion-words --tasks sort,add,repeat \
         --only speculative,"speculative adaptive","speculative fixed 16" --temperatures 0   # a subset
@@ -64,6 +64,9 @@ def settings(gen_length: int, temperatures: tuple[float, ...] = (0.0,)) -> list[
         # greedy: a token with probability >= 0.5 is the argmax already, so only values below 0.5 are lossy
         ("speculative accept-prob 0.3", "speculative", dict(gen_length=L, accept_prob=0.3)),
         ("speculative accept-prob 0.1", "speculative", dict(gen_length=L, accept_prob=0.1)),
+        # a rejection drops the rest of the draft (the default for a mask adapter only)
+        ("speculative fixed 16 fresh-after-miss", "speculative", dict(gen_length=L, draft_length=16, widths="fixed",
+                                                                      fresh_after_miss=True)),
         ("refusion s8 0.9/0.4", "refusion", rf),
         ("refusion s8 0.7/0.2", "refusion", dict(rf, slot_threshold=0.7, token_threshold=0.2)),
         ("refusion-l2r s8 0.9/0.4", "refusion-l2r", rf),

@@ -2,6 +2,7 @@
 
     python benchmarks/draft_acceptance.py --models smollm2-refusion,runs/smollm2-refusion/features-top4/adapter
     python benchmarks/draft_acceptance.py --models smollm2-refusion --redraft both --draft-lengths 2,3,4
+    python benchmarks/draft_acceptance.py --models smollm2-refusion --after-miss both --draft-lengths 2,4,8
 
 With `widths fixed` every step feeds the same draft and mask counts whatever a forward costs, so
 tokens per forward (TPF) measures the drafts alone: 1 + the accepted draft tokens per step. The
@@ -40,6 +41,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="of the sample of prompts")
     ap.add_argument("--redraft", default="off", choices=["off", "on", "both"],
                     help="speculative's redraft blocks (a fresh draft after every rejection): without, with, or both")
+    ap.add_argument("--after-miss", default="default", choices=["default", "fresh", "rest", "both"],
+                    help="after a rejection: the model's default, fresh masks (fresh_after_miss), the rest of the "
+                         "rejected draft (spec section 7), or both")
     ap.add_argument("--out", default="benchmarks/results/draft_acceptance.json")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -47,6 +51,7 @@ def main() -> None:
                "humaneval": humaneval_examples(args.humaneval, args.n_humaneval, args.seed)}
     rows = []
     redrafts = {"off": [False], "on": [True], "both": [False, True]}[args.redraft]
+    after_miss = {"default": [None], "fresh": [True], "rest": [False], "both": [False, True]}[args.after_miss]
     for name in args.models.split(","):
         path = resolve_model(name)
         model, tok = load_model(path).eval(), Tokenizer.from_dir(path)
@@ -55,23 +60,28 @@ def main() -> None:
         eos = sorted(set(model.config.eos_ids) | ({tok.eos_id} if tok.eos_id is not None else set()))
         for bench, exs in benches.items():
             prompts = [tok.chat_prompt_ids(e.prompt) for e in exs]
-            for k, redraft in itertools.product((int(x) for x in args.draft_lengths.split(",")), redrafts):
+            for k, redraft, fresh in itertools.product((int(x) for x in args.draft_lengths.split(",")), redrafts,
+                                                        after_miss):
                 res = decode(model, prompts, "speculative", eos_ids=eos, gen_length=args.max_tokens, widths="fixed",
-                             draft_length=k, mask_length=k + 1, lookup=False, redraft=redraft)  # the masks alone
+                             draft_length=k, mask_length=k + 1, lookup=False, redraft=redraft,
+                             fresh_after_miss=fresh)  # the masks alone
                 tokens, forwards = sum(len(r.tokens) for r in res), sum(r.forwards for r in res)
                 fed = sum(r.tokens_fed for r in res)
-                rows.append(dict(model=name, bench=bench, draft_length=k, redraft=redraft, prompts=len(prompts),
-                                 tokens=tokens, forwards=forwards, tokens_fed=fed, tpf=tokens / forwards))
-                print(f"{name:<48} {bench:<9} draft {k:>2}{' redraft' if redraft else ''}  TPF {tokens / forwards:.3f}",
-                      flush=True)
+                fresh = model.config.mask_adapter is not None if fresh is None else fresh
+                rows.append(dict(model=name, bench=bench, draft_length=k, redraft=redraft, fresh_after_miss=fresh,
+                                 prompts=len(prompts), tokens=tokens, forwards=forwards, tokens_fed=fed,
+                                 tpf=tokens / forwards))
+                print(f"{name:<48} {bench:<9} draft {k:>2}{' redraft' if redraft else ''}"
+                      f"{' fresh' if fresh else ' rest'} after a miss  TPF {tokens / forwards:.3f}", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(args=vars(args), torch=torch.__version__, rows=rows), indent=1))
-    print("\n| model | benchmark | draft tokens per step | redraft | tokens | forwards | tokens fed per forward | TPF |\n"
-          "|---|---|---|---|---|---|---|---|")
+    print("\n| model | benchmark | draft tokens per step | redraft | after a miss | tokens | forwards "
+          "| tokens fed per forward | TPF |\n|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['model']} | {r['bench']} | {r['draft_length']} | {'yes' if r['redraft'] else 'no'} | {r['tokens']} | "
-              f"{r['forwards']} | {r['tokens_fed'] / r['forwards']:.1f} | {r['tpf']:.3f} |")
+        print(f"| {r['model']} | {r['bench']} | {r['draft_length']} | {'yes' if r['redraft'] else 'no'} | "
+              f"{'fresh' if r['fresh_after_miss'] else 'rest'} | {r['tokens']} | {r['forwards']} | "
+              f"{r['tokens_fed'] / r['forwards']:.1f} | {r['tpf']:.3f} |")
     print(f"wrote {out}")
 
 
