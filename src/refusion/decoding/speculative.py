@@ -38,8 +38,8 @@ answers repeat their context.
 
 After a rejection (`fresh_after_miss`): the masks behind a draft see the whole draft, so after a
 rejection they have drafted from a token that was not kept. Spec section 7 then feeds the rest of the
-old draft and those masks' tokens, which a model trained for it (the masks of a ReFusion model)
-often gets right. A mask adapter's masks rarely do, and a rejected stale draft leaves the masks
+old draft and those masks' tokens (the default for a ReFusion-trained model). A mask adapter's
+masks rarely get those right, and a rejected stale draft leaves the masks
 behind it stale again, so for such a model (the default) the row drops the rest: the next step
 feeds its masks behind whatever it verifies (another draft: a copy; or none), and they draft from
 the committed tokens alone.
