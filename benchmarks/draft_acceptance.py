@@ -23,6 +23,7 @@ import torch
 
 from refusion.bundled import resolve_model
 from refusion.decoding import decode
+from refusion.decoding.speculative import fresh_after_miss_by_default
 from refusion.model.checkpoint import load_model
 from refusion.model.tokenizer import Tokenizer
 from smollm2_speculative import gsm8k_examples, humaneval_examples
@@ -67,7 +68,7 @@ def main() -> None:
                              fresh_after_miss=fresh)  # the masks alone
                 tokens, forwards = sum(len(r.tokens) for r in res), sum(r.forwards for r in res)
                 fed = sum(r.tokens_fed for r in res)
-                fresh = model.config.mask_adapter is not None if fresh is None else fresh
+                fresh = fresh_after_miss_by_default(model.config) if fresh is None else fresh
                 rows.append(dict(model=name, bench=bench, draft_length=k, redraft=redraft, fresh_after_miss=fresh,
                                  prompts=len(prompts), tokens=tokens, forwards=forwards, tokens_fed=fed,
                                  tpf=tokens / forwards))

@@ -194,6 +194,8 @@ def test_lookup_is_on_by_default_for_a_mask_adapted_model_only(monkeypatch):
         assert out[0].tokens == generate_ar(model, PROMPTS[:1], ARParams(gen_length=8), eos_ids=[])[0].tokens
     with pytest.raises(ValueError, match="lookup must be"):
         SpeculativeParams(lookup="yes")
+    with pytest.raises(ValueError, match="fresh_after_miss must be"):
+        SpeculativeParams(fresh_after_miss=1)
     parse = build_parser().parse_args
     base = ["generate", "hi"]
     assert [parse(base + f).lookup for f in ([], ["--lookup"], ["--no-lookup"])] == [None, True, False]

@@ -37,19 +37,19 @@ follows an accepted copy is copied too): a model whose masks draft poorly still 
 answers repeat their context.
 
 After a rejection (`fresh_after_miss`): the masks behind a draft see the whole draft, so after a
-rejection they have drafted from a token that was not kept. Spec section 7 then feeds the rest of the
-old draft and those masks' tokens (the default for a ReFusion-trained model). A mask adapter's
-masks rarely get those right, and a rejected stale draft leaves the masks
-behind it stale again, so for such a model (the default) the row drops the rest: the next step
-feeds its masks behind whatever it verifies (another draft: a copy; or none), and they draft from
-the committed tokens alone.
+rejection they have drafted from a token that was not kept. Spec section 7 then feeds the rest of
+the old draft and those masks' tokens (the default for a ReFusion-trained model). A mask adapter's
+masks rarely get those right, and a rejected stale draft leaves the masks behind it stale again,
+so for such a model (fresh_after_miss_by_default) the row drops the rest: the next step feeds its
+masks behind whatever it verifies (another draft: a copy; or none), and they draft from the
+committed tokens alone.
 
 Redraft (`redraft`): instead of that one step without a mask draft, a step also feeds, behind x
 and behind each draft token but the last, a block of masks that sees the draft only up to its own
 place (an attention mask, not feed order, says so; clean tokens never see a mask, so the output is
-untouched). Whatever prefix is accepted, the block behind
-it has drafted from exactly the committed tokens: every step then feeds a fresh draft, at the price
-of width + 1 blocks of masks, which the cost policy prices (widths.fed_tokens).
+untouched). Whatever prefix is accepted, the block behind it has drafted from exactly the committed
+tokens: every step then feeds a fresh draft, at the price of width + 1 blocks of masks, which the
+cost policy prices (widths.fed_tokens).
 
 Widths (widths.py): how many draft tokens and masks each sequence feeds. By default (`widths`
 cost) they are chosen before every step to maximise the batch's expected committed tokens per
@@ -81,7 +81,15 @@ from refusion.decoding.lookup import NgramIndex, lookup_by_default
 from refusion.decoding.params import MAX_DRAFT, REDRAFT_COST_DRAFT, SpeculativeParams, check_prompts, check_seed
 from refusion.decoding.sampling import draw, position_uniforms, sampling_probs
 from refusion.model.cache import RaggedKVCache
+from refusion.model.config import ModelConfig
 from refusion.model.transformer import Transformer
+
+
+def fresh_after_miss_by_default(config: ModelConfig) -> bool:
+    """Whether a rejection drops the rest of the draft when not told: for a mask-adapted model, whose
+    masks draft from a frozen base and rarely guess past a token they did not see (README "SmolLM2
+    with drafts"); a ReFusion-trained model keeps the spec's rest of the draft."""
+    return config.mask_adapter is not None
 
 
 class SpeculativeSeq:
@@ -284,7 +292,7 @@ class SpeculativeBatch:
                            causal_first=cfg.causal_first_token, plan=plan,
                            lookup=p.lookup if p.lookup is not None else lookup_by_default(cfg),
                            fresh_after_miss=(p.fresh_after_miss if p.fresh_after_miss is not None
-                                             else cfg.mask_adapter is not None))
+                                             else fresh_after_miss_by_default(cfg)))
         self.next_id += 1
         self.pending.append(q)
         return q.sid

@@ -150,9 +150,11 @@ def linear(m: nn.Module, x: Tensor, streamed: bool = False) -> Tensor:
     if type(m) is nn.Linear and not (m._forward_hooks or m._forward_pre_hooks):
         p = m._parameters  # (not m.weight: see Block)
         w, b = p["weight"], p["bias"]
-        if (streamed and x.is_cpu and x.numel() // w.shape[1] <= streamed_rows() and w.dtype == torch.float32
-                and not torch.compiler.is_compiling()):
-            return few_rows_linear(x, w, b)
+        if streamed and x.is_cpu and w.dtype == torch.float32 and not torch.compiler.is_compiling():
+            n = x.numel() // w.shape[1]
+            # (the thread count is asked only past the rows every thread count streams: decode's usual case)
+            if n <= STREAMED_ROWS_ONE_THREAD or (n <= STREAMED_ROWS and streamed_rows() == STREAMED_ROWS):
+                return few_rows_linear(x, w, b)
         return F.linear(x, w, b)
     return m(x)
 
