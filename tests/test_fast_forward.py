@@ -13,7 +13,7 @@ import transformers
 from refusion.model.checkpoint import from_hf, load_model, save_model, to_hf
 from refusion.model.config import ModelConfig
 from refusion.model.lora import apply_lora, merged_state_dict
-from refusion.model.transformer import STREAMED_BYTES, Transformer, apply_rope, few_rows_linear, rope_inv_freq
+from refusion.model.transformer import STREAMED_BYTES, Transformer, apply_rope, linear, rope_inv_freq
 
 CFG = dict(vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
            mask_token_id=49, eos_token_id=1)
@@ -197,16 +197,58 @@ def test_packed_tokens_give_the_padded_batch_logits(num_logits):
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 13, 16, 17])
-def test_few_rows_linear_is_f_linear(rows, bias):
-    g = torch.Generator().manual_seed(rows)
-    w, b = torch.randn(40, 24, generator=g), torch.randn(40, generator=g) if bias else None
-    x = torch.randn(rows, 24, generator=g)
-    want = torch.nn.functional.linear(x, w, b)
-    got = few_rows_linear(x, w, b)
-    assert got.shape == want.shape and got.is_contiguous()
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(few_rows_linear(x[None], w, b), want[None], atol=1e-5, rtol=1e-5)  # [1, T, in]
+def test_a_packed_product_is_f_linear_and_each_row_is_the_same_whatever_rows_are_beside_it(bias):
+    """linear() on a streamed model's weight (oneDNN's packed layout): F.linear's values within float32
+    rounding for any rows (none, one, many, [B, T, in], a strided view), and each row's output the
+    same bits whatever else is in the product: a verifying forward's logits at a position are what
+    a one-token forward computes there."""
+    g = torch.Generator().manual_seed(0)
+    lin = torch.nn.Linear(24, 40, bias=bias)
+    x = torch.randn(33, 24, generator=g)
+    with torch.no_grad():
+        for got_x in (x[:0], x[:1], x[:5], x, x.view(3, 11, 24), x.view(3, 11, 24)[:, 4:], x.t().contiguous().t()):
+            want = torch.nn.functional.linear(got_x, lin.weight, lin.bias)
+            got = linear(lin, got_x, streamed=True)
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        whole = linear(lin, x, streamed=True)
+        for n in (1, 2, 4, 5, 8, 16, 17):
+            assert torch.equal(linear(lin, x[:n], streamed=True), whole[:n]), n
+            assert torch.equal(linear(lin, x[n - 1:n], streamed=True)[0], whole[n - 1]), n
+    assert "_onednn_weight" in lin.__dict__ and "_onednn_weight" not in lin.state_dict()
+
+
+def test_a_packed_weight_follows_the_weight_and_autograd_takes_f_linear():
+    """The packed copy is remade after the weight changes in place (an optimiser step, a load) or is
+    replaced; with autograd on, the product is F.linear's, gradients and all."""
+    lin = torch.nn.Linear(8, 6)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        before = linear(lin, x, streamed=True)
+        lin.weight.mul_(2)
+        torch.testing.assert_close(linear(lin, x, streamed=True), lin(x), atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(linear(lin, x, streamed=True), before)
+    lin.weight = torch.nn.Parameter(torch.randn(6, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(linear(lin, x, streamed=True), lin(x), atol=1e-5, rtol=1e-5)
+    xg = x.clone().requires_grad_()
+    y = linear(lin, xg, streamed=True)
+    assert torch.equal(y, torch.nn.functional.linear(xg, lin.weight, lin.bias))
+    y.sum().backward()
+    assert xg.grad is not None and lin.weight.grad is not None
+    with torch.inference_mode():  # an inference tensor (no version counter) is packed once per storage
+        inf = torch.nn.Linear(8, 6)
+        torch.testing.assert_close(linear(inf, x, streamed=True), inf(x), atol=1e-5, rtol=1e-5)
+
+
+def test_without_onednn_a_streamed_model_takes_f_linear(monkeypatch):
+    import refusion.model.transformer as transformer
+    monkeypatch.setattr(transformer, "onednn_packing", lambda: False)
+    lin = torch.nn.Linear(8, 6)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        assert torch.equal(linear(lin, x, streamed=True), torch.nn.functional.linear(x, lin.weight, lin.bias))
+    assert "_onednn_weight" not in lin.__dict__
 
 
 def test_a_model_larger_than_any_cache_streams_its_weights():
@@ -221,25 +263,25 @@ def test_a_model_larger_than_any_cache_streams_its_weights():
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_streamed_model_computes_what_it_did_and_decodes_as_ar(monkeypatch, threads):
-    """With few_rows_linear on every product of 1-4 rows (on one thread) or 1-16 (on several), the
-    layers' and the LM head's, logits equal F.linear's within float32 rounding, and greedy
-    speculative decoding is still AR's output."""
+    """With every product of a streamed model on oneDNN's packed weights (the layers' and the LM
+    head's), logits equal F.linear's within float32 rounding, and greedy speculative decoding is
+    still AR's output."""
     n = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        _streamed_model_run(monkeypatch, 4 if threads == 1 else 16)
+        _streamed_model_run(monkeypatch)
     finally:
         torch.set_num_threads(n)
 
 
-def _streamed_model_run(monkeypatch, bound: int) -> None:
+def _streamed_model_run(monkeypatch) -> None:
     from refusion.decoding import ARParams, SpeculativeParams, generate_ar, generate_speculative
     import refusion.model.transformer as transformer
 
     m = model()
     calls = []
-    real_few_rows = transformer.few_rows_linear
-    monkeypatch.setattr(transformer, "few_rows_linear", lambda x, w, b: calls.append(x.shape) or real_few_rows(x, w, b))
+    real_packed = transformer.packed_weight
+    monkeypatch.setattr(transformer, "packed_weight", lambda lin: calls.append(lin) or real_packed(lin))
     g = torch.Generator().manual_seed(0)
     for T in (1, 2, 4, 5, 7, 16, 17):
         ids = torch.randint(0, 49, (1, T), generator=g)
@@ -248,7 +290,7 @@ def _streamed_model_run(monkeypatch, bound: int) -> None:
         assert not calls
         m.set_streamed(True)
         torch.testing.assert_close(logits(m, ids.tolist()), want, atol=1e-5, rtol=1e-5)
-        assert len(calls) == (0 if T > bound else 4 * 2 + 1), T  # 4 products a block, and the LM head
+        assert len(calls) == 4 * 2 + 1, T  # 4 products a block, and the LM head
         calls.clear()
     prompts = [[3, 4, 5], [6, 7, 8, 9, 10]]
     ar = generate_ar(m, prompts, ARParams(gen_length=20), eos_ids=[1])

@@ -14,7 +14,7 @@ from refusion.decoding import speculative as spec
 from refusion.decoding.speculative import SpeculativeBatch, SpeculativeParams, generate_speculative
 from refusion.decoding.widths import Acceptance, CostModel, best_widths
 from refusion.model.config import ModelConfig
-from refusion.model.transformer import Transformer, streamed_rows
+from refusion.model.transformer import Transformer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 MEASURED = widths.cost_model  # (conftest.py gives every test a fixed table instead)
@@ -102,33 +102,6 @@ def test_calibration_measures_the_grid_and_fits_a_short_context():
     assert cost.pad > 0  # a CPU's ragged batch: its padding's cost was measured
     short = widths.measure_cost(tiny(max_position_embeddings=40))  # 20 cached columns, widths up to 16
     assert max(short.tokens[0]) <= 16
-
-
-def test_a_model_padding_its_products_costs_in_steps_and_its_steps_are_measured(monkeypatch):
-    """few_rows_linear computes 1..streamed_rows() rows as the next power of two (one as two): the table looks such a
-    forward up there (and an observation moves those cells), and calibration measures every step
-    however long it takes."""
-    f = linear()
-    cost = CostModel.of(f, padded_upto=16)
-    for n, looked_up in [(0, 0), (1, 2), (2, 2), (3, 4), (5, 8), (8, 8), (9, 16), (16, 16), (17, 17), (40, 40)]:
-        assert cost(1, [n])[0] == pytest.approx(f(1, looked_up), rel=1e-9), n
-    assert np.array_equal(cost.grid(1, 20)[:17], cost(1, np.arange(17)))
-    # a padded model's table keeps its steps: a convex curve under the step at 8 would price 8 tokens at 1.67
-    stepped = CostModel([1, 8], [[1, 2, 4, 8, 16], [8, 16]], [[1, 1, 1, 2, 3], [2, 3]], packed=True, padded_upto=4)
-    assert stepped(1, [8])[0] == 2 and stepped(1, [12])[0] == 2.5
-    live = CostModel(cost.rows, cost.tokens, cost.seconds, packed=True, padded_upto=16)
-    before = live.seconds[0].copy()
-    live.observe(1, 5, 3 * float(live(1, [5])[0]))  # 5 tokens: the cell of 8 moves, no other
-    assert (live.seconds[0] != before).tolist() == [t == 8 for t in live.tokens[0]]
-    monkeypatch.setattr(widths, "CALIBRATION_SECONDS", 0.0)  # time is always up
-    model = tiny()
-    assert widths.measure_cost(model).padded_upto == 0
-    model.set_streamed(True)
-    streamed = widths.measure_cost(model)
-    assert streamed.padded_upto == streamed_rows() == 4  # (one thread: tests/conftest.py)
-    # past the padded widths, two at least and up to twice the first: the slope after the step is measured
-    assert list(streamed.tokens[0]) == [1, 2, 3, 4, 5, 6, 8, 12]
-    assert list(streamed.tokens[1]) == [8, 16]  # 8 rows of 1 and of 2 tokens
 
 
 # ---- acceptance -----------------------------------------------------------------------------------

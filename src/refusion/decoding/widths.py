@@ -24,9 +24,7 @@ CPU's ragged batch computes only its real tokens in its products, but attention 
 still see rows x the widest row: the cost of each padding slot is measured too (one forward with
 one wide row and the others one token wide) and added to the table's. `CostModel.of` makes a fixed table from a
 function (`SpeculativeBatch(cost=...)`, `generate_speculative(cost=...)`; tests/conftest.py
-gives every test one). A model whose products of a few rows are padded to a power of two
-(model/transformer.py: few_rows_linear) costs in steps: a forward of N <= streamed_rows() tokens is
-looked up at the next power of two (at least 2), and those widths are measured whatever they take.
+gives every test one).
 
 What a draft is worth (`Acceptance`): per sequence, kind of draft (the masks' fresh predictions
 after a fully accepted draft, or what follows a rejection, which is accepted far less often) and
@@ -86,7 +84,7 @@ from refusion.model.cache import RaggedKVCache
 from refusion.model.transformer import Transformer
 
 CALIBRATION_ROWS = (1, 8)
-CALIBRATION_WIDTHS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)  # (a CPU's costs step: 4 -> 5 on one thread)
+CALIBRATION_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 CALIBRATION_CONTEXT = 64  # cached columns the calibration's queries attend to
 CALIBRATION_SECONDS = 0.15  # per row count; at least two widths are measured whatever they take
 REFRESH_RATE = 0.1  # how far one step's timing moves the table (in log seconds)
@@ -119,15 +117,12 @@ def _line(x: np.ndarray, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
     return np.where(x < xs[0], lo, np.where(x > xs[-1], hi, y))
 
 
-def _smooth(xs: np.ndarray, ys: np.ndarray, convex: bool = True) -> np.ndarray:
+def _smooth(xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
     """The greatest nondecreasing convex function below the points (xs ascending), at xs: what is
     left of timings once a busy machine's spikes, which only ever add time, are taken out. A
-    forward's cost has that shape: flat while the device has room (an accelerator), then linear.
-    convex=False: nondecreasing only (a model whose products are padded to powers of two costs in
-    steps, and a convex curve under a step would price the widths past it far below what they take)."""
+    forward's cost has that shape: flat while the device has room (an accelerator, a CPU's product
+    bound by reading its weights), then linear."""
     ys = np.minimum.accumulate(ys[::-1])[::-1]  # nondecreasing: a point is no dearer than any to its right
-    if not convex:
-        return ys
     hull = [0]
     for i in range(1, len(xs)):  # the lower convex hull, left to right
         while len(hull) >= 2:
@@ -153,34 +148,29 @@ class CostModel:
     counts (the tokens the forward computes). packed: a ragged batch computes its rows' real tokens
     (a CPU) rather than rows x its widest row; pad: what each padding slot of a packed batch costs
     on top (seconds per slot of rows x widest row not taken by a real token: attention and the
-    cache see the padded grid). frozen: never refreshed by observe(). padded_upto: a forward of
-    1..padded_upto tokens computes the next power of two, at least 2 (few_rows_linear), and costs what
-    it does."""
+    cache see the padded grid). frozen: never refreshed by observe()."""
 
     def __init__(self, rows: Sequence[int], tokens: Sequence[Sequence[float]], seconds: Sequence[Sequence[float]],
-                 packed: bool, frozen: bool = False, pad: float = 0.0, padded_upto: int = 0) -> None:
-        self.padded_upto = padded_upto
+                 packed: bool, frozen: bool = False, pad: float = 0.0) -> None:
         self.rows = np.asarray(rows, dtype=float)
         self.tokens = [np.asarray(t, dtype=float) for t in tokens]
-        self.seconds = [_smooth(t, np.asarray(s, dtype=float), convex=not padded_upto)
-                        for t, s in zip(self.tokens, seconds)]
+        self.seconds = [_smooth(t, np.asarray(s, dtype=float)) for t, s in zip(self.tokens, seconds)]
         self.packed, self.frozen, self.pad = packed, frozen, float(pad) if packed else 0.0
         self.floor = 0.5 * min(float(s.min()) for s in self.seconds)  # no estimate below it, extrapolated or not
         self.grids: dict[int, np.ndarray] = {}  # rows -> self(rows, [0, 1, 2, ...]) until observe() moves the table
         self.noted: list[tuple[int, int, float, int]] = []  # note()'s timings not yet observed
 
     @classmethod
-    def of(cls, seconds: Callable[[int, int], float], packed: bool = True, pad: float = 0.0,
-           padded_upto: int = 0) -> CostModel:
+    def of(cls, seconds: Callable[[int, int], float], packed: bool = True, pad: float = 0.0) -> CostModel:
         """A frozen table of seconds(rows, tokens) on the calibration grid: a cost that does not
         depend on timings (tests)."""
         tokens = [[r * w for w in CALIBRATION_WIDTHS] for r in CALIBRATION_ROWS]
         return cls(CALIBRATION_ROWS, tokens, [[seconds(r, t) for t in ts] for r, ts in zip(CALIBRATION_ROWS, tokens)],
-                   packed, frozen=True, pad=pad, padded_upto=padded_upto)
+                   packed, frozen=True, pad=pad)
 
     def __call__(self, rows: int, tokens) -> np.ndarray:
         """Seconds of forwards of `rows` rows computing `tokens` tokens (an array: one estimate each)."""
-        t = _padded(np.asarray(tokens, dtype=float), self.padded_upto)
+        t = np.asarray(tokens, dtype=float)
         i, f = _bracket(self.rows, rows)
         y = _line(t, self.tokens[i], self.seconds[i])
         if f != 0:  # (more rows never cost less for as many tokens, extrapolated or not; f = 0 would add 0)
@@ -220,20 +210,12 @@ class CostModel:
         for r, wr in zip((i, i + 1), _shares(f)) if len(self.rows) > 1 else ((0, 1.0),):
             if wr == 0:
                 continue  # (no share: its cells would be multiplied by 1)
-            j, g = _bracket(self.tokens[r], float(_padded(np.float64(tokens), self.padded_upto)))
+            j, g = _bracket(self.tokens[r], float(tokens))
             for c, wc in zip((j, j + 1), _shares(g)):
                 if c < len(self.seconds[r]):
                     self.seconds[r][c] *= ratio ** (REFRESH_RATE * wr * wc)
             np.maximum.accumulate(self.seconds[r], out=self.seconds[r])
         self.grids.clear()
-
-
-def _padded(t: np.ndarray, upto: int) -> np.ndarray:
-    """Token counts as the products compute them: 1..upto rounded up to a power of two, and to at
-    least 2 (few_rows_linear; no rounding with upto 0)."""
-    if not upto:
-        return t
-    return np.where((t > 0) & (t <= upto), np.maximum(2.0 ** np.ceil(np.log2(np.maximum(t, 1.0))), 2.0), t)
 
 
 def _shares(f: float) -> tuple[float, float]:
@@ -270,27 +252,20 @@ def measure_cost(model: Transformer) -> CostModel:
     limit = cfg.max_position_embeddings
     ctx = min(CALIBRATION_CONTEXT, limit // 2)
     widths = [w for w in CALIBRATION_WIDTHS if ctx + w <= limit] or [1, 2]
-    # products of up to this many tokens padded to a power of two: the steps are measured, whatever they take
-    upto = model.padded_rows()
     tokens, seconds = [], []
     for rows in CALIBRATION_ROWS:
         cache = RaggedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, weight.dtype, weight.device,
                               rows=rows, capacity=ctx + widths[-1])
         for w in widths[:2]:  # a shape's first call allocates (or compiles: width 1 and wider are two graphs)
             _timed_forward(model, cache, rows, w, ctx)
-        start, measured, past = time.perf_counter(), [], []
+        start, measured = time.perf_counter(), []
         for w in widths:
-            # (past the padded widths, up to twice the first one at least: the slope after the last
-            # step is measured, not guessed from the step itself)
-            if (len(measured) >= 2 and len(past) >= 2 and past[-1] >= 2 * past[0]
-                    and time.perf_counter() - start > CALIBRATION_SECONDS):
+            if len(measured) >= 2 and time.perf_counter() - start > CALIBRATION_SECONDS:
                 break  # the rest is extrapolated (and refreshed as real steps run)
             measured.append(min(_timed_forward(model, cache, rows, w, ctx) for _ in range(3)))
-            if rows * w > upto:
-                past.append(rows * w)
         tokens.append([rows * w for w in widths[: len(measured)]])
         seconds.append(measured)
-    cost = CostModel(CALIBRATION_ROWS, tokens, seconds, packed=weight.device.type == "cpu", padded_upto=upto)
+    cost = CostModel(CALIBRATION_ROWS, tokens, seconds, packed=weight.device.type == "cpu")
     if cost.packed:  # one row wide and the others one token: its padding's cost, beyond its tokens'
         rows, w = CALIBRATION_ROWS[-1], widths[min(len(measured), len(widths)) - 1]
         if w > 1:

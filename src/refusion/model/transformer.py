@@ -17,6 +17,7 @@ made once per forward, not per layer. Module names are Hugging Face's (without t
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -124,54 +125,60 @@ def _global_hooks() -> bool:
 
 
 # A forward of a few tokens through a model whose weights do not fit in the CPU's caches costs what
-# reading its weights costs, however few the rows, if the product reads each weight once. F.linear
-# (x @ W.T) does not: for 2-16 rows MKL repacks W on every call, and two rows cost about twice one.
-# W @ x.T streams W once (benchmarks/forward_cost.py, modes eager and eager-linear). For weights
-# that sit in cache (a small model) F.linear is the faster, so a model takes this path only when its
-# weights are far larger than a CPU's last-level cache. One row takes it too, padded to two: MKL's
-# product of one vector (gemv) reads W at a fraction of the speed of its two-row product, and on
-# one thread only, so a one-token forward (AR decoding) cost more than a two-token one. On one thread
-# F.linear is the faster again from 5 rows; on several, W @ x.T up to 16 (forward_cost.py).
+# reading its weights costs, if the product reads each weight once at memory speed. MKL's F.linear
+# does not, for few rows: it repacks the weight on every call, its one-vector product (gemv) is
+# slow, and from 5 rows on one thread it is bound by its own arithmetic, so a forward of 8 tokens
+# cost twice one of 4. oneDNN's product on a weight packed once into its own blocked layout runs
+# near memory speed for 1 to dozens of rows, and gives each row the same bits whatever rows are
+# beside it, so a verifying forward's logits at a position are the one-token forward's
+# (benchmarks/forward_cost.py, modes eager and eager-linear). It costs a second copy of each weight,
+# and about 10 microseconds a call: a small model, whose weights sit in cache, keeps F.linear. So
+# the packed product is taken by a model whose float32 weights are far larger than a CPU's
+# last-level cache (Transformer.streamed), outside autograd (it has no backward).
 STREAMED_BYTES = 128 * 2**20
-STREAMED_ROWS = 16  # with several threads: past it the two are as fast
-STREAMED_ROWS_ONE_THREAD = 4
+PACKED_FOR_ROWS = 16  # the row count oneDNN chooses its weight layout for (any count then runs)
 
 
-def streamed_rows() -> int:
-    """The most rows a streamed model's products take few_rows_linear with, at the current thread count."""
-    return STREAMED_ROWS if torch.get_num_threads() > 1 else STREAMED_ROWS_ONE_THREAD
+@functools.cache
+def onednn_packing() -> bool:
+    """Whether this PyTorch build has oneDNN's packed-weight linear (torch.ops.mkldnn)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        w = torch.ones(2, 2)
+        got = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 2), torch.ops.mkldnn._reorder_linear_weight(w, 1),
+                                                 None, "none", [], "")
+        return bool(torch.equal(got, torch.full((1, 2), 2.0)))
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def packed_weight(m: nn.Linear) -> Tensor:
+    """m's weight in oneDNN's layout, packed on first use and again whenever the weight has changed
+    since (another tensor, or the same one written in place: its version counter). An inference
+    tensor (made under torch.inference_mode) has no version counter: it is packed once per storage,
+    and writing it in place afterwards, itself only possible under inference_mode, goes unseen."""
+    w = m._parameters["weight"]
+    key = (w.data_ptr(), -1 if w.is_inference() else w._version, w.shape)
+    got = m.__dict__.get("_onednn_weight")
+    if got is None or got[0] != key:
+        got = m.__dict__["_onednn_weight"] = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACKED_FOR_ROWS))
+    return got[1]
 
 
 def linear(m: nn.Module, x: Tensor, streamed: bool = False) -> Tensor:
     """m(x), calling F.linear directly for a plain nn.Linear without hooks (a module call's overhead
     is a noticeable share of a small model's forward); anything else (an adapter) is called.
-    streamed: the model's weights stream from memory (Transformer.streamed): a CPU product of a few
-    float32 rows reads the weight once (few_rows_linear)."""
+    streamed: the model's weights stream from memory (Transformer.streamed): a CPU float32 product
+    outside autograd takes the oneDNN packed weight (packed_weight)."""
     if type(m) is nn.Linear and not (m._forward_hooks or m._forward_pre_hooks):
         p = m._parameters  # (not m.weight: see Block)
         w, b = p["weight"], p["bias"]
-        if streamed and x.is_cpu and w.dtype == torch.float32 and not torch.compiler.is_compiling():
-            n = x.numel() // w.shape[1]
-            # (the thread count is asked only past the rows every thread count streams: decode's usual case)
-            if n <= STREAMED_ROWS_ONE_THREAD or (n <= STREAMED_ROWS and streamed_rows() == STREAMED_ROWS):
-                return few_rows_linear(x, w, b)
+        if (streamed and x.is_cpu and w.dtype == torch.float32 and not torch.is_grad_enabled()
+                and not torch.compiler.is_compiling() and onednn_packing()):
+            return torch.ops.mkldnn._linear_pointwise(x, packed_weight(m), b, "none", [], "")
         return F.linear(x, w, b)
     return m(x)
-
-
-def few_rows_linear(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
-    """F.linear(x, w, b) computed as (w @ x.T).T: the weight is the product's long operand, which BLAS
-    streams, rather than the one it repacks (see STREAMED_BYTES). The same sums, rounded in another
-    order: equal to F.linear's within float32 rounding, not bit for bit."""
-    flat = x.reshape(-1, w.shape[1])
-    n = flat.shape[0]
-    rows = max(2, 1 << (n - 1).bit_length())  # MKL's cost is steps at 2, 4, 8 and 16 rows, more between them
-    if rows != n:
-        flat = torch.cat([flat, flat.new_zeros(rows - n, flat.shape[1])])
-    y = torch.mm(w, flat.t())[:, :n].t().contiguous()
-    if b is not None:
-        y += b
-    return y.view(*x.shape[:-1], w.shape[0])
 
 
 def attention_mask(attn_mask: Tensor | None, cache: Cache | None, T: int, dtype: torch.dtype,
@@ -300,7 +307,7 @@ class Transformer(nn.Module):
             nn.init.normal_(embed)  # nn.Embedding's own initialisation: the same draws
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=embed)
         first = adapted_from(cfg) if cfg.mask_adapter is not None else cfg.num_layers
-        # float32 weights far larger than a CPU's caches: products of a few rows take few_rows_linear
+        # float32 weights far larger than a CPU's caches: products take oneDNN's packed weights (linear)
         self.streamed = 4 * parameter_count(cfg) > STREAMED_BYTES
         self.layers = nn.ModuleList(Block(cfg, adapted=i >= first, streamed=self.streamed)
                                     for i in range(cfg.num_layers))
@@ -317,17 +324,11 @@ class Transformer(nn.Module):
         self.reset_rope(embed.device)
 
     def set_streamed(self, on: bool) -> None:
-        """Whether products of a few rows take few_rows_linear (default: the model's size decides)."""
+        """Whether CPU float32 products outside autograd take oneDNN's packed weights (linear; default:
+        the model's size decides)."""
         self.streamed = on
         for block in self.layers:
             block.streamed = on
-
-    def padded_rows(self) -> int:
-        """How many rows a product may have and still be padded to a power of two (few_rows_linear)
-        in this model's eager forwards as it stands (device, dtype, compiled or not); 0 when none is."""
-        w = self.embed_tokens.weight
-        on = self.streamed and self.compiled is None and w.device.type == "cpu" and w.dtype == torch.float32
-        return streamed_rows() if on else 0
 
     def reset_rope(self, device: torch.device | str | None = None) -> None:
         """(Re)build the non-persistent buffers: the RoPE frequencies, the cos / sin tables of every
