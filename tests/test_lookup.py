@@ -133,6 +133,35 @@ def test_a_weak_copy_goes_without_masks_where_copies_usually_beat_them():
     assert beat[strong] and not beat[weak]
 
 
+@pytest.mark.parametrize("masks_worth_it", [True, False])
+def test_a_copy_not_worth_feeding_is_dropped_for_the_masks_fresh_draft(masks_worth_it):
+    """A row holding a copy worth no token (its kind never accepted) would feed x alone, no masks
+    behind it, and hold the next copy offered: its masks would never draft again. It drops the copy
+    where the masks' fresh draft is worth feeding, and keeps it (an AR step) where it is not."""
+    model = looping_model()
+    widths.PRIORS.pop(model, None)
+    batch = spec.SpeculativeBatch(model, eos_ids=[], cost=widths.CostModel.of(lambda rows, tokens: 1.0 + 0.01 * tokens))
+    batch.add(PROMPTS[0], SpeculativeParams(lookup=True, gen_length=32))
+    batch.step()  # the prefill
+    q = batch.running[0]
+    q.drafts_tried = widths.EXPLORE  # (past the drafts every sequence feeds whatever they are worth)
+    pool = batch.prior
+    pool.reached[:, :8], pool.accepted[:, :8] = 1000, 0  # no kind of draft is ever accepted...
+    if masks_worth_it:
+        pool.accepted[widths.FRESH, :8] = 950  # ...but the masks' fresh ones
+    pool.kept.clear()
+    copy = [5, 6, 7, 2]
+    q.draft, q.kind = list(copy), widths.lookup_kind(1)
+    batch._choose_widths()
+    if masks_worth_it:
+        assert (q.draft, q.kind, q.bare) == ([], widths.FRESH, False) and q.width > 0
+        ids, _ = q.next_feed()
+        assert ids == [q.x] + [MASK] * (q.width + 1)
+    else:
+        assert (q.draft, q.kind, q.width) == (copy, widths.lookup_kind(1), 0)
+        assert q.next_feed()[0] == [q.x]
+
+
 def test_a_kind_of_draft_not_fed_lately_is_fed_again(monkeypatch):
     """A kind's estimate comes only from drafts fed: a kind judged not worth its cost would never be
     corrected. Where every draft costs more than it can earn (a cost linear in the tokens fed), a

@@ -34,7 +34,8 @@ step a row feeds whichever of the two drafts, the masks' or the copy, has the lo
 accepted prefix (acceptance is counted per kind of draft, a copy's by its match length). Where this
 model's copies go further than its masks' drafts, a copy is fed with no masks behind it (what
 follows an accepted copy is copied too): a model whose masks draft poorly still gains where its
-answers repeat their context.
+answers repeat their context. A copy not worth feeding at all is dropped where the masks' fresh
+draft is worth feeding: the row would otherwise step alone, without masks, and hold the next copy.
 
 After a rejection (`fresh_after_miss`): the masks behind a draft see the whole draft, so after a
 rejection they have drafted from a token that was not kept. Spec section 7 then feeds the rest of
@@ -367,14 +368,13 @@ class SpeculativeBatch:
         # a row drafts at most draft_length tokens (PACKED_BATCH_DRAFT beside others on a CPU), and one
         # fewer than the positions it has left
         most = widths.PACKED_BATCH_DRAFT if self.cost.packed and len(seqs) > 1 else widths.MAX_DRAFT
-        bound = [max(0, min(q.p.draft_length, (min(most, REDRAFT_COST_DRAFT) if q.p.redraft else most) if f
-                            else q.p.draft_length, q.p.gen_length - len(q.res.tokens) - 1, q.draft_end()))
-                 for q, f in zip(seqs, free)]
-        K = max(bound)
+        room = [max(0, min(q.p.draft_length, (min(most, REDRAFT_COST_DRAFT) if q.p.redraft else most) if f
+                           else q.p.draft_length, q.p.gen_length - len(q.res.tokens) - 1))
+                for q, f in zip(seqs, free)]
+        bound = [min(r, q.draft_end()) for q, r in zip(seqs, room)]
+        K = max(room)
         kind = [q.kind for q in seqs]
-        reached = np.array([q.acceptance.reached[q.kind, :K] for q in seqs])
-        accepted = np.array([q.acceptance.accepted[q.kind, :K] for q in seqs])
-        rate = widths.rates(reached, accepted, np.array(kind), self.prior)
+        rate = self._rates(seqs, kind, K)
         masks = [-1 if q.p.mask_length is None else q.p.mask_length for q in seqs]
         # a copy accepted whole is followed by more of the copy, for free: masks behind it pay only
         # where this model's mask drafts are expected to go further than its copies do
@@ -393,9 +393,27 @@ class SpeculativeBatch:
         chosen = widths.best_widths(rate, np.array(bound), np.array(masks), np.array([q.width for q in seqs]),
                                     np.array(free), self.cost, np.array(floor),
                                     np.array([q.p.redraft and not b for q, b in zip(seqs, bare)]))
+        # a row whose draft of other text (a copy, the corpus's, a plan) is not worth feeding at all
+        # drops it where the masks' fresh draft is worth feeding: else the next step holds another
+        # such draft, and the masks never draft again while the offers keep coming
+        stale = np.array([f and w == 0 and k >= widths.LOOKUP and q.p.mask_length is None and r > 0
+                          for q, f, w, k, r in zip(seqs, free, chosen.tolist(), kind, room)])
+        if stale.any():
+            fresh = np.where(stale, widths.FRESH, kind)
+            again = widths.best_widths(self._rates(seqs, fresh.tolist(), K), np.where(stale, room, bound),
+                                       np.where(stale, -1, masks), chosen, stale, self.cost,
+                                       redraft=np.array([q.p.redraft for q in seqs]) & stale)
+            for i in np.flatnonzero(stale & (again > 0)):
+                seqs[i].draft, seqs[i].kind, bare[i], chosen[i] = [], widths.FRESH, False, again[i]
         for q, f, b, w in zip(seqs, free, bare, chosen.tolist()):
             if f:
                 q.width, q.bare = w, b
+
+    def _rates(self, seqs: list[SpeculativeSeq], kind: list[int], n: int) -> np.ndarray:
+        """[B, n]: each row's acceptance rate per draft position for a draft of the kind given."""
+        reached = np.array([q.acceptance.reached[k, :n] for q, k in zip(seqs, kind)])
+        accepted = np.array([q.acceptance.accepted[k, :n] for q, k in zip(seqs, kind)])
+        return widths.rates(reached, accepted, np.array(kind), self.prior)
 
     def _hold_widths(self) -> None:
         """A step between choices keeps every row's width; a row fed bare for a copy feeds masks again
