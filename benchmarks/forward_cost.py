@@ -7,8 +7,8 @@ A speculative step feeds a row's next token and its draft in one forward, so wha
 depends on how much dearer a forward of W tokens is than one of a single token. Each cell: one row
 of W tokens on a cache of --context tokens, logits of every fed token and their argmax brought to the
 host (a speculative step's shape), the median of --repeats. The modes are separate instances of the
-model in one process: eager; eager-linear, eager with every product as F.linear (the model's
-few_rows_linear off: what eager was before it, for a model large enough to take it); and
+model in one process: eager; eager-linear, eager with every product as F.linear (MKL: the model's
+oneDNN packed weights off, what eager was before them, for a model large enough to take them); and
 `enable_compile(mode=...)` for each compile mode named (compiled before any timing: every width once). Modes alternate within each round so that a drift of the
 machine hits all of them. Also recorded: each mode's largest logit difference from eager, and its
 compile seconds. Nothing else should run on the machine. Writes JSON and prints a markdown table.

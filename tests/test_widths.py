@@ -104,6 +104,16 @@ def test_calibration_measures_the_grid_and_fits_a_short_context():
     assert max(short.tokens[0]) <= 16
 
 
+def test_calibration_measures_up_to_its_least_tokens_however_long_forwards_take(monkeypatch):
+    """Out of time at once, a row count is still measured to CALIBRATION_TOKENS (two widths at
+    least): a table of 1-3 tokens priced every wider step from its last two cells, which a wide step's
+    timing then scaled, pricing 2 tokens as 33."""
+    monkeypatch.setattr(widths, "CALIBRATION_SECONDS", 0.0)
+    cost = widths.measure_cost(tiny())
+    assert list(cost.tokens[0]) == [w for w in widths.CALIBRATION_WIDTHS if w <= widths.CALIBRATION_TOKENS]
+    assert list(cost.tokens[1]) == [8, 16]
+
+
 # ---- acceptance -----------------------------------------------------------------------------------
 
 

@@ -15,7 +15,7 @@ tokens (a ragged batch computes only its real tokens, common.packed_index), else
 widest row (rows are padded to one width). It is measured at first use for this device type,
 dtype, model shape, thread count and forward (compiled or eager): timed forwards on a scratch
 cache, widths 1..64 at 1 and 8 rows (wider ones extrapolated once a row count has taken
-CALIBRATION_SECONDS), each the fastest of three, smoothed into a nondecreasing convex curve (a
+CALIBRATION_SECONDS, past CALIBRATION_TOKENS tokens), each the fastest of three, smoothed into a nondecreasing convex curve (a
 busy machine's spikes taken out), interpolated linearly and extrapolated past the grid. It is then
 kept up to date from the decode's own step timings: every decode forward already ends in a host
 transfer, so timing it adds no sync, and each step moves the table's nearest cells a little
@@ -86,7 +86,11 @@ from refusion.model.transformer import Transformer
 CALIBRATION_ROWS = (1, 8)
 CALIBRATION_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 CALIBRATION_CONTEXT = 64  # cached columns the calibration's queries attend to
-CALIBRATION_SECONDS = 0.15  # per row count; at least two widths are measured whatever they take
+CALIBRATION_SECONDS = 1.0  # per row count, once CALIBRATION_TOKENS are measured
+# a row count's forwards are measured up to this many tokens (and at two widths) whatever they take: a
+# step is priced from the cells around it, and a decode's timings of steps past a short table's end
+# scale its last cells, which then priced the narrow steps as the wide ones
+CALIBRATION_TOKENS = 16
 REFRESH_RATE = 0.1  # how far one step's timing moves the table (in log seconds)
 REFRESH_EVERY = 8  # step timings are applied this many at a time (each application re-evaluates the table)
 # a batch of several rows re-chooses its widths every this many steps (and when rows join): the choice's
@@ -260,7 +264,8 @@ def measure_cost(model: Transformer) -> CostModel:
             _timed_forward(model, cache, rows, w, ctx)
         start, measured = time.perf_counter(), []
         for w in widths:
-            if len(measured) >= 2 and time.perf_counter() - start > CALIBRATION_SECONDS:
+            if (len(measured) >= 2 and rows * widths[len(measured) - 1] >= CALIBRATION_TOKENS
+                    and time.perf_counter() - start > CALIBRATION_SECONDS):
                 break  # the rest is extrapolated (and refreshed as real steps run)
             measured.append(min(_timed_forward(model, cache, rows, w, ctx) for _ in range(3)))
         tokens.append([rows * w for w in widths[: len(measured)]])
