@@ -15,8 +15,9 @@ tokens (a ragged batch computes only its real tokens, common.packed_index), else
 widest row (rows are padded to one width). It is measured at first use for this device type,
 dtype, model shape, thread count and forward (compiled or eager): timed forwards on a scratch
 cache, widths 1..64 at 1 and 8 rows (wider ones extrapolated once a row count has taken
-CALIBRATION_SECONDS, past CALIBRATION_TOKENS tokens), each the fastest of three, smoothed into a nondecreasing convex curve (a
-busy machine's spikes taken out), interpolated linearly and extrapolated past the grid. It is then
+CALIBRATION_SECONDS and reached CALIBRATION_TOKENS tokens), each the fastest of three, smoothed
+into a nondecreasing convex curve (a busy machine's spikes taken out), interpolated linearly and
+extrapolated past the grid. It is then
 kept up to date from the decode's own step timings: every decode forward already ends in a host
 transfer, so timing it adds no sync, and each step moves the table's nearest cells a little
 towards what the step took (its host work included; REFRESH_EVERY steps' timings at a time). A

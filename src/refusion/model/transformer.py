@@ -130,8 +130,8 @@ def _global_hooks() -> bool:
 # slow, and from 5 rows on one thread it is bound by its own arithmetic, so a forward of 8 tokens
 # cost twice one of 4. oneDNN's product on a weight packed once into its own blocked layout runs
 # near memory speed for 1 to dozens of rows, and gives each row the same bits whatever rows are
-# beside it, so a verifying forward's logits at a position are the one-token forward's
-# (benchmarks/forward_cost.py, modes eager and eager-linear). It costs a second copy of each weight,
+# beside it: a verifying forward's products compute at each position what a one-token forward's
+# do (benchmarks/forward_cost.py, modes eager and eager-linear). It costs a second copy of each weight,
 # and about 10 microseconds a call: a small model, whose weights sit in cache, keeps F.linear. So
 # the packed product is taken by a model whose float32 weights are far larger than a CPU's
 # last-level cache (Transformer.streamed), outside autograd (it has no backward).
