@@ -32,9 +32,11 @@ Lookup (`lookup`, lookup.py): a second source of drafts, with no forward: the to
 the latest earlier occurrence of the sequence's last few tokens in its prompt or answer. After each
 step a row feeds whichever of the two drafts, the masks' or the copy, has the longer expected
 accepted prefix (acceptance is counted per kind of draft, a copy's by its match length). Where this
-model's copies go further than its masks' drafts, a copy is fed with no masks behind it (what
-follows an accepted copy is copied too): a model whose masks draft poorly still gains where its
-answers repeat their context. A copy not worth feeding at all is dropped where the masks' fresh
+model's masks do not pay for themselves behind a copy, it is fed with no masks behind it (masks
+draft the next step, which uses their draft only where this one accepts the copy whole, and what
+follows an accepted copy is copied too; _masks_unpaid weighs that against what they add to the
+forward's cost): a model whose masks draft poorly still gains where its answers repeat their
+context. A copy not worth feeding at all is dropped where the masks' fresh
 draft is worth feeding: the row would otherwise step alone, without masks, and hold the next copy.
 
 After a rejection (`fresh_after_miss`): the masks behind a draft see the whole draft, so after a
@@ -375,24 +377,30 @@ class SpeculativeBatch:
         K = max(room)
         kind = [q.kind for q in seqs]
         rate = self._rates(seqs, kind, K)
-        masks = [-1 if q.p.mask_length is None else q.p.mask_length for q in seqs]
-        # a copy accepted whole is followed by more of the copy, for free: masks behind it pay only
-        # where this model's mask drafts are expected to go further than its copies do
-        bare = [f and k >= widths.LOOKUP and m < 0 for f, k, m in zip(free, kind, masks)]
-        if any(bare):
-            beat = self._copies_beat_masks(K)
-            bare = [b and bool(beat[k]) for b, k in zip(bare, kind)]
-            for i, q in enumerate(seqs):
-                if bare[i]:
-                    masks[i], bound[i] = 0, min(bound[i], len(q.draft))
+        masks = np.array([-1 if q.p.mask_length is None else q.p.mask_length for q in seqs])
+        redraft = np.array([q.p.redraft for q in seqs])
         # a sequence tries a few drafts of its own before the policy may stop it drafting, and a draft
         # of a kind the model has not fed lately is tried (its estimate is only ever corrected by
         # drafts fed; which draft a row holds is still chosen by value: _offer_drafts)
         unexplored = self.prior.unexplored()
-        floor = [min(int(q.drafts_tried < widths.EXPLORE or unexplored[q.kind]), b) for q, b in zip(seqs, bound)]
-        chosen = widths.best_widths(rate, np.array(bound), np.array(masks), np.array([q.width for q in seqs]),
-                                    np.array(free), self.cost, np.array(floor),
-                                    np.array([q.p.redraft and not b for q, b in zip(seqs, bare)]))
+        bound = np.array(bound)
+        floor = np.array([min(int(q.drafts_tried < widths.EXPLORE or unexplored[q.kind]), b) for q, b in zip(seqs, bound)])
+        free_a, width = np.array(free), np.array([q.width for q in seqs])
+        # a row holding a draft of other text (a copy, the corpus's, a plan) feeds it without masks behind
+        # it, unless the masks pay for themselves (_masks_pay)
+        bare = free_a & (masks < 0) & ~redraft & (np.array(kind) >= widths.LOOKUP)
+        lengths = np.array([len(q.draft) for q in seqs])
+        chosen = widths.best_widths(rate, np.where(bare, np.minimum(bound, lengths), bound), np.where(bare, 0, masks),
+                                    width, free_a, self.cost, np.minimum(floor, np.where(bare, lengths, bound)), redraft)
+        if bare.any():
+            paid = self._masks_pay(seqs, bare, chosen, masks, rate, K)
+            if paid.any():
+                bare &= ~paid
+                chosen = widths.best_widths(rate, np.where(bare, np.minimum(bound, lengths), bound),
+                                            np.where(bare, 0, masks), width, free_a, self.cost,
+                                            np.minimum(floor, np.where(bare, lengths, bound)), redraft)
+        masks = np.where(bare, 0, masks)
+        bare = bare.tolist()
         # a row whose draft of other text (a copy, the corpus's, a plan) is not worth feeding at all
         # drops it where the masks' fresh draft is worth feeding: else the next step holds another
         # such draft, and the masks never draft again while the offers keep coming
@@ -401,8 +409,7 @@ class SpeculativeBatch:
         if stale.any():
             fresh = np.where(stale, widths.FRESH, kind)
             again = widths.best_widths(self._rates(seqs, fresh.tolist(), K), np.where(stale, room, bound),
-                                       np.where(stale, -1, masks), chosen, stale, self.cost,
-                                       redraft=np.array([q.p.redraft for q in seqs]) & stale)
+                                       np.where(stale, -1, masks), chosen, stale, self.cost, redraft=redraft & stale)
             for i in np.flatnonzero(stale & (again > 0)):
                 seqs[i].draft, seqs[i].kind, bare[i], chosen[i] = [], widths.FRESH, False, again[i]
         for q, f, b, w in zip(seqs, free, bare, chosen.tolist()):
@@ -415,6 +422,17 @@ class SpeculativeBatch:
         accepted = np.array([q.acceptance.accepted[k, :n] for q, k in zip(seqs, kind)])
         return widths.rates(reached, accepted, np.array(kind), self.prior)
 
+    def _predicted(self, seqs: list[SpeculativeSeq], fed: np.ndarray) -> np.ndarray:
+        """[B]: the accepted draft tokens each row's uncalibrated rates predict of the draft it feeds
+        now (fed [B] tokens long), for the calibration of the rates (widths.Acceptance.calibration)."""
+        n = int(fed.max(initial=0))
+        if n == 0:
+            return np.zeros(len(seqs))
+        reached = np.array([q.acceptance.reached[q.kind, :n] for q in seqs])
+        accepted = np.array([q.acceptance.accepted[q.kind, :n] for q in seqs])
+        rate = widths.rates(reached, accepted, np.array([q.kind for q in seqs]), self.prior, calibrated=False)
+        return widths.expected_accepted(rate, fed)
+
     def _hold_widths(self) -> None:
         """A step between choices keeps every row's width; a row fed bare for a copy feeds masks again
         once the draft it holds is the masks' own."""
@@ -422,16 +440,38 @@ class SpeculativeBatch:
             if q.bare and q.kind < widths.LOOKUP:
                 q.bare = False
 
-    def _copies_beat_masks(self, n: int) -> np.ndarray:
-        """[KINDS]: whether a draft of each kind goes without masks behind it: where it is expected
-        (pooled over this model's sequences, over n positions) to be accepted at least as far as the
-        masks' fresh drafts, or where the drafts of other text usually are. Masks fed behind a weak
-        copy pay only if their draft is then the one the row feeds, and it rarely is where copies
-        usually beat it: the next step most often holds another copy."""
-        value = self.prior.expected(max(n, 1))
-        fed = self.prior.reached[widths.LOOKUP:, 0]  # the drafts of other text (copies, corpus, plans) fed lately
-        usual = float(value[widths.LOOKUP:] @ fed / fed.sum()) if fed.sum() > 0 else 0.0
-        return (value >= value[widths.FRESH]) | (usual >= value[widths.FRESH])
+    def _masks_pay(self, seqs: list[SpeculativeSeq], bare: np.ndarray, chosen: np.ndarray, masks: np.ndarray,
+                   rate: np.ndarray, n: int) -> np.ndarray:
+        """[B]: the rows to feed bare (a draft of other text, no masks behind it) at the widths chosen
+        whose masks would pay for themselves. Masks draft the next step, and their draft counts only
+        where this step accepts the draft it feeds whole: they are worth that chance times what their
+        fresh draft (as wide) is expected to commit beyond another draft of the same text (what
+        follows an accepted copy is copied too). They pay where that, per second they add to the
+        forward, beats the step's expected tokens per second. (The width policy values a row as if
+        its draft filled its width, masks fed now drafting the next step, which they do behind a
+        draft accepted whole only.)"""
+        B = len(seqs)
+        ask = bare & (chosen > 0)
+        if not ask.any() or n == 0:
+            return np.zeros(B, dtype=bool)
+        cols = np.arange(n)[None, :]
+        run = np.cumprod(rate, axis=1)
+        value = np.where(cols < chosen[:, None], run, 0.0).sum(1)  # (a bare row's width is within its draft)
+        whole = np.where(chosen > 0, run[np.arange(B), np.maximum(chosen - 1, 0)], 1.0)
+        fresh = np.cumprod(self._rates(seqs, [widths.FRESH] * B, n), axis=1)
+        fresh = np.where(cols < chosen[:, None], fresh, 0.0).sum(1)
+        worth = whole * np.maximum(fresh - value, 0.0)
+        m = np.where(ask, chosen + 1, 0)
+        fed = widths.fed_tokens_of(chosen, np.where(bare, 0, masks))
+        total = int(fed.sum())
+        if self.cost.packed:
+            grid = self.cost.grid(B, total + int(m.max()) + 1)
+            seconds, more = float(grid[total]), grid[total + m] - grid[total]
+        else:  # padded to the widest row: masks cost what they widen the forward by
+            seconds = float(self.cost(B, [B * int(fed.max())])[0])
+            more = self.cost(B, B * np.maximum(fed + m, fed.max())) - seconds
+        ratio = (B + float(np.where(chosen > 0, value, 0.0).sum())) / seconds
+        return ask & (worth > ratio * more)
 
     def _forward(self, lo: int, hi: int, prefill: bool, start: float) -> None:
         seqs = self.running[lo:hi]
@@ -465,6 +505,7 @@ class SpeculativeBatch:
         else:
             mask = cols <= col_t[:, :, None]
         real = packed_index(fed_w, W, self.device)  # ragged rows: only real tokens
+        predicted = None if prefill else self._predicted(seqs, meta[1])
         logits = self.model(ids_t, pos_t, attn_mask=mask[:, None], cache=cache, num_logits=need, real=real).float()
         j, extra, drafts = self._judge(seqs, logits, ids_t[:, W - need:], pos_t[:, W - need:] - prompt_t[:, None],
                                        anchor_t, k_t, seed_t, g_t)
@@ -481,7 +522,7 @@ class SpeculativeBatch:
                 q.advance(j, int(host[b, 1]), host[b, 2 + masks_from: 2 + need].tolist())
         self._offer_drafts(seqs)
         if not prefill:
-            self.prior.record_many(kinds, host[:, 0], meta[1])
+            self.prior.record_many(kinds, host[:, 0], meta[1], predicted)
             if self.cost is not None:  # what this step took, its host work included
                 fed = int(fed_w.sum()) if self.cost.packed else B * W
                 self.cost.note(B, fed, time.perf_counter() - start, B * W - fed)

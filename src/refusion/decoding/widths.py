@@ -42,6 +42,13 @@ tried again now and then: an estimate is only ever corrected by drafts that are 
 a row holds, the masks' or a copy, is chosen by expected value alone: forcing copies in place of
 good mask drafts cost a third of the bundled model's tokens per forward.)
 
+Those rates run high where drafts are fed: a row feeds the kind of draft, and the width, whose
+noisy estimates came out best, so the drafts fed are those their estimates flattered (on SmolLM2,
+drafts were accepted a quarter to a third less far than their rates predicted). The pooled counts
+also keep, per kind, the accepted draft tokens the uncalibrated rates predicted and those accepted,
+and their ratio (`Acceptance.calibration`, shrunk towards all kinds' ratio) scales every expected
+accepted prefix of that kind: the first position's rate times it.
+
 The choice. On a CPU the cost grows with the total tokens: the rows are widened one draft token
 at a time, the most expected tokens per fed token first, and of all those widenings the one with
 the best ratio of expected tokens to measured cost is taken (exact whatever the cost's shape).
@@ -107,6 +114,12 @@ EXPLORE = 2  # a sequence drafts at least one token until it has fed this many d
 # a row holding a draft of a kind the model's pooled counts hold fewer recent drafts of than this feeds
 # at least one token of it: the counts decay, so a kind judged poor is tried again now and then
 EXPLORE_POOL = 1.0
+# the estimated rates run high where drafts are fed (a row feeds the kind and the width whose noisy
+# estimates came out best): each kind's realized accepted tokens over those its rates predicted, kept
+# over this many recent drafts' worth of decay per step and shrunk towards all kinds' ratio by
+# CALIBRATION_WEIGHT predicted tokens, scales what its drafts are expected to gain (calibration)
+CALIBRATION_MEMORY = 0.998
+CALIBRATION_WEIGHT = 8.0
 
 
 # ---- what a forward costs -------------------------------------------------------------------------
@@ -330,21 +343,36 @@ class Acceptance:
     def __init__(self, n: int = MAX_DRAFT) -> None:
         self.reached = np.zeros((KINDS, n))
         self.accepted = np.zeros((KINDS, n))
-        self.kept: dict = {}  # mean(), prior(), expected() as last computed
+        # per kind: accepted draft tokens the rates predicted, and those accepted (calibration())
+        self.predicted = np.zeros(KINDS)
+        self.realized = np.zeros(KINDS)
+        self.kept: dict = {}  # mean(), prior(), expected(), calibration() as last computed
 
-    def record(self, kind: int, j: int, k: int) -> None:
-        """A draft of k tokens of which the first j were accepted."""
+    def record(self, kind: int, j: int, k: int, predicted: float | None = None) -> None:
+        """A draft of k tokens of which the first j were accepted (where its rates, uncalibrated,
+        predicted `predicted` of them)."""
         self.reached[kind, : min(j + 1, k)] += 1
         self.accepted[kind, :j] += 1
+        if predicted is not None:
+            self.predicted[kind] += predicted
+            self.realized[kind] += j
         self.kept.clear()
 
-    def record_many(self, kind: np.ndarray, j: np.ndarray, k: np.ndarray) -> None:
-        """Several drafts at once (a step's rows), after the counts so far decay by PRIOR_MEMORY."""
+    def record_many(self, kind: np.ndarray, j: np.ndarray, k: np.ndarray, predicted: np.ndarray | None = None) -> None:
+        """Several drafts at once (a step's rows), after the counts so far decay by PRIOR_MEMORY (and
+        the calibration's by CALIBRATION_MEMORY); predicted [B]: what their rates predicted of j."""
         n = self.reached.shape[1]
         self.reached *= PRIOR_MEMORY
         self.accepted *= PRIOR_MEMORY
+        if predicted is not None:
+            self.predicted *= CALIBRATION_MEMORY
+            self.realized *= CALIBRATION_MEMORY
         if len(kind) == 1:  # (the same sums: one draft adds one to each position it reached)
-            return self.record(int(kind[0]), int(j[0]), int(k[0]))
+            return self.record(int(kind[0]), int(j[0]), int(k[0]), None if predicted is None else float(predicted[0]))
+        if predicted is not None:
+            fed = k > 0
+            self.predicted += np.bincount(kind[fed], predicted[fed], minlength=KINDS)
+            self.realized += np.bincount(kind[fed], j[fed], minlength=KINDS)
         # position i was reached by the drafts with min(j + 1, k) > i, accepted by those with j > i
         for counts, out in ((np.minimum(np.minimum(j + 1, k), n), self.reached), (np.minimum(j, n), self.accepted)):
             m = int(counts.max(initial=0))  # (no count past it: those positions stay as they are)
@@ -363,6 +391,15 @@ class Acceptance:
         if "prior" not in self.kept:
             self.kept["prior"] = (self.accepted + PRIOR_WEIGHT * self.mean()[:, None]) / (self.reached + PRIOR_WEIGHT)
         return self.kept["prior"][:, :n]
+
+    def calibration(self) -> np.ndarray:
+        """[KINDS]: per kind, the accepted draft tokens over those its rates predicted, lately (1 with
+        no drafts counted), shrunk towards all kinds' ratio."""
+        if "calibration" not in self.kept:
+            overall = (self.realized.sum() + CALIBRATION_WEIGHT) / (self.predicted.sum() + CALIBRATION_WEIGHT)
+            self.kept["calibration"] = ((self.realized + CALIBRATION_WEIGHT * overall)
+                                        / (self.predicted + CALIBRATION_WEIGHT))
+        return self.kept["calibration"]
 
     def unexplored(self) -> np.ndarray:
         """[KINDS]: the kinds of draft with fewer than EXPLORE_POOL recent drafts counted."""
@@ -395,15 +432,21 @@ def prior_for(model: Transformer) -> Acceptance:
     return PRIORS[model]
 
 
-def rates(reached: np.ndarray, accepted: np.ndarray, kind: np.ndarray, pool: Acceptance) -> np.ndarray:
+def rates(reached: np.ndarray, accepted: np.ndarray, kind: np.ndarray, pool: Acceptance,
+          calibrated: bool = True) -> np.ndarray:
     """Each row's acceptance rate per draft position for the kind of draft it feeds next (kind [B]),
     from its own counts of that kind [B, n] shrunk towards the pooled rates, scaled by how the row
     does against the pool overall: a sequence whose drafts do better than the model's usual ones
-    expects that at the positions it has not reached yet too."""
+    expects that at the positions it has not reached yet too. calibrated: the first position's rate
+    times the kind's calibration (pool.calibration()), which scales every expected accepted prefix
+    by it (each is a sum of products that all hold the first rate), up to a rate of 0.99."""
     mean = pool.mean()[kind]
     own = (accepted.sum(1) + PRIOR_WEIGHT * mean) / (reached.sum(1) + PRIOR_WEIGHT)
     base = np.minimum(pool.prior(reached.shape[1])[kind] * (own / mean)[:, None], 0.99)
-    return (accepted + PRIOR_WEIGHT * base) / (reached + PRIOR_WEIGHT)
+    rate = (accepted + PRIOR_WEIGHT * base) / (reached + PRIOR_WEIGHT)
+    if calibrated and rate.shape[1]:
+        rate[:, 0] = np.minimum(rate[:, 0] * pool.calibration()[kind], np.maximum(rate[:, 0], 0.99))
+    return rate
 
 
 def expected_accepted(rate: np.ndarray, lengths: np.ndarray) -> np.ndarray:
