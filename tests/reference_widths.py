@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 
 from refusion.decoding.widths import _bracket, _line, _shares  # (unchanged by the rewrite: shared)
-from refusion.decoding.widths import KINDS, PRIOR_MEMORY, PRIOR_WEIGHT, REFRESH_RATE, Acceptance, CostModel
+from refusion.decoding.widths import (CALIBRATION_WEIGHT, KINDS, PRIOR_MEMORY, PRIOR_WEIGHT, REFRESH_RATE, Acceptance,
+                                     CostModel)
 
 
 def cost(model: CostModel, rows: int, tokens) -> np.ndarray:
@@ -85,12 +86,24 @@ def best_widths(rate: np.ndarray, bound: np.ndarray, masks: np.ndarray, width: n
     return start + np.bincount(order[:n] // K, minlength=B)
 
 
-def rates(reached: np.ndarray, accepted: np.ndarray, kind: np.ndarray, pool: Acceptance) -> np.ndarray:
+def calibration(pool: Acceptance) -> np.ndarray:
+    """Acceptance.calibration: accepted over predicted per kind, shrunk towards all kinds' ratio."""
+    overall = (pool.realized.sum() + CALIBRATION_WEIGHT) / (pool.predicted.sum() + CALIBRATION_WEIGHT)
+    return (pool.realized + CALIBRATION_WEIGHT * overall) / (pool.predicted + CALIBRATION_WEIGHT)
+
+
+def rates(reached: np.ndarray, accepted: np.ndarray, kind: np.ndarray, pool: Acceptance,
+          calibrated: bool = True) -> np.ndarray:
     """widths.rates, with the pool's rates from mean() and prior() above."""
     m = mean(pool)[kind]
     own = (accepted.sum(1) + PRIOR_WEIGHT * m) / (reached.sum(1) + PRIOR_WEIGHT)
     base = np.minimum(prior(pool, reached.shape[1])[kind] * (own / m)[:, None], 0.99)
-    return (accepted + PRIOR_WEIGHT * base) / (reached + PRIOR_WEIGHT)
+    rate = (accepted + PRIOR_WEIGHT * base) / (reached + PRIOR_WEIGHT)
+    if rate.shape[1] == 0 or not calibrated:
+        return rate
+    first = rate[:, 0] * calibration(pool)[kind]
+    rate[:, 0] = np.where(first > rate[:, 0], np.minimum(first, np.maximum(rate[:, 0], 0.99)), first)
+    return rate
 
 
 def expected_accepted(rate: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -112,20 +125,36 @@ def choose_widths(batch) -> list[tuple[int, bool]]:
     reached = np.stack([q.acceptance.reached[q.kind, :K] for q in seqs])
     rate = rates(reached, np.stack([q.acceptance.accepted[q.kind, :K] for q in seqs]), kind, batch.prior)
     masks = np.array([-1 if q.p.mask_length is None else q.p.mask_length for q in seqs])
-    n = max(K, 1)
-    value = expected_accepted(prior(batch.prior, n), np.full(widths.KINDS, n))
-    # a copy goes without masks where its kind, or the drafts of other text fed lately on average
-    # (weighted by how many of each kind reached their first position), beat the masks' fresh drafts
-    counts = batch.prior.reached[widths.LOOKUP:, 0]
-    usual = (value[widths.LOOKUP:] * counts).sum() / counts.sum() if counts.sum() > 0 else 0.0
-    beats = (value[kind] >= value[widths.FRESH]) | (usual >= value[widths.FRESH])
-    bare = free & (kind >= widths.LOOKUP) & (masks < 0) & beats
-    if bare.any():
-        masks = np.where(bare, 0, masks)
-        bound = np.where(bare, np.minimum(bound, [len(q.draft) for q in seqs]), bound)
     width = np.array([q.width for q in seqs])
     unexplored = batch.prior.reached[:, 0] < widths.EXPLORE_POOL
     floor = np.minimum(np.array([q.drafts_tried < widths.EXPLORE or unexplored[q.kind] for q in seqs],
                                 dtype=np.int64), bound)
-    chosen = best_widths(rate, bound, masks, width, free, batch.cost, floor)
+    lengths = np.array([len(q.draft) for q in seqs])
+
+    def choose(bare):  # a bare row: no masks, and no wider than its draft
+        short = np.where(bare, np.minimum(bound, lengths), bound)
+        return best_widths(rate, short, np.where(bare, 0, masks), width, free, batch.cost, np.minimum(floor, short))
+
+    # a draft of other text goes without masks, unless they pay: their fresh draft (as wide), beyond
+    # the held draft's value, times the chance the held draft is accepted whole, per second they add,
+    # against the step's expected tokens per second
+    bare = free & (kind >= widths.LOOKUP) & (masks < 0)
+    chosen = choose(bare)
+    fresh_rate = rates(np.stack([q.acceptance.reached[widths.FRESH, :K] for q in seqs]),
+                       np.stack([q.acceptance.accepted[widths.FRESH, :K] for q in seqs]),
+                       np.full(len(seqs), widths.FRESH), batch.prior)
+    held = [float(np.cumprod(rate[i, :w]).sum()) for i, w in enumerate(chosen)]
+    fed = [1 + w + (0 if bare[i] else (masks[i] if masks[i] >= 0 else (w + 1 if w else 0))) for i, w in enumerate(chosen)]
+    B, total = len(seqs), sum(fed)
+    seconds = float(cost(batch.cost, B, total if batch.cost.packed else B * max(fed)))
+    ratio = (B + sum(held)) / seconds
+    paid = np.zeros(B, dtype=bool)
+    for i, w in enumerate(chosen):
+        if bare[i] and w > 0:
+            worth = float(np.prod(rate[i, :w])) * max(float(np.cumprod(fresh_rate[i, :w]).sum()) - held[i], 0.0)
+            wider = total + w + 1 if batch.cost.packed else B * max(max(fed), fed[i] + w + 1)
+            paid[i] = worth > ratio * (float(cost(batch.cost, B, wider)) - seconds)
+    if paid.any():
+        bare = bare & ~paid
+        chosen = choose(bare)
     return [(int(w), bool(b)) if f else (q.width, q.bare) for q, f, b, w in zip(seqs, free, bare, chosen)]

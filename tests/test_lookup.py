@@ -1,8 +1,8 @@
 """Prompt-lookup drafts (decoding/lookup.py) and how the speculative decoder uses them: the index
 finds the latest earlier occurrence of the longest suffix; a decode with `lookup` is still AR's
 output (tests/test_decoding_speculative.py runs every width setting with it too), feeds copies
-where the text repeats, counts their acceptance under their own kind, and drops the masks behind a
-copy when copies are this model's better drafts."""
+where the text repeats, counts their acceptance under their own kind, and feeds masks behind a copy
+only where they pay for themselves."""
 
 import numpy as np
 import pytest
@@ -82,55 +82,64 @@ def test_copies_are_fed_accepted_and_counted_under_their_own_kind(fed_kinds):
     assert pool.accepted[widths.LOOKUP:].sum() > pool.accepted[:widths.LOOKUP].sum()
 
 
-def test_a_copy_goes_without_masks_where_copies_beat_the_masks(monkeypatch):
+def held_copy(per_token: float, fresh: int, copies: int) -> spec.SpeculativeSeq:
+    """A row after its prefill holding an 8-token copy, the pool's counts set: `fresh` and `copies`
+    of every 1000 fresh mask drafts and copies accepted at each position; a forward costs 1 s plus
+    per_token s a fed token. Its widths chosen once."""
     model = looping_model()
     widths.PRIORS.pop(model, None)
-    pool = widths.prior_for(model)
-    seen = []
-    plain = spec.SpeculativeSeq.next_feed
-
-    def next_feed(self):
-        ids, pos = plain(self)
-        if self.x is not None:
-            seen.append((self.kind, self.bare, ids.count(MASK)))
-        return ids, pos
-
-    monkeypatch.setattr(spec.SpeculativeSeq, "next_feed", next_feed)
-    cheap = widths.CostModel.of(lambda rows, tokens: 1.0 + 0.01 * tokens)
-    # the masks' fresh drafts known to be rejected, copies to be accepted: a copy feeds no masks
-    pool.reached[widths.FRESH, :8], pool.accepted[widths.FRESH, :8] = 1000, 0
-    pool.reached[widths.LOOKUP:, :8], pool.accepted[widths.LOOKUP:, :8] = 1000, 900
-    generate_speculative(model, PROMPTS[:1], SpeculativeParams(lookup=True, gen_length=32), eos_ids=[], cost=cheap)
-    copy_steps = [(bare, masks) for kind, bare, masks in seen if kind >= widths.LOOKUP]
-    assert copy_steps and all(bare and masks == 0 for bare, masks in copy_steps)
-    # and the other way round: masks behind every copy
-    seen.clear()
-    pool.reached[:], pool.accepted[:] = 0, 0
-    pool.reached[widths.FRESH, :8], pool.accepted[widths.FRESH, :8] = 1000, 990
-    pool.reached[widths.LOOKUP:, :8], pool.accepted[widths.LOOKUP:, :8] = 1000, 500
-    generate_speculative(model, PROMPTS[:1], SpeculativeParams(lookup=True, gen_length=32), eos_ids=[], cost=cheap)
-    assert all(not bare for _, bare, _ in seen)
-    assert all(masks > 0 for kind, _, masks in seen if kind >= widths.LOOKUP)
-
-
-def test_a_weak_copy_goes_without_masks_where_copies_usually_beat_them():
-    """Masks behind a copy pay only if their draft is the next one fed. A copy matched on one token
-    (a weak kind) goes bare when the copies this model was fed lately usually beat the masks' fresh
-    drafts, and feeds masks when those copies are mostly the weak kind itself."""
-    model = looping_model()
-    widths.PRIORS.pop(model, None)
-    batch = spec.SpeculativeBatch(model, eos_ids=[])
+    batch = spec.SpeculativeBatch(model, eos_ids=[], cost=widths.CostModel.of(lambda rows, t: 1.0 + per_token * t))
+    batch.add(PROMPTS[0], SpeculativeParams(lookup=True, gen_length=32))
+    batch.step()  # the prefill
+    q = batch.running[0]
+    q.drafts_tried = widths.EXPLORE
     pool = batch.prior
-    weak, strong = widths.lookup_kind(1), widths.lookup_kind(4)
-    pool.reached[widths.FRESH, :8], pool.accepted[widths.FRESH, :8] = 1000, 600
-    pool.reached[weak, :8], pool.accepted[weak, :8] = 100, 10
-    pool.reached[strong, :8], pool.accepted[strong, :8] = 1000, 950
-    beat = batch._copies_beat_masks(8)
-    assert beat[strong] and beat[weak]
-    pool.reached[strong, :8], pool.accepted[strong, :8] = 10, 9  # now the copies fed are mostly weak ones
+    pool.reached[:, :16] = 1000
+    pool.accepted[:, :16] = 0
+    pool.accepted[widths.FRESH, :16], pool.accepted[widths.LOOKUP:, :16] = fresh, copies
     pool.kept.clear()
-    beat = batch._copies_beat_masks(8)
-    assert beat[strong] and not beat[weak]
+    q.draft, q.kind = [5, 6, 7, 2, 5, 6, 7, 2], widths.lookup_kind(4)
+    batch._choose_widths()
+    return q
+
+
+@pytest.mark.parametrize("per_token, fresh, bare", [(0.01, 990, False), (0.01, 0, True), (0.3, 990, True)])
+def test_masks_go_behind_a_copy_only_where_they_pay(per_token, fresh, bare):
+    """Masks behind a copy draft the step after it, and count only where the copy is accepted whole.
+    Copies accepted 90% a position: with cheap masks whose fresh drafts are accepted 99% a position,
+    masks go behind the copy; with masks whose drafts are never accepted, or that cost 30% of a
+    forward a token (what they are worth, per second, is below the step's ratio), the copy goes
+    bare, no wider than itself."""
+    q = held_copy(per_token, fresh, 900)
+    assert q.bare == bare and q.width > 0
+    ids, _ = q.next_feed()
+    assert ids.count(MASK) == (0 if bare else q.width + 1)
+    if bare:
+        assert ids == [q.x] + [5, 6, 7, 2, 5, 6, 7, 2][: q.width]
+
+
+def test_masks_pay_by_the_rule_written_out():
+    """_masks_pay's numbers for one row by hand: a copy fed 2 wide (rates 0.5, 0.5; 0.75 expected,
+    0.25 accepted whole), fresh drafts at 0.9 (1.71 expected at width 2), so the masks are worth
+    0.25 * (1.71 - 0.75) = 0.24 tokens; the step: 1 + 0.75 tokens over a forward of 3 tokens. With
+    seconds 1 + c * tokens, 3 masks pay where 0.24 > 1.75 / (1 + 3c) * 3c."""
+    model = looping_model()
+    widths.PRIORS.pop(model, None)
+
+    def pays(c: float) -> bool:
+        batch = spec.SpeculativeBatch(model, eos_ids=[], cost=widths.CostModel.of(lambda rows, t: 1.0 + c * t))
+        batch.add(PROMPTS[0], SpeculativeParams(lookup=True, gen_length=32))
+        batch.step()
+        pool = batch.prior
+        pool.reached[:], pool.accepted[:] = 0, 0
+        pool.reached[widths.FRESH, :2], pool.accepted[widths.FRESH, :2] = 1e9, 0.9e9  # own counts: none
+        pool.kept.clear()
+        rate = np.array([[0.5, 0.5]])
+        return bool(batch._masks_pay(batch.running, np.array([True]), np.array([2]), np.array([-1]), rate, 2)[0])
+
+    # 0.24 (1 + 3c) = 5.25c  ->  c = 0.24 / 4.53
+    edge = 0.24 / (5.25 - 0.72)
+    assert pays(0.98 * edge) and not pays(1.02 * edge)
 
 
 @pytest.mark.parametrize("masks_worth_it", [True, False])

@@ -535,3 +535,72 @@ def test_a_draft_that_predicts_its_end_bounds_the_width():
     assert q.draft_end() == spec.MAX_DRAFT
     batch._choose_widths()
     assert q.width == 16
+
+
+# ---- calibration --------------------------------------------------------------------------------
+
+
+def test_calibration_by_hand():
+    """Per kind, accepted over predicted draft tokens, shrunk towards all kinds' ratio by
+    CALIBRATION_WEIGHT predicted tokens; a row that fed no draft counts for nothing; the sums decay
+    by CALIBRATION_MEMORY a step."""
+    F, C = widths.FRESH, widths.lookup_kind(2)
+    pool = Acceptance(8)
+    assert np.array_equal(pool.calibration(), np.ones(widths.KINDS))  # nothing counted: 1
+    pool.record_many(np.array([F, F, C, C]), np.array([1, 0, 3, 0]), np.array([4, 4, 3, 0]),
+                     np.array([2.0, 2.0, 2.0, 5.0]))
+    W = widths.CALIBRATION_WEIGHT
+    overall = (4 + W) / (6 + W)
+    want = np.full(widths.KINDS, overall)
+    want[F], want[C] = (1 + W * overall) / (4 + W), (3 + W * overall) / (2 + W)
+    assert np.allclose(pool.calibration(), want)
+    pool.record_many(np.array([C]), np.array([0]), np.array([2]), np.array([1.5]))
+    d = widths.CALIBRATION_MEMORY
+    pred, real = np.array([4 * d, 2 * d + 1.5]), np.array([1 * d, 3 * d])
+    overall = (real.sum() + W) / (pred.sum() + W)
+    assert np.allclose(pool.calibration()[[F, C]], (real + W * overall) / (pred + W))
+
+
+def test_calibrated_rates_scale_every_expected_prefix_by_the_kinds_factor():
+    rng = np.random.default_rng(0)
+    pool = Acceptance(8)
+    kinds = rng.integers(0, widths.KINDS, 64)
+    pool.record_many(kinds, rng.integers(0, 6, 64), rng.integers(1, 8, 64), rng.uniform(0, 6, 64))
+    reached = rng.integers(0, 5, (6, 8)).astype(float)
+    accepted = np.minimum(reached, rng.integers(0, 5, (6, 8)))
+    kind = np.array([0, 1, 3, 5, 9, widths.KINDS - 1])
+    plain = widths.rates(reached, accepted, kind, pool, calibrated=False)
+    calibrated = widths.rates(reached, accepted, kind, pool)
+    factor = pool.calibration()[kind]
+    for n in range(1, 9):
+        got = widths.expected_accepted(calibrated, np.full(6, n))
+        want = widths.expected_accepted(plain, np.full(6, n))
+        low = factor <= 1  # (above 1 the first rate stops at 0.99)
+        assert np.allclose(got[low], factor[low] * want[low])
+        assert np.all(got[~low] >= want[~low])
+    assert np.array_equal(calibrated, reference.rates(reached, accepted, kind, pool))
+
+
+def test_a_decode_counts_what_the_uncalibrated_rates_predicted(monkeypatch):
+    """Each decode step records, for the pool's calibration, the accepted tokens its rows' rates
+    (uncalibrated) predicted of the drafts they fed: the reference's rates and expected prefix."""
+    model = tiny(5)
+    widths.PRIORS.pop(model, None)
+    seen = []
+    plain = SpeculativeBatch._predicted
+
+    def predicted(self, seqs, fed):
+        got = plain(self, seqs, fed)
+        n = int(fed.max(initial=0))
+        if n:
+            rate = reference.rates(np.stack([q.acceptance.reached[q.kind, :n] for q in seqs]),
+                                   np.stack([q.acceptance.accepted[q.kind, :n] for q in seqs]),
+                                   np.array([q.kind for q in seqs]), self.prior, calibrated=False)
+            assert np.allclose(got, reference.expected_accepted(rate, fed))
+            seen.append(got)
+        return got
+
+    monkeypatch.setattr(SpeculativeBatch, "_predicted", predicted)
+    generate_speculative(model, PROMPTS, SpeculativeParams(gen_length=24, lookup=True), eos_ids=[1],
+                         cost=CostModel.of(linear()))
+    assert len(seen) > 5 and widths.prior_for(model).predicted.sum() > 0
