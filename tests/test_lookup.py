@@ -135,7 +135,8 @@ def test_masks_pay_by_the_rule_written_out():
         pool.reached[widths.FRESH, :2], pool.accepted[widths.FRESH, :2] = 1e9, 0.9e9  # own counts: none
         pool.kept.clear()
         rate = np.array([[0.5, 0.5]])
-        return bool(batch._masks_pay(batch.running, np.array([True]), np.array([2]), np.array([-1]), rate, 2)[0])
+        return bool(batch._masks_pay(batch.running, np.array([True]), np.array([2]), np.array([-1]), np.array([False]),
+                                    rate, 2)[0])
 
     # 0.24 (1 + 3c) = 5.25c  ->  c = 0.24 / 4.53
     edge = 0.24 / (5.25 - 0.72)

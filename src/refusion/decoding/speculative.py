@@ -34,7 +34,7 @@ step a row feeds whichever of the two drafts, the masks' or the copy, has the lo
 accepted prefix (acceptance is counted per kind of draft, a copy's by its match length). Where this
 model's masks do not pay for themselves behind a copy, it is fed with no masks behind it (masks
 draft the next step, which uses their draft only where this one accepts the copy whole, and what
-follows an accepted copy is copied too; _masks_unpaid weighs that against what they add to the
+follows an accepted copy is copied too; _masks_pay weighs that against what they add to the
 forward's cost): a model whose masks draft poorly still gains where its answers repeat their
 context. A copy not worth feeding at all is dropped where the masks' fresh
 draft is worth feeding: the row would otherwise step alone, without masks, and hold the next copy.
@@ -388,17 +388,20 @@ class SpeculativeBatch:
         free_a, width = np.array(free), np.array([q.width for q in seqs])
         # a row holding a draft of other text (a copy, the corpus's, a plan) feeds it without masks behind
         # it, unless the masks pay for themselves (_masks_pay)
-        bare = free_a & (masks < 0) & ~redraft & (np.array(kind) >= widths.LOOKUP)
+        bare = free_a & (masks < 0) & (np.array(kind) >= widths.LOOKUP)
         lengths = np.array([len(q.draft) for q in seqs])
-        chosen = widths.best_widths(rate, np.where(bare, np.minimum(bound, lengths), bound), np.where(bare, 0, masks),
-                                    width, free_a, self.cost, np.minimum(floor, np.where(bare, lengths, bound)), redraft)
+
+        def choose(bare: np.ndarray) -> np.ndarray:  # a bare row feeds no masks, and no more than its draft
+            short = np.where(bare, np.minimum(bound, lengths), bound)
+            return widths.best_widths(rate, short, np.where(bare, 0, masks), width, free_a, self.cost,
+                                      np.minimum(floor, short), redraft & ~bare)
+
+        chosen = choose(bare)
         if bare.any():
-            paid = self._masks_pay(seqs, bare, chosen, masks, rate, K)
+            paid = self._masks_pay(seqs, bare, chosen, masks, redraft, rate, K)
             if paid.any():
                 bare &= ~paid
-                chosen = widths.best_widths(rate, np.where(bare, np.minimum(bound, lengths), bound),
-                                            np.where(bare, 0, masks), width, free_a, self.cost,
-                                            np.minimum(floor, np.where(bare, lengths, bound)), redraft)
+                chosen = choose(bare)
         masks = np.where(bare, 0, masks)
         bare = bare.tolist()
         # a row whose draft of other text (a copy, the corpus's, a plan) is not worth feeding at all
@@ -441,7 +444,7 @@ class SpeculativeBatch:
                 q.bare = False
 
     def _masks_pay(self, seqs: list[SpeculativeSeq], bare: np.ndarray, chosen: np.ndarray, masks: np.ndarray,
-                   rate: np.ndarray, n: int) -> np.ndarray:
+                   redraft: np.ndarray, rate: np.ndarray, n: int) -> np.ndarray:
         """[B]: the rows to feed bare (a draft of other text, no masks behind it) at the widths chosen
         whose masks would pay for themselves. Masks draft the next step, and their draft counts only
         where this step accepts the draft it feeds whole: they are worth that chance times what their
@@ -461,8 +464,8 @@ class SpeculativeBatch:
         fresh = np.cumprod(self._rates(seqs, [widths.FRESH] * B, n), axis=1)
         fresh = np.where(cols < chosen[:, None], fresh, 0.0).sum(1)
         worth = whole * np.maximum(fresh - value, 0.0)
-        m = np.where(ask, chosen + 1, 0)
-        fed = widths.fed_tokens_of(chosen, np.where(bare, 0, masks))
+        fed = widths.fed_tokens_of(chosen, np.where(bare, 0, masks), redraft & ~bare)
+        m = np.where(ask, widths.fed_tokens_of(chosen, masks, redraft) - fed, 0)  # what the masks would add
         total = int(fed.sum())
         if self.cost.packed:
             grid = self.cost.grid(B, total + int(m.max()) + 1)

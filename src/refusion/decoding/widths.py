@@ -115,9 +115,10 @@ EXPLORE = 2  # a sequence drafts at least one token until it has fed this many d
 # at least one token of it: the counts decay, so a kind judged poor is tried again now and then
 EXPLORE_POOL = 1.0
 # the estimated rates run high where drafts are fed (a row feeds the kind and the width whose noisy
-# estimates came out best): each kind's realized accepted tokens over those its rates predicted, kept
-# over this many recent drafts' worth of decay per step and shrunk towards all kinds' ratio by
-# CALIBRATION_WEIGHT predicted tokens, scales what its drafts are expected to gain (calibration)
+# estimates came out best): each kind's accepted draft tokens over those its rates predicted, both
+# decayed by CALIBRATION_MEMORY a step (a memory of some 500 steps, longer than the counts': a bias,
+# not the drafts of late) and shrunk towards all kinds' ratio by CALIBRATION_WEIGHT predicted tokens,
+# scales what its drafts are expected to gain (Acceptance.calibration)
 CALIBRATION_MEMORY = 0.998
 CALIBRATION_WEIGHT = 8.0
 
