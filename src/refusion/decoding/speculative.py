@@ -419,11 +419,11 @@ class SpeculativeBatch:
             if f:
                 q.width, q.bare = w, b
 
-    def _rates(self, seqs: list[SpeculativeSeq], kind: list[int], n: int) -> np.ndarray:
+    def _rates(self, seqs: list[SpeculativeSeq], kind: list[int], n: int, calibrated: bool = True) -> np.ndarray:
         """[B, n]: each row's acceptance rate per draft position for a draft of the kind given."""
         reached = np.array([q.acceptance.reached[k, :n] for q, k in zip(seqs, kind)])
         accepted = np.array([q.acceptance.accepted[k, :n] for q, k in zip(seqs, kind)])
-        return widths.rates(reached, accepted, np.array(kind), self.prior)
+        return widths.rates(reached, accepted, np.array(kind), self.prior, calibrated)
 
     def _predicted(self, seqs: list[SpeculativeSeq], fed: np.ndarray) -> np.ndarray:
         """[B]: the accepted draft tokens each row's uncalibrated rates predict of the draft it feeds
@@ -431,10 +431,7 @@ class SpeculativeBatch:
         n = int(fed.max(initial=0))
         if n == 0:
             return np.zeros(len(seqs))
-        reached = np.array([q.acceptance.reached[q.kind, :n] for q in seqs])
-        accepted = np.array([q.acceptance.accepted[q.kind, :n] for q in seqs])
-        rate = widths.rates(reached, accepted, np.array([q.kind for q in seqs]), self.prior, calibrated=False)
-        return widths.expected_accepted(rate, fed)
+        return widths.expected_accepted(self._rates(seqs, [q.kind for q in seqs], n, calibrated=False), fed)
 
     def _hold_widths(self) -> None:
         """A step between choices keeps every row's width; a row fed bare for a copy feeds masks again
@@ -457,12 +454,9 @@ class SpeculativeBatch:
         ask = bare & (chosen > 0)
         if not ask.any() or n == 0:
             return np.zeros(B, dtype=bool)
-        cols = np.arange(n)[None, :]
-        run = np.cumprod(rate, axis=1)
-        value = np.where(cols < chosen[:, None], run, 0.0).sum(1)  # (a bare row's width is within its draft)
-        whole = np.where(chosen > 0, run[np.arange(B), np.maximum(chosen - 1, 0)], 1.0)
-        fresh = np.cumprod(self._rates(seqs, [widths.FRESH] * B, n), axis=1)
-        fresh = np.where(cols < chosen[:, None], fresh, 0.0).sum(1)
+        value = widths.expected_accepted(rate, chosen)  # (a bare row's width is within its draft)
+        whole = np.where(chosen > 0, np.cumprod(rate, axis=1)[np.arange(B), np.maximum(chosen - 1, 0)], 1.0)
+        fresh = widths.expected_accepted(self._rates(seqs, [widths.FRESH] * B, n), chosen)
         worth = whole * np.maximum(fresh - value, 0.0)
         fed = widths.fed_tokens_of(chosen, np.where(bare, 0, masks), redraft & ~bare)
         m = np.where(ask, widths.fed_tokens_of(chosen, masks, redraft) - fed, 0)  # what the masks would add
@@ -473,7 +467,7 @@ class SpeculativeBatch:
         else:  # padded to the widest row: masks cost what they widen the forward by
             seconds = float(self.cost(B, [B * int(fed.max())])[0])
             more = self.cost(B, B * np.maximum(fed + m, fed.max())) - seconds
-        ratio = (B + float(np.where(chosen > 0, value, 0.0).sum())) / seconds
+        ratio = (B + float(value.sum())) / seconds
         return ask & (worth > ratio * more)
 
     def _forward(self, lo: int, hi: int, prefill: bool, start: float) -> None:
