@@ -197,16 +197,25 @@ def test_packed_tokens_give_the_padded_batch_logits(num_logits):
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_a_packed_product_is_f_linear_and_each_row_is_the_same_whatever_rows_are_beside_it(bias):
+@pytest.mark.parametrize("in_features", [24, 1536])
+@pytest.mark.parametrize("padded", [None, (1, 2, 3), (4, 4, 4), (2, 4, 3)])
+def test_a_packed_product_is_f_linear_and_each_row_is_the_same_whatever_rows_are_beside_it(
+        monkeypatch, bias, in_features, padded):
     """linear() on a streamed model's weight (oneDNN's packed layout): F.linear's values within float32
     rounding for any rows (none, one, many, [B, T, in], a strided view), and each row's output the
     same bits whatever else is in the product: a verifying forward's logits at a position are what
-    a one-token forward computes there."""
+    a one-token forward computes there: so whatever padding of few rows this machine's timing chose
+    (padded_rows), and on the input width (1536) where some CPUs' one-row kernel rounds otherwise."""
+    from refusion.model import packed
+
+    if padded is not None:
+        monkeypatch.setattr(packed, "padded_rows", lambda: padded)
     g = torch.Generator().manual_seed(0)
-    lin = torch.nn.Linear(24, 40, bias=bias)
-    x = torch.randn(33, 24, generator=g)
+    lin = torch.nn.Linear(in_features, 40, bias=bias)
+    x = torch.randn(33, in_features, generator=g)
     with torch.no_grad():
-        for got_x in (x[:0], x[:1], x[:5], x, x.view(3, 11, 24), x.view(3, 11, 24)[:, 4:], x.t().contiguous().t()):
+        for got_x in (x[:0], x[:1], x[:5], x, x.view(3, 11, -1), x.view(3, 11, -1)[:, 4:], x.view(3, 11, -1)[:, 4:5],
+                      x.t().contiguous().t()):
             want = torch.nn.functional.linear(got_x, lin.weight, lin.bias)
             got = linear(lin, got_x, streamed=True)
             assert got.shape == want.shape
@@ -216,6 +225,37 @@ def test_a_packed_product_is_f_linear_and_each_row_is_the_same_whatever_rows_are
             assert torch.equal(linear(lin, x[:n], streamed=True), whole[:n]), n
             assert torch.equal(linear(lin, x[n - 1:n], streamed=True)[0], whole[n - 1]), n
     assert "_onednn_weight" in lin.__dict__ and "_onednn_weight" not in lin.state_dict()
+
+
+def test_few_rows_run_as_the_count_timed_fastest_and_one_row_as_two_where_it_rounds_otherwise(monkeypatch):
+    """rows_to_run by hand (pad to the fastest count from r up, only past the PAD_GAIN margin), and
+    the rows a product of 1-3 rows hands oneDNN: as chosen, and never one row on a weight whose
+    one-row product rounds otherwise than a row beside others (packed_weight's check)."""
+    from refusion.model import packed
+
+    assert packed.FEW_ROWS == 4 and packed.PAD_GAIN == 0.95
+    assert packed.rows_to_run({1: 35.0, 2: 42.0, 3: 30.0, 4: 27.0}) == (4, 4, 4)
+    assert packed.rows_to_run({1: 21.0, 2: 22.0, 3: 24.0, 4: 25.0}) == (1, 2, 3)
+    assert packed.rows_to_run({1: 30.0, 2: 28.6, 3: 40.0, 4: 29.0}) == (1, 2, 4)  # 28.6 is not 5% under 30
+    assert packed.rows_to_run({1: 30.0, 2: 28.4, 3: 40.0, 4: 29.0}) == (2, 2, 4)
+    assert packed.onednn_packing()  # (this build has it; asked before _product is watched)
+    seen = []
+    real = packed._product
+    monkeypatch.setattr(packed, "_product", lambda x, w, b: seen.append(x.shape[0]) or real(x, w, b))
+    lin = torch.nn.Linear(16, 8)
+    x = torch.randn(2, 3, 16)
+    with torch.no_grad():
+        for padded, differs, want in (((1, 2, 3), False, [1, 2, 3, 5]), ((4, 3, 3), False, [4, 3, 3, 5]),
+                                      ((1, 2, 3), True, [2, 2, 3, 5]), ((3, 4, 3), True, [3, 4, 3, 5])):
+            monkeypatch.setattr(packed, "padded_rows", lambda: padded)
+            monkeypatch.setattr(packed, "one_row_differs", lambda *_: differs)
+            lin.__dict__.pop("_onednn_weight", None)
+            seen.clear()
+            for rows in (x[0, :1], x[0, :2], x[0], x.view(6, 16)[1:]):
+                torch.testing.assert_close(linear(lin, rows, streamed=True), lin(rows), atol=1e-5, rtol=1e-5)
+            assert seen == want, (padded, differs, seen)
+            got = linear(lin, x[:, :1], streamed=True)  # [2, 1, 16]: two rows, shaped back
+            assert got.shape == (2, 1, 8)
 
 
 def test_a_packed_weight_follows_the_weight_and_autograd_takes_f_linear():
@@ -276,12 +316,12 @@ def test_a_streamed_model_computes_what_it_did_and_decodes_as_ar(monkeypatch, th
 
 def _streamed_model_run(monkeypatch) -> None:
     from refusion.decoding import ARParams, SpeculativeParams, generate_ar, generate_speculative
-    import refusion.model.transformer as transformer
+    import refusion.model.packed as packed
 
     m = model()
     calls = []
-    real_packed = transformer.packed_weight
-    monkeypatch.setattr(transformer, "packed_weight", lambda lin: calls.append(lin) or real_packed(lin))
+    real_packed = packed.packed_weight
+    monkeypatch.setattr(packed, "packed_weight", lambda lin: calls.append(lin) or real_packed(lin))
     g = torch.Generator().manual_seed(0)
     for T in (1, 2, 4, 5, 7, 16, 17):
         ids = torch.randint(0, 49, (1, T), generator=g)

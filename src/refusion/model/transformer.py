@@ -17,7 +17,6 @@ made once per forward, not per layer. Module names are Hugging Face's (without t
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -28,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 from refusion.model.cache import Cache, KVCache
 from refusion.model.config import ConfigError, ModelConfig
 from refusion.model.mask_adapter import MaskAdapter, adapted_from
+from refusion.model.packed import onednn_packing, packed_linear
 from refusion.model.size import parameter_count
 
 
@@ -124,59 +124,22 @@ def _global_hooks() -> bool:
                 or mod._global_backward_pre_hooks or mod._global_forward_hooks_always_called)
 
 
-# A forward of a few tokens through a model whose weights do not fit in the CPU's caches costs what
-# reading its weights costs, if the product reads each weight once at memory speed. MKL's F.linear
-# does not, for few rows: it repacks the weight on every call, its one-vector product (gemv) is
-# slow, and from 5 rows on one thread it is bound by its own arithmetic, so a forward of 8 tokens
-# cost twice one of 4. oneDNN's product on a weight packed once into its own blocked layout runs
-# near memory speed for 1 to dozens of rows, and gives each row the same bits whatever rows are
-# beside it: a verifying forward's products compute at each position what a one-token forward's
-# do (benchmarks/forward_cost.py, modes eager and eager-linear). It costs a second copy of each weight,
-# and about 10 microseconds a call: a small model, whose weights sit in cache, keeps F.linear. So
-# the packed product is taken by a model whose float32 weights are far larger than a CPU's
-# last-level cache (Transformer.streamed), outside autograd (it has no backward).
+# A model whose float32 weights are far larger than a CPU's last-level cache streams them: its
+# products outside autograd run on oneDNN's packed weights (model/packed.py says why).
 STREAMED_BYTES = 128 * 2**20
-PACKED_FOR_ROWS = 16  # the row count oneDNN chooses its weight layout for (any count then runs)
-
-
-@functools.cache
-def onednn_packing() -> bool:
-    """Whether this PyTorch build has oneDNN's packed-weight linear (torch.ops.mkldnn)."""
-    if not torch.backends.mkldnn.is_available():
-        return False
-    try:
-        w = torch.ones(2, 2)
-        got = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 2), torch.ops.mkldnn._reorder_linear_weight(w, 1),
-                                                 None, "none", [], "")
-        return bool(torch.equal(got, torch.full((1, 2), 2.0)))
-    except (AttributeError, RuntimeError):
-        return False
-
-
-def packed_weight(m: nn.Linear) -> Tensor:
-    """m's weight in oneDNN's layout, packed on first use and again whenever the weight has changed
-    since (another tensor, or the same one written in place: its version counter). An inference
-    tensor (made under torch.inference_mode) has no version counter: it is packed once per storage,
-    and writing it in place afterwards, itself only possible under inference_mode, goes unseen."""
-    w = m._parameters["weight"]
-    key = (w.data_ptr(), -1 if w.is_inference() else w._version, w.shape)
-    got = m.__dict__.get("_onednn_weight")
-    if got is None or got[0] != key:
-        got = m.__dict__["_onednn_weight"] = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACKED_FOR_ROWS))
-    return got[1]
 
 
 def linear(m: nn.Module, x: Tensor, streamed: bool = False) -> Tensor:
     """m(x), calling F.linear directly for a plain nn.Linear without hooks (a module call's overhead
     is a noticeable share of a small model's forward); anything else (an adapter) is called.
     streamed: the model's weights stream from memory (Transformer.streamed): a CPU float32 product
-    outside autograd takes the oneDNN packed weight (packed_weight)."""
+    outside autograd takes the oneDNN packed weight (packed.packed_linear)."""
     if type(m) is nn.Linear and not (m._forward_hooks or m._forward_pre_hooks):
         p = m._parameters  # (not m.weight: see Block)
         w, b = p["weight"], p["bias"]
         if (streamed and x.is_cpu and w.dtype == torch.float32 and not torch.is_grad_enabled()
                 and not torch.compiler.is_compiling() and onednn_packing()):
-            return torch.ops.mkldnn._linear_pointwise(x, packed_weight(m), b, "none", [], "")
+            return packed_linear(m, x)
         return F.linear(x, w, b)
     return m(x)
 

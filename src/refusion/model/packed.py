@@ -1,0 +1,141 @@
+"""Products on oneDNN's packed weights: how a CPU streams a large float32 model's weights.
+
+A forward of a few tokens through a model whose weights do not fit in the CPU's caches costs what
+reading its weights costs, if the product reads each weight once at memory speed. MKL's F.linear
+does not, for few rows: it repacks the weight on every call, its one-vector product (gemv) is
+slow, and from 5 rows on one thread it is bound by its own arithmetic, so a forward of 8 tokens
+cost twice one of 4. oneDNN's product on a weight packed once into its own blocked layout runs
+near memory speed for dozens of rows, and gives each row the same bits whatever rows are beside
+it: a verifying forward's products compute at each position what a one-token forward's do
+(benchmarks/forward_cost.py, modes eager and eager-linear). It costs a second copy of each weight,
+and about 10 microseconds a call: a small model, whose weights sit in cache, keeps F.linear
+(Transformer.streamed decides).
+
+Two things differ between CPUs, and both are measured here rather than assumed:
+
+- which kernel oneDNN runs for fewer than 4 rows. On some CPUs (AVX-512 ones among them) its one-
+  and two-row products stream the weights markedly slower than its four-row one, so a one-token
+  forward costs more than a four-token one. `padded_rows` times the product once per process and
+  pads a product of 1-3 rows with zero rows where that is faster.
+- whether one row gives the same bits as the same row beside others. Where the one-row kernel
+  sums in another order, an AR step (one token) and a verifying step would round differently.
+  `packed_weight` checks each weight when it packs it, and a product of one row on a weight that
+  fails the check runs as two rows.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+
+import torch
+from torch import Tensor, nn
+
+PACKED_FOR_ROWS = 16  # the row count oneDNN chooses its weight layout for (any count then runs)
+FEW_ROWS = 4  # products of fewer rows may be padded up to this many (padded_rows)
+PROBE_BYTES = 96 * 2**20  # padded_rows' weights: well past a last-level cache, so they stream
+PROBE_SHAPES = ((1536, 576), (576, 1536))  # (out, in) of the probe's weights, alternating
+PROBE_ROUNDS = 5
+PAD_GAIN = 0.95  # pad only where the padded product takes at most this share of the time
+
+
+def _product(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+
+
+@functools.cache
+def onednn_packing() -> bool:
+    """Whether this PyTorch build has oneDNN's packed-weight linear (torch.ops.mkldnn)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        w = torch.ones(2, 2)
+        got = _product(torch.ones(1, 2), torch.ops.mkldnn._reorder_linear_weight(w, 1), None)
+        return bool(torch.equal(got, torch.full((1, 2), 2.0)))
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def pack(w: Tensor) -> Tensor:
+    """w [out, in] in oneDNN's blocked layout."""
+    return torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACKED_FOR_ROWS)
+
+
+def one_row_differs(packed: Tensor, in_features: int) -> bool:
+    """Whether a one-row product on `packed` rounds otherwise than the same row beside another."""
+    x = torch.randn(2, in_features, generator=torch.Generator().manual_seed(0))
+    return not torch.equal(_product(x[:1], packed, None)[0], _product(x, packed, None)[0])
+
+
+def packed_weight(m: nn.Linear) -> tuple[Tensor, bool]:
+    """m's weight in oneDNN's layout, packed on first use and again whenever the weight has changed
+    since (another tensor, or the same one written in place: its version counter), and whether a
+    one-row product on it must run as two rows to round as a row beside others does. An inference
+    tensor (made under torch.inference_mode) has no version counter: it is packed once per storage,
+    and writing it in place afterwards, itself only possible under inference_mode, goes unseen."""
+    w = m._parameters["weight"]
+    key = (w.data_ptr(), -1 if w.is_inference() else w._version, w.shape)
+    got = m.__dict__.get("_onednn_weight")
+    if got is None or got[0] != key:
+        p = pack(w)
+        got = m.__dict__["_onednn_weight"] = (key, p, one_row_differs(p, w.shape[1]))
+    return got[1], got[2]
+
+
+def padded_rows() -> tuple[int, ...]:
+    """For a product of r = 1 .. FEW_ROWS - 1 rows, how many rows it runs as (entry r - 1): the
+    fastest of r .. FEW_ROWS over weights that stream from memory (PROBE_BYTES), timed once per
+    process and thread count (about half a second), r itself unless padding saves more than
+    1 - PAD_GAIN."""
+    return _padded_rows(torch.get_num_threads())
+
+
+@functools.cache
+def _padded_rows(threads: int) -> tuple[int, ...]:
+    per = sum(o * i for o, i in PROBE_SHAPES) * 4
+    g = torch.Generator().manual_seed(0)
+    weights = [pack(torch.randn(*PROBE_SHAPES[i % 2], generator=g)) for i in range(2 * max(1, PROBE_BYTES // per))]
+    inputs = {r: [torch.randn(r, PROBE_SHAPES[i][1], generator=g) for i in range(2)] for r in range(1, FEW_ROWS + 1)}
+
+    def sweep(r: int) -> float:
+        x = inputs[r]
+        start = time.perf_counter()
+        for i, w in enumerate(weights):
+            _product(x[i % 2], w, None)
+        return time.perf_counter() - start
+
+    sweep(FEW_ROWS)  # (first touches)
+    times = {r: [] for r in inputs}
+    for _ in range(PROBE_ROUNDS):  # interleaved, so that a drift of the machine hits every count
+        for r in inputs:
+            times[r].append(sweep(r))
+    return rows_to_run({r: statistics.median(t) for r, t in times.items()})
+
+
+def rows_to_run(seconds: dict[int, float]) -> tuple[int, ...]:
+    """padded_rows from the time of a product of each row count 1 .. FEW_ROWS: for each r below
+    FEW_ROWS the fastest count from r up, where it beats r's own time by the margin PAD_GAIN."""
+    rows = []
+    for r in range(1, FEW_ROWS):
+        best = min(range(r, FEW_ROWS + 1), key=seconds.__getitem__)
+        rows.append(best if seconds[best] < PAD_GAIN * seconds[r] else r)
+    return tuple(rows)
+
+
+def packed_linear(m: nn.Linear, x: Tensor) -> Tensor:
+    """F.linear(x, m.weight, m.bias) on m's packed weight, a product of few rows padded with zero
+    rows where padded_rows or the weight's rounding (packed_weight) asks for it."""
+    w, one_row_differs = packed_weight(m)
+    b = m._parameters["bias"]
+    K = x.shape[-1]
+    rows = x.numel() // K if K else 0
+    if 0 < rows < FEW_ROWS:
+        run = padded_rows()[rows - 1]
+        if rows == 1 and one_row_differs:
+            run = max(run, 2)
+        if run > rows:
+            flat = x.reshape(rows, K)
+            y = _product(torch.cat([flat, flat.new_zeros(run - rows, K)]), w, b)[:rows]
+            return y.view(*x.shape[:-1], y.shape[-1])
+    return _product(x, w, b)
