@@ -30,6 +30,7 @@ import statistics
 import time
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 PACKED_FOR_ROWS = 16  # the row count oneDNN chooses its weight layout for (any count then runs)
@@ -86,7 +87,7 @@ def packed_weight(m: nn.Linear) -> tuple[Tensor, bool]:
 def padded_rows() -> tuple[int, ...]:
     """For a product of r = 1 .. FEW_ROWS - 1 rows, how many rows it runs as (entry r - 1): the
     fastest of r .. FEW_ROWS over weights that stream from memory (PROBE_BYTES), timed once per
-    process and thread count (about half a second), r itself unless padding saves more than
+    process and thread count (about a third of a second), r itself unless padding saves more than
     1 - PAD_GAIN."""
     return _padded_rows(torch.get_num_threads())
 
@@ -135,7 +136,6 @@ def packed_linear(m: nn.Linear, x: Tensor) -> Tensor:
         if rows == 1 and one_row_differs:
             run = max(run, 2)
         if run > rows:
-            flat = x.reshape(rows, K)
-            y = _product(torch.cat([flat, flat.new_zeros(run - rows, K)]), w, b)[:rows]
+            y = _product(F.pad(x.reshape(rows, K), (0, 0, 0, run - rows)), w, b)[:rows]
             return y.view(*x.shape[:-1], y.shape[-1])
     return _product(x, w, b)
