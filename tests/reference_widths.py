@@ -118,9 +118,10 @@ def choose_widths(batch) -> list[tuple[int, bool]]:
     seqs = batch.running
     free = np.array([q.p.widths == "cost" for q in seqs])
     most = widths.PACKED_BATCH_DRAFT if batch.cost.packed and len(seqs) > 1 else widths.MAX_DRAFT
-    bound = np.array([max(0, min(q.p.draft_length, most if f else q.p.draft_length,
-                                 q.p.gen_length - len(q.res.tokens) - 1, q.draft_end())) for q, f in zip(seqs, free)])
-    K = int(bound.max())
+    room = np.array([max(0, min(q.p.draft_length, most if f else q.p.draft_length, q.p.gen_length - len(q.res.tokens) - 1))
+                     for q, f in zip(seqs, free)])
+    bound = np.minimum(room, [q.draft_end() for q in seqs])
+    K = int(room.max())  # (rates are read as far as any row could draft, its draft or not)
     kind = np.array([q.kind for q in seqs])
     reached = np.stack([q.acceptance.reached[q.kind, :K] for q in seqs])
     rate = rates(reached, np.stack([q.acceptance.accepted[q.kind, :K] for q in seqs]), kind, batch.prior)
@@ -157,4 +158,16 @@ def choose_widths(batch) -> list[tuple[int, bool]]:
     if paid.any():
         bare = bare & ~paid
         chosen = choose(bare)
+    # a row whose draft of other text is worth no token at all drops it for the masks' fresh draft,
+    # where that draft, as wide as the row's room, is worth feeding beside the others as chosen
+    stale = free & (chosen == 0) & (kind >= widths.LOOKUP) & (masks < 0) & (room > 0)
+    if stale.any():
+        drafting = np.where(stale, widths.FRESH, kind)
+        again = best_widths(rates(np.stack([q.acceptance.reached[k, :K] for q, k in zip(seqs, drafting)]),
+                                  np.stack([q.acceptance.accepted[k, :K] for q, k in zip(seqs, drafting)]),
+                                  drafting, batch.prior),
+                            np.where(stale, room, bound), np.where(stale, -1, np.where(bare, 0, masks)), chosen,
+                            stale, batch.cost)
+        for i in np.flatnonzero(stale & (again > 0)):
+            bare[i], chosen[i] = False, again[i]
     return [(int(w), bool(b)) if f else (q.width, q.bare) for q, f, b, w in zip(seqs, free, bare, chosen)]

@@ -353,23 +353,23 @@ def test_the_choice_is_the_choice_as_first_written():
             assert one == want[0], trial
 
 
-@pytest.mark.parametrize("live, packed", [(False, True), (True, True), (False, False)])
-def test_every_steps_widths_are_the_widths_as_first_written(monkeypatch, live, packed):
-    """A decode's every choice, rows of every width policy and lookup mixed, joining and leaving,
-    against reference.choose_widths on the same state (a live table is refreshed by real timings)."""
+def decode_checking_every_choice(monkeypatch, cost: CostModel) -> tuple[int, int, int, int]:
+    """Decodes rows of every width policy and lookup mixed, joining and leaving, checking each
+    choice against reference.choose_widths on the same state: (choices, most rows at once, rows
+    fed bare, held drafts dropped for the masks' fresh ones)."""
     model = tiny(5)
-    frozen = CostModel.of(linear(), packed)
-    cost = CostModel(frozen.rows, frozen.tokens, frozen.seconds, packed) if live else frozen
-    checked, bare = [], 0
+    checked, bare, dropped = [], 0, 0
     plain = SpeculativeBatch._choose_widths
 
     def choose(self):
-        nonlocal bare
+        nonlocal bare, dropped
         want = reference.choose_widths(self)
+        held = [q.kind for q in self.running]
         plain(self)
         assert [(q.width, q.bare) for q in self.running] == want
         checked.append(len(self.running))
         bare += sum(q.bare for q in self.running)
+        dropped += sum(k >= widths.LOOKUP and q.kind == widths.FRESH for k, q in zip(held, self.running))
 
     monkeypatch.setattr(SpeculativeBatch, "_choose_widths", choose)
     widths.PRIORS.pop(model, None)
@@ -386,7 +386,29 @@ def test_every_steps_widths_are_the_widths_as_first_written(monkeypatch, live, p
             params = SpeculativeParams(gen_length=40, **settings[added % len(settings)])
             batch.add(prompts[added % len(prompts)], params, seed=added)
             added += 1
-    assert len(checked) > 20 and max(checked) >= 4 and bare > 0  # (copies fed without masks too)
+    return len(checked), max(checked), bare, dropped
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_every_steps_widths_are_the_widths_as_first_written(monkeypatch, packed):
+    choices, most, bare, _ = decode_checking_every_choice(monkeypatch, CostModel.of(linear(), packed))
+    assert choices > 20 and most >= 4 and bare > 0  # (copies fed without masks too)
+
+
+def test_every_steps_widths_are_the_widths_as_first_written_as_timings_move_the_table(monkeypatch):
+    """As above on a live table refreshed by each step's timing: timings drawn around the table's
+    own estimates, seeded (a decode's real ones make the choices, and the paths they take, differ
+    from run to run). Some rows drop the draft they hold for the masks' fresh one."""
+    dropped = 0
+    for seed in range(1, 4):
+        frozen = CostModel.of(linear(), True)
+        cost = CostModel(frozen.rows, frozen.tokens, frozen.seconds, True)
+        rng, note = np.random.default_rng(seed), cost.note
+        with monkeypatch.context() as patch:
+            patch.setattr(cost, "note", lambda rows, tokens, seconds, padding=0: note(
+                rows, tokens, float(cost(rows, [tokens])[0]) * rng.uniform(0.3, 3.0), padding))
+            dropped += decode_checking_every_choice(patch, cost)[3]
+    assert dropped > 0
 
 
 # ---- the measured policy, end to end ----------------------------------------------------------------

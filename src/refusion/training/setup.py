@@ -9,6 +9,7 @@ Every check that can fail (options, out_dir, data, the model's size) fails here,
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
 import platform
@@ -140,10 +141,18 @@ def _process_group(cfg: TrainConfig, world: int) -> torch.device:
     distributed = world > 1 or fsdp  # FSDP needs a process group even for one process
     if distributed and not dist.is_initialized():
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+        atexit.register(leave_process_group)
     if dev.type == "cuda" and distributed:
         dev = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
         torch.cuda.set_device(dev)  # NCCL collectives and FSDP use the current device
     return dev
+
+
+def leave_process_group() -> None:
+    """Destroy the process group, if any (at exit once setup joined one): a process that exits
+    with gloo's threads still running may abort in their destructors, after its work is done."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def cpu_bf16_is_emulated() -> bool:
