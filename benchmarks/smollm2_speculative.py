@@ -14,6 +14,8 @@ template applied), greedy, each setting decodes every prompt at each thread coun
                                  masks' draft or a copy of earlier text, whichever it expects to go further
     speculative +redraft,        the two above with redraft blocks (`--redraft`: after a rejection the next
     speculative +lookup +redraft draft comes from masks that saw the accepted tokens only)
+    speculative +lookup 2 masks, the default with a fixed number of masks behind every draft (`--mask-length`)
+    speculative +lookup 4 masks  instead of masks only where the cost policy expects them to pay
     refusion s8 0.9/0.4          plan-and-infill on the adapted model (spec section 4); expected to change
                                  answers, since the base's causal path never saw out-of-order slots
     base ar compiled             base ar through compiled graphs (`--compile-mode`, default max-autotune:
@@ -70,6 +72,9 @@ OURS = {  # name -> (which model, decoder, params without gen_length)
     "speculative +lookup": ("adapted", "speculative", {"lookup": True}),
     "speculative +redraft": ("adapted", "speculative", {"lookup": False, "redraft": True}),
     "speculative +lookup +redraft": ("adapted", "speculative", {"lookup": True, "redraft": True}),
+    # (masks behind every draft, as many whatever its width: against the default's masks where they pay)
+    "speculative +lookup 2 masks": ("adapted", "speculative", {"lookup": True, "mask_length": 2}),
+    "speculative +lookup 4 masks": ("adapted", "speculative", {"lookup": True, "mask_length": 4}),
     "refusion s8 0.9/0.4": ("adapted", "refusion", dict(slot_size=8, serial_blocks=1, slot_threshold=0.9,
                                                         token_threshold=0.4)),
     "base ar compiled": ("base compiled", "ar", {}),

@@ -5,6 +5,7 @@ best draft on offer is accepted at least as far as the one fed."""
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from refusion.decoding import ARParams, generate_ar, widths
@@ -33,3 +34,59 @@ def test_steps_are_counted_by_the_draft_fed_and_add_up():
     per = r["accepted_per_step"]
     assert per["the draft fed"] * steps == pytest.approx(sum(v["accepted"] for v in kinds.values()))
     assert per["best of all"] >= per["the draft fed"]
+    alts = r["alternatives"]
+    assert sum(a["steps"] for a in alts.values()) == steps
+    assert all(0 <= v <= 64 for a in alts.values() for k, v in a.items() if k != "steps")
+    b = r["branches"]["accepted_per_step"]
+    assert set(b) == {"alone"} | {f"first cut at {a}" for a in range(1, 7)}
+    assert all(v <= per["best of all"] + 1e-9 for v in b.values())  # (no more than the best offer cut at 64)
+
+
+def test_two_branches_by_hand():
+    out = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    # the first branch is right for 2 of its 3, the other shares those 2 and goes on right, 4 tokens left for it
+    assert draft_sources.two_branches([1, 2, 9, 9], [[1, 2, 3, 4, 5]], out, 0, 8, 3) == 5
+    assert draft_sources.two_branches([1, 2, 9, 9], [[1, 2, 3, 4, 5, 6, 7, 8]], out, 0, 8, 3) == 6  # (cut at 2 + 4)
+    assert draft_sources.two_branches([7], [[1, 2, 3]], out, 0, 8, 1) == 3  # (wrong at once: the other from x)
+    assert draft_sources.two_branches([1, 2], [[1, 2, 3, 4]], out, 0, 8, 2) == 4  # (goes on after a right first)
+    assert draft_sources.two_branches([1, 9, 9], [[2, 3]], out, 0, 8, 3) == 1  # (leaves x: wrong; the first's 1 stays)
+    assert draft_sources.two_branches([1, 2, 3], [[1, 9]], out, 0, 8, 3) == 3
+    assert draft_sources.two_branches([1, 2, 3, 4], [], out, 2, 8, 4) == 0  # (at 2 the output goes on 3, 4)
+    assert draft_sources.two_branches([3, 4, 5], [], out, 2, 8, 2) == 2
+
+
+def test_a_corpus_sample_keeps_whole_answers_in_order():
+    from refusion.decoding.corpus import LookupCorpus
+
+    answers = [[1, 2], [3], [4, 5, 6], [7, 8], [9], [10, 11, 12]]
+    corpus = LookupCorpus(np.array([t for a in answers for t in (*a, -1)]))
+    assert draft_sources.corpus_sample(corpus, 1.0) is corpus and draft_sources.corpus_sample(None, 0.5) is None
+    keep = np.random.default_rng(3).random(len(answers)) < 0.5
+    sample = draft_sources.corpus_sample(corpus, 0.5, seed=3)
+    want = [t for a, k in zip(answers, keep) if k for t in (*a, -1)]
+    assert 0 < keep.sum() < len(answers) and sample.tokens.tolist() == want
+    assert draft_sources.corpus_sample(corpus, 1e-9) is None
+
+
+def test_the_corpus_proposes_nothing_where_a_copy_is_on_offer():
+    from refusion.decoding.corpus import LookupCorpus
+
+    corpus = draft_sources.CorpusWhereNoCopy(LookupCorpus(np.array([5, 6, 7, 8, -1])))
+    assert corpus.propose([5, 6], 2) == ([7, 8], 2)
+    corpus.copy_on_offer = True
+    assert corpus.propose([5, 6], 2) == ([], 0)
+
+
+def test_frozen_costs_are_written_once_and_read_back(tmp_path, monkeypatch):
+    from refusion.decoding.widths import CostModel
+
+    table = CostModel([1, 4], [[1, 8], [4, 32]], [[1e-3, 2e-3], [2e-3, 5e-3]], packed=True, pad=1e-5)
+    monkeypatch.setattr(widths, "cost_model", lambda model: table)
+    path = tmp_path / "costs.json"
+    first = draft_sources.frozen_costs(None, path)
+    monkeypatch.setattr(widths, "cost_model", lambda model: pytest.fail("measured again"))
+    again = draft_sources.frozen_costs(None, path)
+    for c in (first, again):
+        assert c.frozen and c.packed and c.pad == 1e-5
+        assert [x.tolist() for x in c.seconds] == [x.tolist() for x in table.seconds]
+        assert float(c(2, [10])[0]) == float(table(2, [10])[0])
