@@ -15,7 +15,7 @@ Two finer questions, with the same bookkeeping:
 - "alternatives": per set of drafts on offer and the one the row went on to feed, how far each
   would have been accepted (cut at --cap): how well the row's choice among them does;
 - "branches": within a forward of --budget tokens (x and the drafts), the draft the row feeds cut
-  at its best share of them, and beside it in the rest the best other offer (after the prefix it
+  at a tokens (each a in turn), and beside it in the rest the best other offer (after the prefix it
   shares with the first, which it sees: a two-branch tree), against that draft alone in all of them.
   (Accepted tokens only: what a tree would cost per forward is not modelled.)
 
@@ -119,15 +119,6 @@ class WatchedBatch(SpeculativeBatch):
                 self.holding.append(source(q.kind) if q.draft else "none")
 
 
-def accepted(draft: list[int], output: list[int], at: int, cap: int) -> int:
-    n = 0
-    for a, b in zip(draft[:cap], output[at:]):
-        if a != b:
-            break
-        n += 1
-    return n
-
-
 def shared_prefix(a: list[int], b: list[int]) -> int:
     n = 0
     for x, y in zip(a, b):
@@ -135,6 +126,11 @@ def shared_prefix(a: list[int], b: list[int]) -> int:
             break
         n += 1
     return n
+
+
+def accepted(draft: list[int], output: list[int], at: int, cap: int) -> int:
+    """How far `draft`, cut at `cap` tokens, would be accepted at response position `at`."""
+    return shared_prefix(draft[:cap], output[at:])
 
 
 def two_branches(held: list[int], others: list[list[int]], output: list[int], at: int, budget: int, a: int) -> int:

@@ -143,7 +143,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from refusion.training.setup import leave_process_group, setup
+    from refusion.training.setup import setup
     from refusion.training.step import train_step
 
     base = _rss_bytes()
@@ -180,7 +180,6 @@ def worker(args: argparse.Namespace) -> None:
         dist.all_gather_object(recs, rec)
     if run.rank == 0:
         Path(args.report).write_text(json.dumps(recs))
-    leave_process_group()
 
 
 def run_setting(n: int, args: argparse.Namespace, data: Path, tmp: Path) -> list[dict]:

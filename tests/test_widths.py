@@ -407,7 +407,9 @@ def test_every_steps_widths_are_the_widths_as_first_written_as_timings_move_the_
         with monkeypatch.context() as patch:
             patch.setattr(cost, "note", lambda rows, tokens, seconds, padding=0: note(
                 rows, tokens, float(cost(rows, [tokens])[0]) * rng.uniform(0.3, 3.0), padding))
-            dropped += decode_checking_every_choice(patch, cost)[3]
+            choices, most, bare, dropped_here = decode_checking_every_choice(patch, cost)
+        assert choices > 20 and most >= 4 and bare > 0
+        dropped += dropped_here
     assert dropped > 0
 
 
