@@ -227,6 +227,26 @@ def test_a_packed_product_is_f_linear_and_each_row_is_the_same_whatever_rows_are
     assert "_onednn_weight" in lin.__dict__ and "_onednn_weight" not in lin.state_dict()
 
 
+def test_a_streamed_product_under_autocast_or_on_bfloat16_rows_is_f_linear():
+    """The packed path is float32's alone: under CPU autocast (a mask-only training with dtype =
+    "bfloat16" runs the frozen base's forward so) or on bfloat16 rows, linear() is F.linear, in the
+    dtype autocast gives it. (oneDNN refused a bfloat16 row on a float32 packed weight.)"""
+    g = torch.Generator().manual_seed(0)
+    lin = torch.nn.Linear(64, 40)
+    x = torch.randn(5, 64, generator=g)
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            want = torch.nn.functional.linear(x, lin.weight, lin.bias)
+            got = linear(lin, x, streamed=True)
+            assert got.dtype == want.dtype == torch.bfloat16
+            assert torch.equal(got, want)
+            got = linear(lin, x.bfloat16(), streamed=True)
+            assert torch.equal(got, torch.nn.functional.linear(x.bfloat16(), lin.weight, lin.bias))
+        lin16 = torch.nn.Linear(64, 40).to(torch.bfloat16)
+        assert torch.equal(linear(lin16, x.bfloat16(), streamed=True),
+                           torch.nn.functional.linear(x.bfloat16(), lin16.weight, lin16.bias))
+
+
 def test_few_rows_run_as_the_count_timed_fastest_and_one_row_as_two_where_it_rounds_otherwise(monkeypatch):
     """rows_to_run by hand (pad to the fastest count from r up, only past the PAD_GAIN margin), and
     the rows a product of 1-3 rows hands oneDNN: as chosen, and never one row on a weight whose

@@ -133,11 +133,12 @@ def linear(m: nn.Module, x: Tensor, streamed: bool = False) -> Tensor:
     """m(x), calling F.linear directly for a plain nn.Linear without hooks (a module call's overhead
     is a noticeable share of a small model's forward); anything else (an adapter) is called.
     streamed: the model's weights stream from memory (Transformer.streamed): a CPU float32 product
-    outside autograd takes the oneDNN packed weight (packed.packed_linear)."""
+    outside autograd and autocast takes the oneDNN packed weight (packed.packed_linear)."""
     if type(m) is nn.Linear and not (m._forward_hooks or m._forward_pre_hooks):
         p = m._parameters  # (not m.weight: see Block)
         w, b = p["weight"], p["bias"]
-        if (streamed and x.is_cpu and w.dtype == torch.float32 and not torch.is_grad_enabled()
+        if (streamed and x.is_cpu and w.dtype == torch.float32 and x.dtype == torch.float32
+                and not torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
                 and not torch.compiler.is_compiling() and onednn_packing()):
             return packed_linear(m, x)
         return F.linear(x, w, b)
