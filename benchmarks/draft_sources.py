@@ -148,7 +148,7 @@ def two_branches(held: list[int], others: list[list[int]], output: list[int], at
 
 
 def measure(model, prompts: list[list[int]], max_tokens: int, cap: int, budget: int = 8,
-            corpus_fraction: float = 1.0, corpus_where_no_copy: bool = False) -> dict:
+            corpus_fraction: float = 1.0, corpus_where_no_copy: bool = False, sampler: bool = True) -> dict:
     per = defaultdict(lambda: dict(steps=0, fed=0, accepted=0))
     tokens = forwards = steps = 0
     outputs = []
@@ -157,7 +157,7 @@ def measure(model, prompts: list[list[int]], max_tokens: int, cap: int, budget: 
     branches = dict(alone=0, **{f"first cut at {a}": 0 for a in range(1, budget - 1)})
     for prompt in prompts:
         batch = WatchedBatch(model, corpus_fraction=corpus_fraction, corpus_where_no_copy=corpus_where_no_copy)
-        batch.add(prompt, SpeculativeParams(gen_length=max_tokens, lookup=True), seed=0)
+        batch.add(prompt, SpeculativeParams(gen_length=max_tokens, lookup=True, sampler=sampler), seed=0)
         result = None
         while len(batch):
             for _, result in batch.step():
@@ -221,6 +221,8 @@ def main() -> None:
                     help="decode with this share of the lookup corpus's answers (seeded sample)")
     ap.add_argument("--corpus-where-no-copy", action="store_true",
                     help="offer corpus drafts only where no copy is on offer (an experiment)")
+    ap.add_argument("--no-sampler", action="store_true",
+                    help="the masks draft their argmax, without the model's sampler (model/mask_sampler.py)")
     ap.add_argument("--frozen-costs", metavar="JSON",
                     help="the forward costs from this file (measured into it if it does not exist), kept "
                          "unchanged: runs given the same file compare exactly")
@@ -246,7 +248,8 @@ def main() -> None:
         if not exs:
             continue
         r = results[bench] = measure(model, [tok.chat_prompt_ids(e.prompt) for e in exs], args.max_tokens, args.cap,
-                                     args.budget, args.corpus_fraction, args.corpus_where_no_copy)
+                                     args.budget, args.corpus_fraction, args.corpus_where_no_copy,
+                                     sampler=not args.no_sampler)
         total = sum(v["steps"] for v in r["kinds"].values())
         for kind, v in sorted(r["kinds"].items(), key=lambda kv: -kv[1]["steps"]):
             print(f"| {bench} | {kind} | {v['steps']} | {v['steps'] / total:.0%} | {v['fed'] / v['steps']:.2f} | "

@@ -18,7 +18,9 @@
 #           answers every prompt afresh (about an hour; the same greedy answers, up to a rare argmax tie
 #           that batch composition can flip)
 #   train   configs/smollm2-refusion.toml: the mask-only variant on that data -> RUNS/train/adapter
-#   export  the adapter's two files and the lookup corpus (the data's answers, `refusion lookup-corpus`)
+#   sampler refusion train-sampler on the trained adapter and the data: a head that chains the masks' drafts
+#           (model/mask_sampler.py) -> RUNS/train/adapter/mask_sampler.safetensors (features in RUNS/sampler)
+#   export  the adapter's two files, its sampler and the lookup corpus (the data's answers, `refusion lookup-corpus`)
 #           -> ASSET (default src/refusion/assets/smollm2-refusion, which makes `--model smollm2-refusion`
 #           decode with them)
 #   bench   benchmarks/smollm2_speculative.py on GSM8K test and HumanEval (GSM8K_TEST, HUMANEVAL:
@@ -34,7 +36,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 R=${REFUSION:-.venv/bin/refusion}
 PY=${PYTHON:-.venv/bin/python}
-ALL="base data train export bench"
+ALL="base data train sampler export bench"
 QUICK=0 NAMED=()
 for a in "$@"; do
   case $a in
@@ -56,12 +58,13 @@ if [[ $QUICK == 1 ]]; then
   N_PROMPTS=${N_PROMPTS:-2} MAX_TOKENS=${MAX_TOKENS:-16}
   TRAIN_SHRINK=(--set max_steps=4 --set save_every=2 --set batch_size=2 --set micro_batch_size=1 --set warmup_steps=1
                 --set max_length=2048)
+  SAMPLER_SHRINK=(--cuts 4 --steps 4 --check-every 2)
   BENCH=(--n-gsm8k 2 --n-humaneval 2 --max-tokens 16 --threads 1 --batch-sizes 1,2)
 else
   RUNS=${RUNS:-runs/smollm2-refusion} OUT=${OUT:-results/smollm2-refusion}
   ASSET=${ASSET:-src/refusion/assets/smollm2-refusion}
   N_PROMPTS=${N_PROMPTS:-1200} MAX_TOKENS=${MAX_TOKENS:-256}  # (up to 1365 a larger sample holds a smaller one: kept answers stay used)
-  TRAIN_SHRINK=() BENCH=()
+  TRAIN_SHRINK=() SAMPLER_SHRINK=() BENCH=()
 fi
 BASE=${BASE:-smollm2}
 [[ -n ${GGUF:-} ]] && BASE=$RUNS/base
@@ -110,10 +113,25 @@ for s in $STAGES; do
         echo "smollm2_refusion: trained in $((SECONDS / 60)) min"
       fi
       cp "$RUNS/train/metrics.jsonl" "$OUT/logs/train.metrics.jsonl" ;;
+    sampler)
+      [[ -f $RUNS/train/adapter/mask_adapter.json ]] || die "sampler needs the trained adapter: run the train stage first"
+      if [[ -f $RUNS/train/adapter/mask_sampler.safetensors ]]; then
+        echo "smollm2_refusion: sampler already trained ($RUNS/train/adapter/mask_sampler.safetensors)"
+      else
+        echo "smollm2_refusion: training the masks' sampler -> $RUNS/train/adapter; log $OUT/logs/sampler.log"
+        SECONDS=0
+        $R train-sampler "$RUNS/train/adapter" --data "$RUNS/data.jsonl" --out "$RUNS/sampler" "${SAMPLER_SHRINK[@]}" \
+          --threads "$THREADS" --no-progress >> "$OUT/logs/sampler.log" 2>&1 || failed sampler
+        echo "smollm2_refusion: sampler trained in $((SECONDS / 60)) min"
+      fi
+      cp "$RUNS/sampler/sampler.json" "$OUT/logs/sampler.json" ;;
     export)
       [[ -f $RUNS/train/adapter/mask_adapter.json ]] || die "export needs the trained adapter: run the train stage first"
       mkdir -p "$ASSET"
       cp "$RUNS/train/adapter/mask_adapter.json" "$RUNS/train/adapter/mask_adapter.safetensors" "$ASSET/"
+      if [[ -f $RUNS/train/adapter/mask_sampler.safetensors ]]; then
+        cp "$RUNS/train/adapter/mask_sampler.safetensors" "$ASSET/"
+      fi
       cp "$RUNS/train/train_config.json" "$ASSET/train_config.json"
       # the base's own answers beside the adapter: lookup drafts what it usually writes next from them
       $R lookup-corpus "$RUNS/data.jsonl" --model "$BASE" --out "$ASSET" 2>> "$OUT/logs/export.log" || failed export

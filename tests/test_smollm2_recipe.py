@@ -1,5 +1,5 @@
 """scripts/smollm2_refusion.sh --quick: every stage of the SmolLM2 recipe (import, self-generate, mask-only
-training, export, benchmark), on a tiny llama GGUF of SmolLM2's format here (nothing downloaded), on
+training, the masks' sampler, export, benchmark), on a tiny llama GGUF of SmolLM2's format here (nothing downloaded), on
 SmolLM2 itself with -m slow; the same command again redoes nothing."""
 
 import json
@@ -12,6 +12,7 @@ import pytest
 
 from refusion.decoding.corpus import read_corpus
 from refusion.model.checkpoint import LOOKUP_CORPUS
+from refusion.model.mask_sampler import MASK_SAMPLER
 
 from tiny_gguf import write_byte_level_gguf
 
@@ -60,6 +61,10 @@ def check_quick_run(tmp: Path, base: Path, env: dict) -> None:
     assert int((read_corpus(asset / LOOKUP_CORPUS).tokens == -1).sum()) == len(recs)
     assert (asset / "mask_adapter.safetensors").read_bytes() == (runs / "train" / "adapter" /
                                                                  "mask_adapter.safetensors").read_bytes()
+    # and the masks' sampler, trained on the same data, with its record
+    assert (asset / MASK_SAMPLER).read_bytes() == (runs / "train" / "adapter" / MASK_SAMPLER).read_bytes()
+    record = json.loads((out / "logs" / "sampler.json").read_text())
+    assert record["config"]["steps"] == 4 and [c["step"] for c in record["checks"]] in ([2, 4], [])
     bench = json.loads((out / "smollm2_speculative.json").read_text())
     rows = {(s["name"], s["bench"], s["batch_size"]) for s in bench["summary"]}
     for name in ("base ar", "speculative", "refusion s8 0.9/0.4", "hf greedy"):
@@ -71,7 +76,7 @@ def check_quick_run(tmp: Path, base: Path, env: dict) -> None:
     # the same command again: every stage finds its work done
     data, adapter = (runs / "data.jsonl").read_bytes(), (asset / "mask_adapter.safetensors").read_bytes()
     stdout = recipe(env)
-    assert "already trained" in stdout and "0 responses written" in stdout
+    assert "already trained" in stdout and "sampler already trained" in stdout and "0 responses written" in stdout
     assert (runs / "data.jsonl").read_bytes() == data and (asset / "mask_adapter.safetensors").read_bytes() == adapter
     again = json.loads((out / "smollm2_speculative.json").read_text())
     assert again["rows"] == bench["rows"] and again["costs"] == bench["costs"]  # the costs kept, not measured again

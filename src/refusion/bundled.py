@@ -101,6 +101,7 @@ def adapted_model_dir(adapter: Path) -> Path:
     from refusion.model.checkpoint import LOOKUP_CORPUS, add_mask_token, load_model, save_model
     from refusion.model.fetch import cache_dir
     from refusion.model.mask_adapter import ADAPTER_WEIGHTS, attach_mask_adapter, read_adapter_config
+    from refusion.model.mask_sampler import MASK_SAMPLER
     from refusion.model.tokenizer import Tokenizer
 
     meta = read_adapter_config(adapter)
@@ -108,7 +109,7 @@ def adapted_model_dir(adapter: Path) -> Path:
         base = adapter_base(adapter, meta["base"])
     except ValueError as e:
         raise ValueError(f"{adapter}: its base model {meta['base']!r} cannot be found ({e})") from None
-    kept = [f for f in (ADAPTER_CONFIG, ADAPTER_WEIGHTS, LOOKUP_CORPUS) if (adapter / f).is_file()]
+    kept = [f for f in (ADAPTER_CONFIG, ADAPTER_WEIGHTS, LOOKUP_CORPUS, MASK_SAMPLER) if (adapter / f).is_file()]
     h = hashlib.sha256(str(base.resolve()).encode())
     for f in kept:
         h.update((adapter / f).read_bytes())
@@ -124,8 +125,11 @@ def adapted_model_dir(adapter: Path) -> Path:
     except ValueError as e:
         raise ValueError(f"the mask adapter {adapter} does not fit its base {base}: {e}") from None
     save_model(model, out, tok, overwrite=True)
-    if LOOKUP_CORPUS in kept:  # (the adapter's drafts from its base's own answers: decoding/corpus.py)
-        shutil.copyfile(adapter / LOOKUP_CORPUS, out / LOOKUP_CORPUS)
+    # files kept beside the weights, read by the decoder: the adapter's drafts from its base's own
+    # answers (decoding/corpus.py) and its masks' sampler (model/mask_sampler.py)
+    for f in (LOOKUP_CORPUS, MASK_SAMPLER):
+        if f in kept:
+            shutil.copyfile(adapter / f, out / f)
     return out
 
 

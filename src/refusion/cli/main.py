@@ -12,7 +12,7 @@ import gc
 import os
 import sys
 
-from refusion.cli import data, evaluate, generate, models, serve, train
+from refusion.cli import data, evaluate, generate, models, serve, train, train_sampler
 from refusion.cli.args import Parser
 from refusion.model.fetch import FetchError
 
@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_parsers(sub)
     evaluate.add_parsers(sub)
     train.add_parser(sub)
+    train_sampler.add_parser(sub)
     data.add_parser(sub)
     serve.add_parser(sub)
     return p

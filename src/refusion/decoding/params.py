@@ -139,6 +139,9 @@ class SpeculativeParams:
     redraft: bool = option(False, "also feed, behind each draft token, masks that see the draft only up to it, so "
                                   "that after a partly accepted draft the next one is drafted from the accepted "
                                   "tokens (wider forwards, which the cost policy prices; exact either way)")
+    sampler: bool = option(True, "chain each mask's draft on the token drafted before it with the model's mask "
+                                 "sampler, where it has one (mask_sampler.safetensors beside its weights); off: "
+                                 "each mask's argmax (exact either way)", flag="--no-sampler")
     fresh_after_miss: bool | None = option(None, "after a rejected draft token, drop the rest of the draft, so that "
                                                  "the next step's masks draft from the committed tokens alone (off: "
                                                  "the rest of the draft, then the masks' tokens drafted behind the "

@@ -85,6 +85,7 @@ from refusion.decoding.params import MAX_DRAFT, REDRAFT_COST_DRAFT, SpeculativeP
 from refusion.decoding.sampling import draw, position_uniforms, sampling_probs
 from refusion.model.cache import RaggedKVCache
 from refusion.model.config import ModelConfig
+from refusion.model.mask_sampler import sampler_of
 from refusion.model.transformer import Transformer
 
 
@@ -271,6 +272,7 @@ class SpeculativeBatch:
         self.cost = cost  # measured at the first step that needs it
         self.prior = widths.prior_for(model)
         self.corpus = corpus_of(model)  # drafts from the model's own earlier answers, for rows with lookup
+        self.sampler = sampler_of(model)  # chains the masks' drafts (model/mask_sampler.py), for rows with sampler
         self.held = 0  # steps since the widths were last chosen (widths.CHOOSE_EVERY)
 
     def __len__(self) -> int:
@@ -503,9 +505,14 @@ class SpeculativeBatch:
             mask = cols <= col_t[:, :, None]
         real = packed_index(fed_w, W, self.device)  # ragged rows: only real tokens
         predicted = None if prefill else self._predicted(seqs, meta[1])
-        logits = self.model(ids_t, pos_t, attn_mask=mask[:, None], cache=cache, num_logits=need, real=real).float()
+        chained = self._chained_masks(seqs, meta[0], need)
+        out = self.model(ids_t, pos_t, attn_mask=mask[:, None], cache=cache, num_logits=need, real=real,
+                         states=chained is not None)
+        logits, states = (out[0].float(), out[1]) if chained is not None else (out.float(), None)
         j, extra, drafts = self._judge(seqs, logits, ids_t[:, W - need:], pos_t[:, W - need:] - prompt_t[:, None],
                                        anchor_t, k_t, seed_t, g_t)
+        if chained is not None:
+            drafts = self._chain(drafts, logits, states, j, k_t, extra, *chained)
         host = torch.cat([j[:, None], extra[:, None], drafts], 1).cpu().numpy()  # the step's one transfer
         kinds = np.array([q.kind for q in seqs])
         for b, (q, (ids, _)) in enumerate(zip(seqs, feeds)):
@@ -523,6 +530,39 @@ class SpeculativeBatch:
             if self.cost is not None:  # what this step took, its host work included
                 fed = int(fed_w.sum()) if self.cost.packed else B * W
                 self.cost.note(B, fed, time.perf_counter() - start, B * W - fed)
+
+    def _chained_masks(self, seqs: list[SpeculativeSeq], anchor: np.ndarray, need: int
+                       ) -> tuple[Tensor, Tensor, int] | None:
+        """Where this step's masks' drafts are chained by the sampler: each row's first mask column
+        (among the last `need`) and how many masks its block after the draft has (0: none, or a row
+        that drafts sampled tokens or asked for no sampler), on the device, and the most of any row;
+        None where no row has two."""
+        if self.sampler is None:
+            return None
+        first = anchor + 1 + np.array([q.fed_k for q in seqs])
+        end = np.array([a + q.redraft_from if q.redraft_len else need for q, a in zip(seqs, anchor)])
+        use = np.array([q.p.sampler and not (q.p.temperature > 0 and q.p.sampled_drafts) for q in seqs])
+        n = np.where(use, np.maximum(end - first, 0), 0)
+        if n.max(initial=0) < 2:
+            return None
+        first_t, n_t = torch.from_numpy(np.stack([first, n])).to(self.device).unbind(0)
+        return first_t, n_t, int(n.max())
+
+    def _chain(self, drafts: Tensor, logits: Tensor, states: Tensor, j: Tensor, k: Tensor, extra: Tensor,
+               first: Tensor, n: Tensor, M: int) -> Tensor:
+        """drafts [B, N] with each row's block of n masks from column `first` drafted by the sampler:
+        the block's first mask sits where this step's extra token goes, the token its chain starts
+        from (after a rejection the masks drafted beside a token that was not kept: their argmax)."""
+        B, N = drafts.shape
+        i = torch.arange(M, device=drafts.device)[None, :]
+        valid = i < n[:, None]
+        cols = torch.where(valid, first[:, None] + i, N)  # N: a spare column for the rest
+        at = cols.clamp(max=N - 1)
+        start = torch.where(j == k, extra, drafts.gather(1, at[:, :1]).squeeze(1))
+        rows = torch.arange(B, device=drafts.device)[:, None]
+        chain = self.sampler.draft(self.model, states[rows, at], logits[rows, at], start)
+        spare = torch.cat([drafts, drafts.new_zeros(B, 1)], 1)
+        return spare.scatter(1, cols, torch.where(valid, chain, 0))[:, :N]
 
     def _redraft_mask(self, seqs: list[SpeculativeSeq], col: np.ndarray, fed_w: np.ndarray, cols: Tensor,
                       col_t: Tensor) -> Tensor:

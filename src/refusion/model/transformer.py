@@ -346,8 +346,9 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, attn_mask: Tensor | None = None,
                 cache: Cache | None = None, num_logits: int | None = None,
-                real: Tensor | None = None) -> Tensor:
-        """Logits [B, T, V] (or of the last `num_logits` tokens).
+                real: Tensor | None = None, states: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        """Logits [B, T, V] (or of the last `num_logits` tokens); with states, also the final normed
+        hidden states those logits are the LM head of ([B, need, hidden]: a mask sampler's input).
 
         attn_mask: None for causal in feed order over every cached entry (the cache's
         `default_mask`), or a bool mask (True = may attend) / additive float mask broadcastable to
@@ -364,7 +365,7 @@ class Transformer(nn.Module):
         B, T = input_ids.shape
         if position_ids.shape != input_ids.shape:
             raise ValueError(f"position_ids {tuple(position_ids.shape)} must match input_ids {tuple(input_ids.shape)}")
-        if self.compiled is not None and not torch.is_grad_enabled():
+        if self.compiled is not None and not torch.is_grad_enabled() and not states:
             logits = self.compiled(input_ids, position_ids, attn_mask, cache, num_logits, real)
             if logits is not None:
                 return logits
@@ -373,7 +374,7 @@ class Transformer(nn.Module):
             ids, pos = ids[real], pos[real]
         x, mask_rows = self.embed(ids)
         x = self.run_blocks(x, pos, attn_mask, cache, (B, T), real, mask_rows)
-        return self.logits(x, (B, T), num_logits, real)
+        return self.logits(x, (B, T), num_logits, real, states)
 
     def embed(self, ids: Tensor) -> tuple[Tensor, Tensor | None]:
         """The input embeddings [N, hidden] of the flat token ids [N], and which rows are mask tokens
@@ -432,16 +433,23 @@ class Transformer(nn.Module):
             rope = rope.to(dtype)
         return rope[:, :1], rope[:, 1:]
 
-    def logits(self, x: Tensor, shape: tuple[int, int], num_logits: int | None, real: Tensor | None) -> Tensor:
+    def logits(self, x: Tensor, shape: tuple[int, int], num_logits: int | None, real: Tensor | None,
+               states: bool = False) -> Tensor | tuple[Tensor, Tensor]:
         """The final norm and LM head of the last blocks' output x [N, hidden]: logits [B, need, V] of
-        each row's last `need` tokens (zeros for padding)."""
+        each row's last `need` tokens (zeros for padding), and with states the normed states too."""
         B, T = shape
         need = min(num_logits, T) if num_logits else T  # (0 meant every token before, as x[:, -0:])
         w, eps = self.norm.weight, self.norm.eps
         if real is None:
-            return linear(self.lm_head, rms_norm(x.view(B, T, -1)[:, T - need:], w, eps), self.streamed)
+            h = rms_norm(x.view(B, T, -1)[:, T - need:], w, eps)
+            logits = linear(self.lm_head, h, self.streamed)
+            return (logits, h) if states else logits
         col = real % T
         keep = (col >= T - need).nonzero().squeeze(1)
         dst = (real // T * need + col - (T - need))[keep]
-        logits = linear(self.lm_head, rms_norm(x[keep], w, eps), self.streamed)
-        return logits.new_zeros(B * need, logits.shape[-1]).index_copy_(0, dst, logits).view(B, need, -1)
+        h = rms_norm(x[keep], w, eps)
+        logits = linear(self.lm_head, h, self.streamed)
+        logits = logits.new_zeros(B * need, logits.shape[-1]).index_copy_(0, dst, logits).view(B, need, -1)
+        if not states:
+            return logits
+        return logits, h.new_zeros(B * need, h.shape[-1]).index_copy_(0, dst, h).view(B, need, -1)
