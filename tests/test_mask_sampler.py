@@ -98,15 +98,16 @@ def test_a_model_finds_the_sampler_kept_beside_it(tmp_path):
     assert isinstance(sampler_of(other), MaskSampler)
 
 
-@pytest.mark.parametrize("lookup", [False, True])
-def test_speculative_feeds_the_chain_and_every_output_stays_ar(monkeypatch, lookup):
-    """With a sampler the masks' drafts a row holds after a fully accepted step are the chain from the
-    step's extra token (not the masks' argmax), and greedy output is AR's whatever the sampler drafts,
-    at batch 1 and ragged batch 3; with sampler=False the sampler is never asked."""
+@pytest.mark.parametrize("lookup,redraft", [(False, False), (True, False), (False, True)])
+def test_speculative_feeds_the_chain_and_every_output_stays_ar(monkeypatch, lookup, redraft):
+    """With a sampler the masks' drafts a row holds after a fully accepted step (with redraft blocks,
+    after any step) are the chain from the step's extra token (not the masks' argmax), and greedy
+    output is AR's whatever the sampler drafts, at batch 1 and ragged batch 3; with sampler=False the
+    sampler is never asked."""
     model = adapted_model()
     s = random_sampler(32)
     monkeypatch.setattr(spec, "sampler_of", lambda m: s)
-    chains, held = [], []
+    chains, held, redrafts = [], [], []
     draft = MaskSampler.draft
 
     def spy(self, m, states, logits, first):
@@ -122,14 +123,18 @@ def test_speculative_feeds_the_chain_and_every_output_stays_ar(monkeypatch, look
         advance(self, j, extra, mask_preds, redrafted)
         if j == k and not self.done and mask_preds:
             held.append((extra, list(mask_preds)))
+        elif redrafted and not self.done:
+            held.append((extra, [extra] + list(redrafted)))
+            redrafts.append(held[-1])
 
     monkeypatch.setattr(spec.SpeculativeSeq, "advance", watch)
     for prompts in (PROMPTS[:1], PROMPTS):
         want = generate_ar(model, prompts, ARParams(gen_length=40), eos_ids=[])
-        p = SpeculativeParams(gen_length=40, lookup=lookup, widths="fixed", draft_length=4)
+        p = SpeculativeParams(gen_length=40, lookup=lookup, widths="fixed", draft_length=4, redraft=redraft)
         got = generate_speculative(model, prompts, p, eos_ids=[])
         assert [r.tokens for r in got] == [r.tokens for r in want]
     assert chains and held
+    assert bool(redrafts) == redraft  # (rows kept redrafted blocks: they are checked with the rest)
     # every block the rows kept after a full accept is a chain the sampler drew, starting at the extra token
     drawn = [row for rows, _ in chains for row in rows]
     assert all(any(row[:len(preds)] == [extra] + preds[1:] for row in drawn) for extra, preds in held)

@@ -532,33 +532,42 @@ class SpeculativeBatch:
                 self.cost.note(B, fed, time.perf_counter() - start, B * W - fed)
 
     def _chained_masks(self, seqs: list[SpeculativeSeq], anchor: np.ndarray, need: int
-                       ) -> tuple[Tensor, Tensor, int] | None:
-        """Where this step's masks' drafts are chained by the sampler: each row's first mask column
-        (among the last `need`) and how many masks its block after the draft has (0: none, or a row
-        that drafts sampled tokens or asked for no sampler), on the device, and the most of any row;
-        None where no row has two."""
+                       ) -> tuple[Tensor, int] | None:
+        """Where this step's masks' drafts may be chained by the sampler, per row (a [4, B] tensor on
+        the device): the first column (among the last `need`) of the masks after the draft and how
+        many they are, and of the redraft blocks the first column and each block's masks (0: none; a
+        row that drafts sampled tokens or asked for no sampler has none of either); and the longest
+        block of any row. None where no row has a block of two."""
         if self.sampler is None:
             return None
-        first = anchor + 1 + np.array([q.fed_k for q in seqs])
-        end = np.array([a + q.redraft_from if q.redraft_len else need for q, a in zip(seqs, anchor)])
         use = np.array([q.p.sampler and not (q.p.temperature > 0 and q.p.sampled_drafts) for q in seqs])
-        n = np.where(use, np.maximum(end - first, 0), 0)
-        if n.max(initial=0) < 2:
+        first = anchor + 1 + np.array([q.fed_k for q in seqs])
+        redraft = np.array([a + q.redraft_from if q.redraft_len else need for q, a in zip(seqs, anchor)])
+        n = np.where(use, np.maximum(redraft - first, 0), 0)
+        r = np.where(use, [q.redraft_len for q in seqs], 0)
+        M = int(max(n.max(initial=0), r.max(initial=0)))
+        if M < 2:
             return None
-        first_t, n_t = torch.from_numpy(np.stack([first, n])).to(self.device).unbind(0)
-        return first_t, n_t, int(n.max())
+        return torch.from_numpy(np.stack([first, n, redraft, r])).to(self.device), M
 
     def _chain(self, drafts: Tensor, logits: Tensor, states: Tensor, j: Tensor, k: Tensor, extra: Tensor,
-               first: Tensor, n: Tensor, M: int) -> Tensor:
-        """drafts [B, N] with each row's block of n masks from column `first` drafted by the sampler:
-        the block's first mask sits where this step's extra token goes, the token its chain starts
-        from (after a rejection the masks drafted beside a token that was not kept: their argmax)."""
+               blocks: Tensor, M: int) -> Tensor:
+        """drafts [B, N] with the block of masks each row's next draft comes from drafted by the
+        sampler (blocks, M: _chained_masks): the masks after the draft where it was accepted whole,
+        else the redraft block that saw the accepted tokens, where the row fed them. That block's first
+        mask sits where this step's extra token goes, the token its chain starts from. (After a
+        rejection without redraft blocks the masks after the draft drafted beside a token that was not
+        kept: their chain starts from their own first token.)"""
         B, N = drafts.shape
+        first, n, redraft, r = blocks
+        again = (j < k) & (r > 0)  # the redraft block j drafts the next step
+        first = torch.where(again, redraft + j * r, first)
+        n = torch.where(again, r, n)
         i = torch.arange(M, device=drafts.device)[None, :]
         valid = i < n[:, None]
         cols = torch.where(valid, first[:, None] + i, N)  # N: a spare column for the rest
         at = cols.clamp(max=N - 1)
-        start = torch.where(j == k, extra, drafts.gather(1, at[:, :1]).squeeze(1))
+        start = torch.where((j == k) | again, extra, drafts.gather(1, at[:, :1]).squeeze(1))
         rows = torch.arange(B, device=drafts.device)[:, None]
         chain = self.sampler.draft(self.model, states[rows, at], logits[rows, at], start)
         spare = torch.cat([drafts, drafts.new_zeros(B, 1)], 1)
