@@ -62,6 +62,7 @@ from refusion.bundled import ASSETS, adapter_base, resolve_model
 from refusion.decoding import decode
 from refusion.model.checkpoint import LOOKUP_CORPUS, load_model
 from refusion.model.mask_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_parameters
+from refusion.model.mask_sampler import MASK_SAMPLER, sampler_of
 from refusion.model.tokenizer import Tokenizer
 from refusion.tasks import Example
 from refusion.tasks.code import complete_function_prompt
@@ -182,10 +183,13 @@ def peak_memory(model_dir: Path, prompt: list[int], max_tokens: int) -> int:
 def adapter_costs(base, adapted, adapter_dir: Path | None) -> dict:
     extra = sum(p.numel() for _, p in adapter_parameters(adapted))
     extra += (adapted.config.vocab_size - base.config.vocab_size) * base.config.hidden_size  # the new table row
-    files = {f: (adapter_dir / f).stat().st_size for f in (ADAPTER_CONFIG, ADAPTER_WEIGHTS, LOOKUP_CORPUS)
+    sampler = sampler_of(adapted)
+    sampler_parameters = sum(p.numel() for p in sampler.parameters()) if sampler is not None else 0
+    files = {f: (adapter_dir / f).stat().st_size for f in (ADAPTER_CONFIG, ADAPTER_WEIGHTS, LOOKUP_CORPUS, MASK_SAMPLER)
              if adapter_dir and (adapter_dir / f).is_file()}
-    return dict(base_parameters=sum(p.numel() for p in base.parameters()), extra_parameters=extra,
-                adapter_file_bytes=sum(files.values()) or None, lookup_corpus_bytes=files.get(LOOKUP_CORPUS))
+    return dict(base_parameters=sum(p.numel() for p in base.parameters()), extra_parameters=extra + sampler_parameters,
+                sampler_parameters=sampler_parameters, adapter_file_bytes=sum(files.values()) or None,
+                lookup_corpus_bytes=files.get(LOOKUP_CORPUS), sampler_bytes=files.get(MASK_SAMPLER))
 
 
 # ---- the table ------------------------------------------------------------------------------------
@@ -243,6 +247,9 @@ def main() -> None:
     ap.add_argument("--compile-mode", default="max-autotune", choices=["default", "max-autotune"],
                     help="the compiled settings' torch.compile mode (refusion.model.compiled)")
     ap.add_argument("--lookup-tokens", type=int, default=10, help="transformers' prompt_lookup_num_tokens")
+    ap.add_argument("--no-sampler", action="store_true",
+                    help="every speculative setting without the adapter's sampler (model/mask_sampler.py): "
+                         "each mask drafts its argmax (write to another --out than the run with it)")
     ap.add_argument("--seed", type=int, default=0, help="of the sample of prompts")
     ap.add_argument("--out", default="benchmarks/results/smollm2_speculative.json")
     args = ap.parse_args()
@@ -259,9 +266,9 @@ def main() -> None:
     out = Path(args.out)
     state = json.loads(out.read_text()) if out.exists() else {}
     same = ("model", "base", "gsm8k", "humaneval", "n_gsm8k", "n_humaneval", "max_tokens", "lookup_tokens", "seed",
-            "compile_mode")
-    differ = [k for k in same if state and state["args"].get(k, "max-autotune" if k == "compile_mode" else None)
-              != getattr(args, k)]
+            "compile_mode", "no_sampler")
+    older = {"compile_mode": "max-autotune", "no_sampler": False}  # (what files written before each flag ran with)
+    differ = [k for k in same if state and state["args"].get(k, older.get(k)) != getattr(args, k)]
     if differ:
         sys.exit(f"{out} holds a run with other {', '.join(differ)}: choose another --out (or remove it)")
     adapted_dir = resolve_model(args.model)
@@ -297,6 +304,10 @@ def main() -> None:
 
         hf = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
 
+    if args.no_sampler:
+        for name, (which, decoder, params) in list(OURS.items()):
+            if decoder == "speculative":
+                OURS[name] = (which, decoder, dict(params, sampler=False))
     for threads in thread_counts:
         if not any(t == threads for t, *_ in left):
             continue  # (nothing to warm up for)

@@ -54,6 +54,12 @@ untouched). Whatever prefix is accepted, the block behind it has drafted from ex
 tokens: every step then feeds a fresh draft, at the price of width + 1 blocks of masks, which the
 cost policy prices (widths.fed_tokens).
 
+Sampler (`sampler`, model/mask_sampler.py): a model may keep a small head beside its weights that
+chooses each mask's draft among its most likely tokens given the token chosen before it, one mask
+after another after the forward, starting from the step's extra token (the masks of one block are
+computed blind to each other, so their argmaxes need not hold together). It reads the masks'
+final states and logits only; the verification is untouched.
+
 Widths (widths.py): how many draft tokens and masks each sequence feeds. By default (`widths`
 cost) they are chosen before every step to maximise the batch's expected committed tokens per
 second of measured forward cost; `adaptive` grows a sequence's width by 2 after a fully accepted
