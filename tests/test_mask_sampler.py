@@ -98,12 +98,13 @@ def test_a_model_finds_the_sampler_kept_beside_it(tmp_path):
     assert isinstance(sampler_of(other), MaskSampler)
 
 
-@pytest.mark.parametrize("lookup,redraft", [(False, False), (True, False), (False, True)])
-def test_speculative_feeds_the_chain_and_every_output_stays_ar(monkeypatch, lookup, redraft):
+@pytest.mark.parametrize("lookup,redraft,width", [(False, False, 4), (True, False, 4), (False, True, 4),
+                                                  (False, False, 12)])
+def test_speculative_feeds_the_chain_and_every_output_stays_ar(monkeypatch, lookup, redraft, width):
     """With a sampler the masks' drafts a row holds after a fully accepted step (with redraft blocks,
-    after any step) are the chain from the step's extra token (not the masks' argmax), and greedy
-    output is AR's whatever the sampler drafts, at batch 1 and ragged batch 3; with sampler=False the
-    sampler is never asked."""
+    after any step) are the chain from the step's extra token (not the masks' argmax), every mask of
+    the block, and greedy output is AR's whatever the sampler drafts, at batch 1 and ragged batch 3;
+    with sampler=False the sampler is never asked."""
     model = adapted_model()
     s = random_sampler(32)
     monkeypatch.setattr(spec, "sampler_of", lambda m: s)
@@ -130,13 +131,14 @@ def test_speculative_feeds_the_chain_and_every_output_stays_ar(monkeypatch, look
     monkeypatch.setattr(spec.SpeculativeSeq, "advance", watch)
     for prompts in (PROMPTS[:1], PROMPTS):
         want = generate_ar(model, prompts, ARParams(gen_length=40), eos_ids=[])
-        p = SpeculativeParams(gen_length=40, lookup=lookup, widths="fixed", draft_length=4, redraft=redraft)
+        p = SpeculativeParams(gen_length=40, lookup=lookup, widths="fixed", draft_length=width, redraft=redraft)
         got = generate_speculative(model, prompts, p, eos_ids=[])
         assert [r.tokens for r in got] == [r.tokens for r in want]
     assert chains and held
     assert bool(redrafts) == redraft  # (rows kept redrafted blocks: they are checked with the rest)
     # every block the rows kept after a full accept is a chain the sampler drew, starting at the extra token
     drawn = [row for rows, _ in chains for row in rows]
+    assert max(map(len, drawn)) == width + 1
     assert all(any(row[:len(preds)] == [extra] + preds[1:] for row in drawn) for extra, preds in held)
     # and the chain is not the argmax (else the test would not tell them apart)
     assert any(rows != amax for rows, amax in chains)
