@@ -94,8 +94,11 @@ def test_a_model_finds_the_sampler_kept_beside_it(tmp_path):
     assert sampler_of(model) is None  # loaded from nowhere
     other = adapted_model()
     other.directory = tmp_path
-    save_sampler(random_sampler(32), tmp_path)
-    assert isinstance(sampler_of(other), MaskSampler)
+    kept = random_sampler(32)
+    save_sampler(kept, tmp_path)
+    found = sampler_of(other)
+    assert isinstance(found, MaskSampler) and sampler_of(other) is found  # read once
+    assert all(torch.equal(found.state_dict()[k], v) for k, v in kept.state_dict().items())
 
 
 @pytest.mark.parametrize("lookup,redraft,width", [(False, False, 4), (True, False, 4), (False, True, 4),

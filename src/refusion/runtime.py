@@ -1,4 +1,5 @@
-"""Where computation runs: the device a user names (checked to exist) and the number of CPU threads."""
+"""Where computation runs: the device a user names (checked to exist), the number of CPU threads, and
+giving freed memory back to the system."""
 
 from __future__ import annotations
 
@@ -57,3 +58,15 @@ def set_threads(threads: int | None, n_params: int | None = None) -> int:
 def count_parameters(model: torch.nn.Module) -> int:
     """Distinct parameters (tied embeddings counted once)."""
     return sum(p.numel() for p in model.parameters())
+
+
+def malloc_trim():
+    """glibc's malloc_trim, or None on another C library. glibc keeps what Python and torch free in its
+    heaps and arenas, so a process that allocated much (a burst of requests, forwards of many
+    lengths) stays at its peak resident size until this is called: malloc_trim(0) releases it."""
+    import ctypes
+
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        return None

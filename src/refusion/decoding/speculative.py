@@ -543,8 +543,8 @@ class SpeculativeBatch:
         the device): the first column (among the last `need`) of the masks after the draft and how
         many they are, and of the redraft blocks the first column and each block's masks (none of
         either for a row that drafts sampled tokens or asked for no sampler); and the longest block
-        of any row. None where no row has a block of two. (Every mask of a block is chained: capped
-        at 9, SmolLM2's masks-only TPF fell and its speed did not rise.)"""
+        of any row. None where no row has a block of two. (Every mask of a block is chained: a cap
+        lowered SmolLM2's masks-only TPF without a speed gain, README "The masks' sampler".)"""
         if self.sampler is None:
             return None
         use = np.array([q.p.sampler and not (q.p.temperature > 0 and q.p.sampled_drafts) for q in seqs])

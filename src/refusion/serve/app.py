@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import gc
 import logging
 import os
@@ -32,6 +31,7 @@ from starlette.routing import Route
 
 from refusion.model.transformer import Transformer
 from refusion.model.tokenizer import Tokenizer
+from refusion.runtime import malloc_trim
 from refusion.serve import budget
 from refusion.serve.engine import Engine, Job, QueueFull
 from refusion.serve.metrics import Metrics
@@ -110,7 +110,7 @@ class Server:
         free in its heaps and per-thread arenas, so after a burst (64 sequences' caches, 10 MB
         bodies) the resident size would stay at the peak for good; malloc_trim releases it. Only
         when nothing runs, and only after some work, so an idle server does nothing."""
-        trim = _malloc_trim()
+        trim = malloc_trim()
         if trim is None:
             return
         seen = 0
@@ -320,13 +320,6 @@ class _CountRequests:
 
 def _too_large(limit: int) -> RequestError:
     return RequestError(413, f"request body is larger than {limit} bytes", headers={"Connection": "close"})
-
-
-def _malloc_trim():
-    try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        return None
 
 
 def _error(e: RequestError, headers: dict | None = None) -> JSONResponse:

@@ -14,7 +14,6 @@ whose held-out chain, the masks' drafts accepted in a row, was longest at a chec
 
 from __future__ import annotations
 
-import ctypes
 import random
 import sys
 import time
@@ -27,7 +26,8 @@ from torch import Tensor
 
 from refusion.model.cache import KVCache
 from refusion.model.mask_sampler import MaskSampler
-from refusion.model.transformer import Transformer, rms_norm
+from refusion.model.transformer import Transformer
+from refusion.runtime import malloc_trim
 from refusion.training.data import Example
 
 SAVE_EVERY = 100  # examples between saves of the features while they are computed
@@ -91,6 +91,9 @@ def sampler_features(model: Transformer, examples: list[Example], cfg: SamplerTr
     rng = random.Random(cfg.seed)
     cut_lists = [sorted(rng.sample(range(len(e.response) - 1), min(cfg.cuts, len(e.response) - 1)))
                  if len(e.response) > 2 else [] for e in examples]
+    # every example's forward allocates buffers of its own length; the allocator's heap, fragmented by
+    # them, grew by megabytes an example until its freed memory went back after each one
+    trim = malloc_trim()
     bar = None
     if progress:
         from tqdm import tqdm
@@ -99,7 +102,8 @@ def sampler_features(model: Transformer, examples: list[Example], cfg: SamplerTr
     for i in range(len(parts), len(examples)):
         parts.append(example_features(model, examples[i], cut_lists[i], cfg.block, cfg.candidates)
                      if cut_lists[i] else None)
-        release_freed_memory()
+        if trim is not None:
+            trim(0)
         if bar is not None:
             bar.update(1)
         if (i + 1) % SAVE_EVERY == 0 or i + 1 == len(examples):
@@ -112,15 +116,6 @@ def sampler_features(model: Transformer, examples: list[Example], cfg: SamplerTr
     out = {k: torch.cat([p[k] for _, p in keep]) for k in keep[0][1]}
     out["example"] = torch.cat([torch.full((len(p["truth"]),), i) for i, p in keep])
     return out
-
-
-def release_freed_memory() -> None:
-    """Hand memory freed since back to the system (glibc): every example's forward allocates buffers of
-    its own length, and the allocator's heap, fragmented by them, otherwise grows by megabytes an example."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
 
 
 def _feature_key(cfg: SamplerTraining, n: int) -> dict:
