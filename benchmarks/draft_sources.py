@@ -148,7 +148,8 @@ def two_branches(held: list[int], others: list[list[int]], output: list[int], at
 
 
 def measure(model, prompts: list[list[int]], max_tokens: int, cap: int, budget: int = 8,
-            corpus_fraction: float = 1.0, corpus_where_no_copy: bool = False, sampler: bool = True) -> dict:
+            corpus_fraction: float = 1.0, corpus_where_no_copy: bool = False, sampler: bool = True,
+            fork: bool = False) -> dict:
     per = defaultdict(lambda: dict(steps=0, fed=0, accepted=0))
     tokens = forwards = steps = 0
     outputs = []
@@ -157,7 +158,7 @@ def measure(model, prompts: list[list[int]], max_tokens: int, cap: int, budget: 
     branches = dict(alone=0, **{f"first cut at {a}": 0 for a in range(1, budget - 1)})
     for prompt in prompts:
         batch = WatchedBatch(model, corpus_fraction=corpus_fraction, corpus_where_no_copy=corpus_where_no_copy)
-        batch.add(prompt, SpeculativeParams(gen_length=max_tokens, lookup=True, sampler=sampler), seed=0)
+        batch.add(prompt, SpeculativeParams(gen_length=max_tokens, lookup=True, sampler=sampler, fork=fork), seed=0)
         result = None
         while len(batch):
             for _, result in batch.step():
@@ -223,6 +224,8 @@ def main() -> None:
                     help="offer corpus drafts only where no copy is on offer (an experiment)")
     ap.add_argument("--no-sampler", action="store_true",
                     help="the masks draft their argmax, without the model's sampler (model/mask_sampler.py)")
+    ap.add_argument("--fork", action="store_true",
+                    help="decode with a second draft beside the first where it pays (SpeculativeParams.fork)")
     ap.add_argument("--frozen-costs", metavar="JSON",
                     help="the forward costs from this file (measured into it if it does not exist), kept "
                          "unchanged: runs given the same file compare exactly")
@@ -249,7 +252,7 @@ def main() -> None:
             continue
         r = results[bench] = measure(model, [tok.chat_prompt_ids(e.prompt) for e in exs], args.max_tokens, args.cap,
                                      args.budget, args.corpus_fraction, args.corpus_where_no_copy,
-                                     sampler=not args.no_sampler)
+                                     sampler=not args.no_sampler, fork=args.fork)
         total = sum(v["steps"] for v in r["kinds"].values())
         for kind, v in sorted(r["kinds"].items(), key=lambda kv: -kv[1]["steps"]):
             print(f"| {bench} | {kind} | {v['steps']} | {v['steps'] / total:.0%} | {v['fed'] / v['steps']:.2f} | "

@@ -14,6 +14,8 @@ template applied), greedy, each setting decodes every prompt at each thread coun
                                  masks' draft or a copy of earlier text, whichever it expects to go further
     speculative +lookup          the same with each mask's argmax: without the adapter's sampler (`--no-sampler`),
       no sampler                 where it has one (model/mask_sampler.py)
+    speculative +lookup +fork    the default with a second draft beside the first where it pays (`--fork`: the
+                                 runner-up of the drafts on offer, from where the two part)
     speculative +redraft,        the two above with redraft blocks (`--redraft`: after a rejection the next
     speculative +lookup +redraft draft comes from masks that saw the accepted tokens only)
     speculative +lookup 2 masks, the default with a fixed number of masks behind every draft (`--mask-length`)
@@ -75,6 +77,7 @@ OURS = {  # name -> (which model, decoder, params without gen_length)
     "speculative +lookup": ("adapted", "speculative", {"lookup": True}),
     # (the masks' argmax drafts, without the adapter's sampler where it has one: model/mask_sampler.py)
     "speculative +lookup no sampler": ("adapted", "speculative", {"lookup": True, "sampler": False}),
+    "speculative +lookup +fork": ("adapted", "speculative", {"lookup": True, "fork": True}),
     "speculative +redraft": ("adapted", "speculative", {"lookup": False, "redraft": True}),
     "speculative +lookup +redraft": ("adapted", "speculative", {"lookup": True, "redraft": True}),
     # (masks behind every draft, as many whatever its width: against the default's masks where they pay)

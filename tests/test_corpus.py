@@ -12,7 +12,7 @@ import pytest
 from refusion import bundled
 from refusion.cli import main
 from refusion.decoding import ARParams, decode, generate_ar, widths
-from refusion.decoding import corpus as corpus_module
+from refusion.decoding import corpus as corpus_module, speculative as spec
 from refusion.decoding.corpus import LookupCorpus, corpus_of, read_corpus, write_corpus
 from refusion.model.checkpoint import LOOKUP_CORPUS
 from refusion.decoding.speculative import SpeculativeParams, generate_speculative
@@ -29,7 +29,7 @@ def flat(answers):
     return np.array([t for a in answers for t in (*a, -1)])
 
 
-def brute_force(answers, history, k, ngrams=(6, 5, 4, 3, 2, 1), votes=512):
+def brute_force(answers, history, k, ngrams=(6, 5, 4, 3, 2, 1), votes=512, min_share=0.5):
     """The definition, by scanning every occurrence."""
     t = flat(answers).tolist()
     for n in ngrams:
@@ -47,6 +47,8 @@ def brute_force(answers, history, k, ngrams=(6, 5, 4, 3, 2, 1), votes=512):
                 counts[t[s + j]] = counts.get(t[s + j], 0) + 1
             best = max(counts.values())
             win = max(x for x, c in counts.items() if c == best)
+            if j and best < min_share * len(occ):  # (past the first token, too few agree: the draft ends)
+                break
             if win == -1:
                 break
             draft.append(win)
@@ -57,8 +59,12 @@ def brute_force(answers, history, k, ngrams=(6, 5, 4, 3, 2, 1), votes=512):
 
 def test_the_index_by_hand():
     c = LookupCorpus(flat([[5, 6, 7, 1], [5, 6, 8, 2], [9, 5, 6, 7, 3], [5, 6, 8], [4, 5, 6, 7, 4]]))
-    # "5 6" is followed by 7 three times and 8 twice: the latest 7 (the last answer's), to its end
-    assert c.propose([3, 5, 6], 8) == ([7, 4], 2)
+    # "5 6" is followed by 7 three times and 8 twice: 7; the three go on with 1, 3 and 4, none of them
+    # by half of the votes: the draft ends there (without that rule, the larger id of a tie: 4)
+    assert c.propose([3, 5, 6], 8) == ([7], 2)
+    assert LookupCorpus(c.tokens, min_share=0).propose([3, 5, 6], 8) == ([7, 4], 2)
+    # the first token is drafted however split its vote: 3 has 2 of the 5 votes after "1"
+    assert LookupCorpus(flat([[1, 2], [1, 3], [1, 4], [1, 5], [1, 3]])).propose([1], 8) == ([3], 1)
     assert c.propose([9, 5, 6], 8) == ([7, 3], 3)  # the longer suffix "9 5 6" is held: its own continuation
     assert c.propose([5, 6, 8], 1) == ([2], 3)  # "5 6 8" ends an answer once, and goes on to 2 once
     assert c.propose([11], 4) == ([], 0)  # never seen
@@ -153,3 +159,25 @@ def test_lookup_corpus_command_and_an_adapter_carries_its_corpus(tmp_path, monke
     (tmp_path / "empty.jsonl").write_text("{}\n")
     assert main(["lookup-corpus", str(tmp_path / "empty.jsonl"), "--model", str(base), "--out", str(adapter)]) == 2
     assert "no line holds" in capsys.readouterr().err
+
+
+def test_a_corpus_draft_beside_a_copy_is_counted_apart(tmp_path):
+    """The corpus's drafts are their own kind per match length, and another where the row also has a
+    copy of its own text on offer (the offers after a step say which)."""
+    assert len({widths.corpus_kind(n, b) for n in (1, 2, 6) for b in (False, True)}) == 6
+    assert widths.corpus_kind(6, True) < widths.SECOND < widths.KINDS
+    save_model(Transformer(ModelConfig(**CFG)).init_weights(seed=7, std=0.5), tmp_path / "m")
+    write_corpus(tmp_path / "m", [[5, 6, 7, 8, 9, 10]])
+    model = load_model(tmp_path / "m")
+    batch = spec.SpeculativeBatch(model, eos_ids=[])
+    offered = []
+    plain = spec.SpeculativeBatch._offer_drafts
+
+    for prompt, has_copy in (([5, 6, 7, 2, 5, 6, 7], True), ([2, 3, 5, 6, 7], False)):
+        q = spec.SpeculativeSeq(0, prompt, SpeculativeParams(gen_length=8, lookup=True), MASK, set(), 0, None,
+                                lookup=True)
+        q.draft, q.kind = [], widths.FRESH  # (nothing of the masks': the best offer is held)
+        q.acceptance.record(widths.corpus_kind(3, has_copy), 4, 4)  # (the corpus's kind goes far for this row)
+        plain(batch, [q])
+        offered.append(q.kind)
+    assert offered == [widths.corpus_kind(3, True), widths.corpus_kind(3, False)]

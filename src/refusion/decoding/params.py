@@ -139,6 +139,10 @@ class SpeculativeParams:
     redraft: bool = option(False, "also feed, behind each draft token, masks that see the draft only up to it, so "
                                   "that after a partly accepted draft the next one is drafted from the accepted "
                                   "tokens (wider forwards, which the cost policy prices; exact either way)")
+    fork: bool = option(False, "also feed, beside the draft, a second one (the runner-up of the masks', the copy's and "
+                               "the corpus' drafts) from the token where the two part, seeing only its own branch: "
+                               "a step accepts whichever goes further (the cost policy feeds it where it pays; "
+                               "exact either way)")
     sampler: bool = option(True, "chain each mask's draft on the token drafted before it with the model's mask "
                                  "sampler, where it has one (mask_sampler.safetensors beside its weights); off: "
                                  "each mask's argmax (exact either way)", flag="--no-sampler")
@@ -187,6 +191,9 @@ class SpeculativeParams:
             check_probability("accept_prob", self.accept_prob)
             if self.accept_prob == 0:
                 raise ValueError("accept_prob must be > 0 (0 would accept every draft token)")
+        if self.fork and self.redraft:
+            raise ValueError("fork and redraft do not combine (a second draft would need redraft blocks of its own): "
+                             "choose one")
 
     def check_model(self, config) -> None:
         """The widths within the model's context: no step can draft past the positions it has."""
@@ -199,10 +206,10 @@ class SpeculativeParams:
 
     @property
     def max_width(self) -> int:
-        """The most tokens one step can feed after the prefill: x, the draft and the masks."""
+        """The most tokens one step can feed after the prefill: x, the draft, the masks (and a second draft)."""
         d = min(self.draft_length, REDRAFT_COST_DRAFT) if self.redraft and self.widths == "cost" else self.draft_length
         masks = self.mask_length if self.mask_length is not None else d + 1
-        return 1 + d + masks * (1 + d if self.redraft else 1)
+        return 1 + d + masks * (1 + d if self.redraft else 1) + (d if self.fork else 0)
 
 
 register(Decoder("speculative", SpeculativeParams, "refusion.decoding.speculative:generate_speculative",

@@ -54,6 +54,16 @@ untouched). Whatever prefix is accepted, the block behind it has drafted from ex
 tokens: every step then feeds a fresh draft, at the price of width + 1 blocks of masks, which the
 cost policy prices (widths.fed_tokens).
 
+Fork (`fork`): a row holding more than one draft (the masks', a copy, the corpus's) also feeds the
+runner-up beside the one it verifies, from the token where the two part: its tokens sit after the
+masks, at the positions after the fork, and see x, the shared tokens and their own branch only (an
+attention mask). Where the first draft is rejected exactly at the fork, the second is verified in
+the same forward and, where it goes further, its accepted tokens are committed and their KV moved to
+the columns after the fork (one copy per layer, only then). The cost policy feeds as many of its
+tokens as pay (_choose_seconds): the chance that it is tested, times how far second drafts have
+gone where they were (their own kind of acceptance, widths.SECOND), against what they add to the
+forward.
+
 Sampler (`sampler`, model/mask_sampler.py): a model may keep a small head beside its weights that
 chooses each mask's draft among its most likely tokens given the token chosen before it, one mask
 after another after the forward, starting from the step's extra token (the masks of one block are
@@ -139,6 +149,11 @@ class SpeculativeSeq:
         # redraft: this step's blocks of masks behind x and each draft token but the last, each seeing
         # the draft up to its own place only: feed index of the first, and each one's length (0: none)
         self.redraft_from = self.redraft_len = 0
+        # fork: a second draft of the same positions (the runner-up offer, _offer_drafts), kept from where
+        # it parts from the draft: its tokens after the first second_at, which the two share; this
+        # step feeds second_width of them (_choose_seconds), after the masks, from feed index second_from
+        self.second: list[int] = []
+        self.second_at = self.second_width = self.second_from = self.fed_second = 0
         self.anchor = 0  # feed index whose logits give the first token of this step
 
     def _masks(self) -> int:
@@ -172,7 +187,15 @@ class SpeculativeSeq:
             self.anchor, self.fed_k = 0, k
             start = self.P + len(self.res.tokens) - 1  # x's position
         pos = list(range(start, start + len(ids)))
-        self.redraft_from = self.redraft_len = 0
+        self.redraft_from = self.redraft_len = self.second_from = self.fed_second = 0
+        if self.x is not None and self.second_at < k and self.second_width:
+            # the second draft's tokens see x and the draft's first second_at tokens, then their own
+            s = self.second_at
+            n = min(self.second_width, len(self.second), left - 1 - s)
+            if n > 0:
+                self.second_from, self.fed_second = len(ids), n
+                ids += self.second[:n]
+                pos += range(start + s + 1, start + s + 1 + n)
         if self.p.redraft and self.x is not None and k and m:
             # block i drafts from x, d1..di: its masks sit at the positions after d_i's (after x's for i = 0)
             self.redraft_from, self.redraft_len = len(ids), m
@@ -183,12 +206,16 @@ class SpeculativeSeq:
         self.res.tokens_fed += len(ids)
         return ids, pos
 
-    def advance(self, j: int, extra: int, mask_preds: list[int], redrafted: list[int] | None = None) -> None:
+    def advance(self, j: int, extra: int, mask_preds: list[int], redrafted: list[int] | None = None,
+                second_run: int | None = None) -> None:
         """Commit the first j draft tokens and `extra`; keep their KV; make the next draft (after a
-        rejection, `redrafted` when this step fed redraft blocks: the draft from the accepted tokens)."""
+        rejection, `redrafted` when this step fed redraft blocks: the draft from the accepted tokens).
+        second_run: the second draft went further (j is its fork): its first second_run tokens come
+        after the draft's j (the decoder has moved their KV to the columns after those)."""
         prefill = self.x is None
         k = self.fed_k
-        commit = (self.draft[:j] + [extra])[: self.p.gen_length - len(self.res.tokens)]
+        run = self.draft[:j] + (self.second[:second_run] if second_run is not None else [])
+        commit = (run + [extra])[: self.p.gen_length - len(self.res.tokens)]
         eos_at = next((i for i, t in enumerate(commit) if t in self.eos), None)
         if eos_at is not None:
             commit = commit[: eos_at + 1]
@@ -205,10 +232,12 @@ class SpeculativeSeq:
             self.draft = mask_preds  # (the first mask's prediction was `extra`)
         else:
             # the prompt (prefill) or x, and the accepted drafts: their KV was computed by this forward
-            self.c = self.P + j if prefill else self.c + j + 1
+            self.c = self.P + j if prefill else self.c + len(run) + 1
             # after a mismatch the rest of the old draft still guesses the positions after `extra`;
             # after a full accept `extra` took the first mask's position
-            if redrafted is not None and j < k:
+            if second_run is not None:  # (the masks sat behind the first draft)
+                self.draft = [] if self.fresh_after_miss else self.second[second_run + 1:]
+            elif redrafted is not None and j < k:
                 self.draft = redrafted
             elif j < k and self.fresh_after_miss:
                 self.draft = []  # the next step's masks draft from the committed tokens
@@ -224,6 +253,7 @@ class SpeculativeSeq:
         else:
             self.kind = widths.FRESH  # (a plan not fed with the prompt: the masks drafted)
         self.x = extra
+        self.second, self.second_at = [], 0
         if self.index is not None:
             self.index.extend(commit)
         if self.on_commit is not None and commit:
@@ -336,6 +366,7 @@ class SpeculativeBatch:
         else:
             self._hold_widths()
             self.held += 1
+        self._choose_seconds()
         for lo, hi, prefill in ((0, old, False), (old, len(self.running), True)):
             if hi > lo:
                 self._forward(lo, hi, prefill, began)
@@ -448,6 +479,50 @@ class SpeculativeBatch:
             if q.bare and q.kind < widths.LOOKUP:
                 q.bare = False
 
+    def _choose_seconds(self) -> None:
+        """How many tokens of its second draft each forking row feeds this step (fork): the most
+        expected tokens beyond the first draft's, less what they add to the forward's cost at the
+        step's tokens per second, where that is positive. A second draft is tested only where the
+        first is accepted up to the fork and rejected there (the chance of that, by the first draft's
+        rates), and is then accepted as far as the second drafts of this row and model were lately
+        where they were tested (the SECOND kind's rates)."""
+        seqs = [q for q in self.running if q.x is not None]  # (a prefill never forks)
+        for q in self.running:
+            q.second_width = 0
+        left = [q.p.gen_length - len(q.res.tokens) for q in seqs]
+        k = np.array([q._fed_draft(n) for q, n in zip(seqs, left)])
+        at = np.array([q.second_at for q in seqs])
+        room = np.array([min(len(q.second), q.p.draft_length, n - 1 - q.second_at) if q.p.fork else 0
+                         for q, n in zip(seqs, left)])
+        ask = (room > 0) & (at < k)
+        if not ask.any():
+            return
+        if self.cost is None:
+            self.cost = widths.cost_model(self.model)
+        B, K, L = len(seqs), int(k.max()), int(room.max())
+        rate = self._rates(seqs, [q.kind for q in seqs], K)
+        value = widths.expected_accepted(rate, k)
+        upto = np.concatenate([np.ones((B, 1)), np.cumprod(rate, axis=1)], 1)  # [B, K + 1]: reaches position i
+        rows = np.arange(B)
+        # accepted up to the fork and rejected there
+        tested = upto[rows, np.minimum(at, K)] * (1 - rate[rows, np.minimum(at, K - 1)])
+        second = np.cumsum(np.cumprod(self._rates(seqs, [widths.SECOND] * B, L), axis=1), axis=1)  # [B, L]
+        n = np.arange(1, L + 1)[None, :]
+        gain = np.where(n <= room[:, None], tested[:, None] * second, -np.inf)
+        fed = np.array([1 + kk + min(q._masks(), n - kk) for q, kk, n in zip(seqs, k.tolist(), left)])
+        total = int(fed.sum())
+        if self.cost.packed:
+            grid = self.cost.grid(B, total + L + 1)
+            seconds, more = float(grid[total]), grid[total + n] - grid[total]  # [1, L]
+        else:  # padded to the widest row
+            seconds = float(self.cost(B, [B * int(fed.max())])[0])
+            more = self.cost(B, (B * np.maximum(fed[:, None] + n, fed.max())).ravel()).reshape(B, L) - seconds
+        ratio = (B + float(value.sum())) / seconds
+        net = np.where(ask[:, None], gain - ratio * more, -np.inf)
+        best = net.argmax(1)
+        for i in np.flatnonzero(net[rows, best] > 0):
+            seqs[i].second_width = int(best[i]) + 1
+
     def _masks_pay(self, seqs: list[SpeculativeSeq], bare: np.ndarray, chosen: np.ndarray, masks: np.ndarray,
                    redraft: np.ndarray, rate: np.ndarray, n: int) -> np.ndarray:
         """[B]: the rows to feed bare (a draft of other text, no masks behind it) at the widths chosen
@@ -488,25 +563,28 @@ class SpeculativeBatch:
         packed = np.zeros((3, B, W), dtype=np.int64)  # ids, positions, cache columns
         # anchor's index among the last `need`, draft length, seed, response position the anchor
         # predicts, prompt length
-        meta = np.zeros((5, B), dtype=np.int64)
+        # prompt length; and the second draft's first column among the last `need`, fork and length
+        meta = np.zeros((8, B), dtype=np.int64)
         for b, (q, (ids, pos)) in enumerate(zip(seqs, feeds)):
             w, off = len(ids), W - len(ids)
             packed[0, b], packed[1, b, off:] = self.pad, pos
             packed[0, b, off:] = ids
-            meta[:, b] = need - (w - q.anchor), q.fed_k, q.seed, len(q.res.tokens), q.P
+            a = need - (w - q.anchor)
+            meta[:, b] = a, q.fed_k, q.seed, len(q.res.tokens), q.P, a + q.second_from, q.second_at, q.fed_second
         # cache columns: a row's w real tokens take its next w columns and its W - w padding slots the
         # columns after them, where no real query of the row looks (rolled: padding comes first)
         fed_w = np.array([len(ids) for ids, _ in feeds])
         packed[2] = np.array([q.c for q in seqs])[:, None] + (np.arange(W)[None, :] + fed_w[:, None]) % W
         dev = torch.from_numpy(np.concatenate([packed.reshape(-1), meta.reshape(-1)])).to(self.device)
         ids_t, pos_t, col_t = dev[: 3 * B * W].view(3, B, W)
-        anchor_t, k_t, seed_t, g_t, prompt_t = dev[3 * B * W:].view(5, B)
+        anchor_t, k_t, seed_t, g_t, prompt_t, *second_t = dev[3 * B * W:].view(8, B)
+        forked = bool(meta[7].any())
         used = max(q.c for q in seqs) + W
         cache = self.cache.at(col_t, keys=used, row0=lo)
         # a query sees every kept column of its row and its own row's fed tokens up to itself
         cols = torch.arange(used, device=self.device)[None, None, :]
-        if any(q.redraft_len for q in seqs):
-            mask = self._redraft_mask(seqs, packed[2], fed_w, cols, col_t)
+        if forked or any(q.redraft_len for q in seqs):
+            mask = self._branch_mask(seqs, packed[2], fed_w, cols, col_t)
         else:
             mask = cols <= col_t[:, :, None]
         real = packed_index(fed_w, W, self.device)  # ragged rows: only real tokens
@@ -515,21 +593,31 @@ class SpeculativeBatch:
         out = self.model(ids_t, pos_t, attn_mask=mask[:, None], cache=cache, num_logits=need, real=real,
                          states=chained is not None)
         logits, states = (out[0].float(), out[1]) if chained is not None else (out.float(), None)
-        j, extra, drafts = self._judge(seqs, logits, ids_t[:, W - need:], pos_t[:, W - need:] - prompt_t[:, None],
-                                       anchor_t, k_t, seed_t, g_t)
+        j, extra, drafts, run = self._judge(seqs, logits, ids_t[:, W - need:], pos_t[:, W - need:] - prompt_t[:, None],
+                                            anchor_t, k_t, seed_t, g_t, second_t if forked else None,
+                                            int(meta[7].max()))
         if chained is not None:
             drafts = self._chain(drafts, logits, states, j, k_t, extra, *chained)
-        host = torch.cat([j[:, None], extra[:, None], drafts], 1).cpu().numpy()  # the step's one transfer
+        # the step's one transfer
+        host = torch.cat([j[:, None], extra[:, None], run[:, None], drafts], 1).cpu().numpy()
         kinds = np.array([q.kind for q in seqs])
         for b, (q, (ids, _)) in enumerate(zip(seqs, feeds)):
-            a, k, j = int(meta[0, b]), q.fed_k, int(host[b, 0])
+            a, k, j, run = int(meta[0, b]), q.fed_k, int(host[b, 0]), int(host[b, 2])
             masks_from = a + 1 + k  # the masks after the anchor and the draft
-            if q.redraft_len:  # (the blocks after the draft's own masks: block j drafts from the accepted tokens)
+            if q.fed_second and j == q.second_at:  # the second draft was tested: it went further where run > 0
+                q.acceptance.record(widths.SECOND, run, q.fed_second)
+                self.prior.record(widths.SECOND, run, q.fed_second)
+                if run:  # its accepted tokens' KV go to the columns after the fork
+                    self.cache.move_columns(lo + b, q.c + q.second_from, q.c + q.second_at + 1, run)
+            if run:  # (the masks sat behind the first draft)
+                q.advance(j, int(host[b, 1]), [], second_run=run)
+            elif q.redraft_len:  # (the blocks after the draft's own masks: block j drafts from the accepted tokens)
                 r, first = q.redraft_len, a + q.redraft_from
-                redrafted = host[b, 2 + first + j * r + 1: 2 + first + (j + 1) * r].tolist() if j < k else None
-                q.advance(j, int(host[b, 1]), host[b, 2 + masks_from: 2 + first].tolist(), redrafted)
+                redrafted = host[b, 3 + first + j * r + 1: 3 + first + (j + 1) * r].tolist() if j < k else None
+                q.advance(j, int(host[b, 1]), host[b, 3 + masks_from: 3 + first].tolist(), redrafted)
             else:
-                q.advance(j, int(host[b, 1]), host[b, 2 + masks_from: 2 + need].tolist())
+                end = a + q.second_from if q.fed_second else need
+                q.advance(j, int(host[b, 1]), host[b, 3 + masks_from: 3 + end].tolist())
         self._offer_drafts(seqs)
         if not prefill:
             self.prior.record_many(kinds, host[:, 0], meta[1], predicted)
@@ -549,7 +637,8 @@ class SpeculativeBatch:
             return None
         use = np.array([q.p.sampler and not (q.p.temperature > 0 and q.p.sampled_drafts) for q in seqs])
         first = anchor + 1 + np.array([q.fed_k for q in seqs])
-        redraft = np.array([a + q.redraft_from if q.redraft_len else need for q, a in zip(seqs, anchor)])
+        redraft = np.array([a + q.redraft_from if q.redraft_len else a + q.second_from if q.fed_second else need
+                            for q, a in zip(seqs, anchor)])
         n = np.where(use, np.maximum(redraft - first, 0), 0)
         r = np.where(use, [q.redraft_len for q in seqs], 0)
         M = int(max(n.max(initial=0), r.max(initial=0)))
@@ -580,20 +669,25 @@ class SpeculativeBatch:
         spare = torch.cat([drafts, drafts.new_zeros(B, 1)], 1)
         return spare.scatter(1, cols, torch.where(valid, chain, 0))[:, :N]
 
-    def _redraft_mask(self, seqs: list[SpeculativeSeq], col: np.ndarray, fed_w: np.ndarray, cols: Tensor,
-                      col_t: Tensor) -> Tensor:
-        """The step's attention mask [B, W, used] when rows feed redraft blocks: a query sees its row's
-        kept columns and fed tokens up to `upto` (itself, but for block i's masks x, d1..di), and the
-        columns from `own` (its block's first) to itself. col [B, W]: each fed slot's cache column
+    def _branch_mask(self, seqs: list[SpeculativeSeq], col: np.ndarray, fed_w: np.ndarray, cols: Tensor,
+                     col_t: Tensor) -> Tensor:
+        """The step's attention mask [B, W, used] when rows feed redraft blocks or a second draft: a
+        query sees its row's kept columns and fed tokens up to `upto` (itself, but for block i's masks
+        x, d1..di, and for the second draft x and the draft up to the fork), and the columns from
+        `own` (its block's or branch's first) to itself. col [B, W]: each fed slot's cache column
         (col_t: the same, already on the device)."""
         upto, own = col.copy(), col + 1
         W = col.shape[1]
         for b, q in enumerate(seqs):
-            r = q.redraft_len
+            r, x = q.redraft_len, W - fed_w[b]  # x: the row's first slot (right-aligned rows)
             for i in range(q.fed_k if r else 0):
-                s = W - fed_w[b] + q.redraft_from + i * r  # the block's first slot in the right-aligned row
-                upto[b, s:s + r] = col[b, W - fed_w[b]] + i  # x's column, then d1's, ...
+                s = x + q.redraft_from + i * r  # the block's first slot
+                upto[b, s:s + r] = col[b, x] + i  # x's column, then d1's, ...
                 own[b, s:s + r] = col[b, s]
+            if q.fed_second:
+                s, n = x + q.second_from, q.fed_second
+                upto[b, s:s + n] = col[b, x] + q.second_at
+                own[b, s:s + n] = col[b, s]
         upto_t, own_t = torch.from_numpy(np.stack([upto, own])).to(self.device)
         at = col_t[:, :, None]
         return (cols <= upto_t[:, :, None]) | ((cols >= own_t[:, :, None]) & (cols <= at))
@@ -615,7 +709,7 @@ class SpeculativeBatch:
                 if self.corpus is not None:
                     draft, n = self.corpus.propose(q.index.tokens, q.p.draft_length)
                     if draft:
-                        offers.append((q, draft, widths.corpus_kind(n)))
+                        offers.append((q, draft, widths.corpus_kind(n, beside_copy=bool(copy))))
             if q.plan is not None:
                 g = len(q.res.tokens)  # the response position the draft starts at
                 if g < len(q.plan):
@@ -630,18 +724,27 @@ class SpeculativeBatch:
                             for q, draft, _ in offers]).ravel()
         rate = widths.rates(reached, accepted, np.array(pick).ravel(), self.prior)
         value = widths.expected_accepted(rate, lengths).reshape(-1, 2)
-        best: dict[int, float] = {}  # row -> the value of the draft it holds now
+        # per row, its drafts by expected value: the one it holds first, then the offers in order
+        held: dict[int, list] = {}
         for (q, draft, kind), (masks, offered) in zip(offers, value):
-            held = best.setdefault(id(q), masks)
-            if offered > held or (kind == widths.PLAN and offered == held):  # (a plan wins a tie: it was asked for)
-                q.draft, q.kind, best[id(q)] = draft, kind, offered
+            held.setdefault(id(q), [q, (masks, False, q.draft, q.kind)]).append((offered, kind == widths.PLAN, draft, kind))
+        for q, *drafts in held.values():
+            drafts.sort(key=lambda d: d[:2], reverse=True)  # (stable; a plan wins a tie: it was asked for)
+            _, _, q.draft, q.kind = drafts[0]
+            if q.p.fork:
+                q.second, q.second_at = _second_draft(q.draft, [d[2] for d in drafts[1:]])
 
     def _judge(self, seqs: list[SpeculativeSeq], logits: Tensor, ids: Tensor, own: Tensor, anchor: Tensor,
-               k: Tensor, seed: Tensor, g: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Per row: j (accepted draft tokens), the extra token, and every column's draft token (the
-        masks' ones are the next draft): its argmax, or with sampled_drafts its position-keyed draw.
-        logits/ids: the last N fed columns; own: each column's response position; the anchor column
-        predicts response position g, each draft column after it the next one, each mask its own."""
+               k: Tensor, seed: Tensor, g: Tensor, second: list[Tensor] | None = None, L: int = 0
+               ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Per row: j (accepted draft tokens), the extra token, every column's draft token (the
+        masks' ones are the next draft): its argmax, or with sampled_drafts its position-keyed draw;
+        and how many tokens of the second draft were accepted after the draft's first j (0 unless it
+        was tested, j being its fork, and went further). logits/ids: the last N fed columns; own:
+        each column's response position; the anchor column predicts response position g, each draft
+        column after it the next one, each mask its own. second: each row's second draft (first
+        column, fork, length; L the longest), whose first token is predicted by the column of the
+        draft's token at the fork and each other by the column before it."""
         B, N, _ = logits.shape
         amax = logits.argmax(-1)
         want = drafts = amax  # the token each column's prediction commits: greedy, or the position-keyed draw
@@ -659,7 +762,11 @@ class SpeculativeBatch:
             # the position each column's draw is for: the next one up to the last draft token, then
             # the masks' own (the uniforms the output at those positions will be drawn with)
             a = anchor[:, None]
-            target = torch.where(col <= a + k[:, None], g[:, None] + col - a, own)
+            target = own  # a mask's own position; the anchor's is g, a draft's or a second draft's the next
+            if second is not None:
+                branch = (col >= second[0][:, None]) & (col < (second[0] + second[2])[:, None])
+                target = torch.where(branch, own + 1, own)
+            target = torch.where(col <= a + k[:, None], g[:, None] + col - a, target)
             tok = draw(probs, position_uniforms(seed, target.clamp(min=0)))
             want = torch.where(torch.tensor(sampling, device=logits.device)[:, None], tok, amax)
             sampled = [s and q.p.sampled_drafts for q, s in zip(seqs, sampling)]
@@ -678,7 +785,39 @@ class SpeculativeBatch:
         run = torch.where(c < a, True, torch.where(c < a + k[:, None], ok, False))
         j = run.long().cumprod(1).sum(1) - anchor
         extra = want.gather(1, (anchor + j)[:, None]).squeeze(1)  # the column after the accepted drafts
-        return j, extra, drafts
+        went = torch.zeros_like(j)
+        if second is not None:
+            first, fork, n = second
+            i = torch.arange(L, device=logits.device)[None, :]
+            slot = (first[:, None] + i).clamp(max=N - 1)
+            parent = torch.where(i == 0, (anchor + fork)[:, None], slot - 1)
+            tok = ids.gather(1, slot)
+            ok2 = tok == want.gather(1, parent)
+            if any(t is not None for t in taus):
+                rows = torch.arange(B, device=logits.device)[:, None]
+                if probs is None:
+                    lp = logits[rows, parent]
+                    p_tok = (lp.gather(-1, tok[..., None]).squeeze(-1) - lp.logsumexp(-1)).exp()
+                else:
+                    p_tok = probs[rows, parent].gather(-1, tok[..., None]).squeeze(-1)
+                ok2 |= p_tok >= tau[:, None]
+            went = ((ok2 & (i < n[:, None])).long().cumprod(1).sum(1)) * ((n > 0) & (j == fork))
+            extra = torch.where(went > 0, want.gather(1, (first + went - 1).clamp(min=0)[:, None]).squeeze(1), extra)
+        return j, extra, drafts, went
+
+
+def _second_draft(draft: list[int], others: list[list[int]]) -> tuple[list[int], int]:
+    """The first of `others` that parts from `draft` within both (the better drafts come first): its
+    tokens after the ones the two share, and how many those are (([], 0): none)."""
+    for other in others:
+        s = 0
+        for a, b in zip(draft, other):
+            if a != b:
+                break
+            s += 1
+        if s < min(len(draft), len(other)):
+            return other[s:], s
+    return [], 0
 
 
 @torch.inference_mode()

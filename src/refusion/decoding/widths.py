@@ -317,7 +317,11 @@ def _timed_forward(model: Transformer, cache: RaggedKVCache, rows: int, width: i
 FRESH, AFTER_MISS, LOOKUP = 0, 1, 2  # the kinds of draft a step feeds (Acceptance)
 PLAN = LOOKUP + max(LOOKUP_NGRAMS)  # a copy's kind is LOOKUP + its match's length - 1 (lookup_kind)
 CORPUS = PLAN + 1  # PLAN: a draft answer given with the prompt (plan-and-infill's, ReFusionParams.verify)
-KINDS = CORPUS + max(CORPUS_NGRAMS)  # a corpus draft's kind is CORPUS + its match's length - 1 (corpus_kind)
+# a corpus draft's kind is CORPUS + its match's length - 1, or that plus max(CORPUS_NGRAMS) where a copy is on
+# offer beside it (corpus_kind); SECOND: a second draft fed beside the first (SpeculativeParams.fork), counted
+# only where it was tested: where the first draft failed at the fork
+SECOND = CORPUS + 2 * max(CORPUS_NGRAMS)
+KINDS = SECOND + 1
 
 
 def lookup_kind(n: int) -> int:
@@ -325,9 +329,12 @@ def lookup_kind(n: int) -> int:
     return LOOKUP + n - 1
 
 
-def corpus_kind(n: int) -> int:
-    """The kind of a draft from the model's lookup corpus found by matching the last n tokens (corpus.py)."""
-    return CORPUS + n - 1
+def corpus_kind(n: int, beside_copy: bool = False) -> int:
+    """The kind of a draft from the model's lookup corpus found by matching the last n tokens (corpus.py),
+    counted apart where a copy of the sequence's own text is on offer too: where the text repeats
+    itself, the model follows it rather than its habits, and the corpus's drafts go far less far
+    there than elsewhere (SmolLM2: about half as far)."""
+    return CORPUS + n - 1 + (max(CORPUS_NGRAMS) if beside_copy else 0)
 
 
 class Acceptance:
@@ -337,7 +344,9 @@ class Acceptance:
     the old draft (drafted beside the token that was rejected), then the masks'; lookup_kind(n), a
     copy of what followed the same n last tokens earlier in the text (lookup.py); PLAN, the
     sequence's draft answer at the positions that follow; corpus_kind(n), what the model's lookup
-    corpus continues the same n last tokens with (corpus.py). They are counted
+    corpus continues the same n last tokens with (corpus.py), apart where a copy is on offer too; SECOND, a second draft of any of those
+    kinds fed beside the first from where they part, counted only where the first failed there
+    (the chance it then holds is what a second draft is worth). They are counted
     apart because they are accepted very differently. Counts change through record and
     record_many only: what is read from them is kept until they do."""
 

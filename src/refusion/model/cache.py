@@ -273,6 +273,13 @@ class RaggedKVCache:
             for buf in buffers:
                 buf[dst, :, :length] = buf[src, :, :length]
 
+    def move_columns(self, row: int, src: int, dst: int, n: int) -> None:
+        """Copy row `row`'s columns [src, src + n) to [dst, dst + n) (the ranges may overlap): a
+        speculative step keeps the KV of a second draft's accepted tokens where its first draft's were."""
+        for buffers in (self.k, self.v):
+            for buf in buffers:
+                buf[row, :, dst:dst + n] = buf[row, :, src:src + n].clone()
+
     def row(self, r: int, length: int) -> tuple[list[Tensor], list[Tensor]]:
         """Row r's first `length` keys and values per layer ([kv_heads, length, head_dim] views)."""
         return [k[r, :, :length] for k in self.k], [v[r, :, :length] for v in self.v]
