@@ -17,7 +17,8 @@ CHEAP = widths.CostModel.of(lambda rows, tokens: 1e-3 + 1e-7 * tokens)  # wide f
 DEAR = widths.CostModel.of(lambda rows, tokens: 1e-3 * tokens)  # every token as dear as a forward of one
 
 FORK = [dict(lookup=True), dict(lookup=True, widths="fixed", draft_length=3), dict(lookup=True, widths="adaptive"),
-        dict(lookup=True, fresh_after_miss=False), dict(lookup=True, mask_length=0, widths="fixed", draft_length=4)]
+        dict(lookup=True, fresh_after_miss=False), dict(lookup=True, mask_length=0, widths="fixed", draft_length=4),
+        dict(lookup=True, accept_prob=0.9)]  # (greedy: a token this probable is the argmax, so still AR's output)
 
 
 @pytest.fixture

@@ -486,9 +486,11 @@ class SpeculativeBatch:
         first is accepted up to the fork and rejected there (the chance of that, by the first draft's
         rates), and is then accepted as far as the second drafts of this row and model were lately
         where they were tested (the SECOND kind's rates)."""
-        seqs = [q for q in self.running if q.x is not None]  # (a prefill never forks)
         for q in self.running:
             q.second_width = 0
+        if not any(q.second for q in self.running):  # (only a row that forks holds one)
+            return
+        seqs = [q for q in self.running if q.x is not None]  # (a prefill never forks)
         left = [q.p.gen_length - len(q.res.tokens) for q in seqs]
         k = np.array([q._fed_draft(n) for q, n in zip(seqs, left)])
         at = np.array([q.second_at for q in seqs])
@@ -562,8 +564,7 @@ class SpeculativeBatch:
         # rows are right-aligned so that every row's anchor..end falls in the last `need` columns
         packed = np.zeros((3, B, W), dtype=np.int64)  # ids, positions, cache columns
         # anchor's index among the last `need`, draft length, seed, response position the anchor
-        # predicts, prompt length
-        # prompt length; and the second draft's first column among the last `need`, fork and length
+        # predicts, prompt length; the second draft's first column among the last `need`, fork, length
         meta = np.zeros((8, B), dtype=np.int64)
         for b, (q, (ids, pos)) in enumerate(zip(seqs, feeds)):
             w, off = len(ids), W - len(ids)
