@@ -24,7 +24,7 @@ import torch
 
 from refusion.bundled import resolve_model
 from refusion.decoding import widths
-from refusion.decoding.corpus import MAX_VOTES, LookupCorpus, _hash
+from refusion.decoding.corpus import LookupCorpus
 from refusion.decoding.params import SpeculativeParams
 from refusion.decoding.speculative import SpeculativeBatch
 from refusion.model.checkpoint import load_model
@@ -38,18 +38,9 @@ BUCKETS = (0.0, 0.3, 0.5, 0.7, 0.9, 1.0)  # share buckets [lo, hi); the last is 
 def voted(corpus: LookupCorpus, history: list[int], k: int) -> tuple[list[int], list[float]]:
     """The corpus's draft of up to k tokens after `history`, uncut, and each token's share of the vote."""
     t = corpus.tokens
-    for n in corpus.ngrams:
-        if len(history) < n or not len(corpus.keys[n]):
-            continue
-        suffix = np.asarray(history[-n:], dtype=np.int64)
-        h = np.uint64(_hash(suffix.tolist()))
-        keys = corpus.keys[n]
-        lo, hi = int(np.searchsorted(keys, h, "left")), int(np.searchsorted(keys, h, "right"))
-        at = corpus.starts[n][max(lo, hi - MAX_VOTES):hi].astype(np.int64)
-        at = at[(t[at[:, None] - n + np.arange(n)] == suffix).all(1)]
-        if not len(at):
-            continue
-        draft, shares = [], []
+    at, n = corpus.occurrences(history)
+    draft, shares = [], []
+    if n:
         for j in range(k):
             values, counts = np.unique(t[at + j], return_counts=True)
             i = len(counts) - 1 - int(counts[::-1].argmax())
@@ -58,8 +49,7 @@ def voted(corpus: LookupCorpus, history: list[int], k: int) -> tuple[list[int], 
             draft.append(int(values[i]))
             shares.append(float(counts[i] / len(at)))
             at = at[t[at + j] == values[i]]
-        return draft, shares
-    return [], []
+    return draft, shares
 
 
 class VotedBatch(SpeculativeBatch):

@@ -76,9 +76,9 @@ class LookupCorpus:
         order = np.argsort(h[ok], kind="stable")  # (stable: each hash's occurrences stay in corpus order)
         return h[ok][order], (ok[order] + n).astype(np.int32)
 
-    def propose(self, history: Sequence[int], k: int) -> tuple[list[int], int]:
-        """(up to k tokens the corpus most often continues the longest suffix of `history` it holds
-        with, voted token by token, that suffix's length), or ([], 0)."""
+    def occurrences(self, history: Sequence[int]) -> tuple[np.ndarray, int]:
+        """Where the continuations of the longest suffix of `history` the corpus holds begin (its
+        latest MAX_VOTES occurrences), and that suffix's length; (empty, 0) where none is held."""
         t = self.tokens
         for n in self.ngrams:
             if len(history) < n or not len(self.keys[n]):
@@ -89,10 +89,15 @@ class LookupCorpus:
             lo, hi = int(np.searchsorted(keys, h, "left")), int(np.searchsorted(keys, h, "right"))
             at = self.starts[n][max(lo, hi - MAX_VOTES):hi].astype(np.int64)  # (its latest occurrences)
             at = at[(t[at[:, None] - n + np.arange(n)] == suffix).all(1)]  # (a hash collision: not this n-gram)
-            if not len(at):
-                continue
-            return self._vote(at, k), n
-        return [], 0
+            if len(at):
+                return at, n
+        return np.zeros(0, np.int64), 0
+
+    def propose(self, history: Sequence[int], k: int) -> tuple[list[int], int]:
+        """(up to k tokens the corpus most often continues the longest suffix of `history` it holds
+        with, voted token by token, that suffix's length), or ([], 0)."""
+        at, n = self.occurrences(history)
+        return (self._vote(at, k), n) if n else ([], 0)
 
     def _vote(self, at: np.ndarray, k: int) -> list[int]:
         """The draft from occurrences whose continuations begin at `at`: at each position the most
