@@ -79,6 +79,85 @@ def test_the_index_by_hand():
     assert LookupCorpus(np.array([2, 3, 4])).propose([2], 8) == ([3, 4], 1)
 
 
+def brute_force_runner_up(answers, history, draft, k, ngrams=(6, 5, 4, 3, 2, 1), votes=512, min_share=0.5):
+    """The definition: among the occurrences of the longest suffix held (its latest `votes`), at the first
+    place within `draft` where any goes on otherwise, the most frequent other next token (not an
+    answer's end; a tie: the larger id), then the vote of the occurrences going on with it."""
+    t = flat(answers).tolist()
+    for n in ngrams:
+        if len(history) < n:
+            continue
+        suf = list(history[-n:])
+        occ = [s + n for s in range(len(t) - n) if t[s:s + n] == suf and t[s + n] >= 0][-votes:]
+        if not occ:
+            continue
+        for j, d in enumerate(draft):
+            if len(occ) < 2:
+                return []
+            others = {}
+            for s in occ:
+                if t[s + j] != d and t[s + j] >= 0:
+                    others[t[s + j]] = others.get(t[s + j], 0) + 1
+            if any(t[s + j] != d for s in occ):
+                if not others:
+                    return []
+                best = max(others.values())
+                v = max(x for x, c in others.items() if c == best)
+                rest = [s + j + 1 for s in occ if t[s + j] == v]
+                tail = []
+                while len(tail) < k - j - 1:  # (brute_force's vote, from the occurrences going on with v)
+                    i = len(tail)
+                    if len(rest) == 1:
+                        more = t[rest[0] + i: rest[0] + k - j - 1]
+                        tail += more[:more.index(-1)] if -1 in more else more
+                        break
+                    counts = {}
+                    for s in rest:
+                        counts[t[s + i]] = counts.get(t[s + i], 0) + 1
+                    top = max(counts.values())
+                    win = max(x for x, c in counts.items() if c == top)
+                    if (i and top < min_share * len(rest)) or win == -1:
+                        break
+                    tail.append(win)
+                    rest = [s for s in rest if t[s + i] == win]
+                return list(draft[:j]) + [v] + tail
+            occ = [s for s in occ if t[s + j] == d]
+        return []
+    return []
+
+
+def test_the_runner_up_by_hand():
+    c = LookupCorpus(flat([[5, 6, 7, 1], [5, 6, 8, 2], [9, 5, 6, 7, 3], [5, 6, 8], [4, 5, 6, 7, 4]]))
+    # after "5 6": 7 three times (the draft), 8 twice: the runner-up is 8, then what the two 8s go on
+    # with (2, and an answer's end: a tie, the larger id)
+    assert c.propose([3, 5, 6], 8) == ([7], 2)
+    assert c.runner_up([3, 5, 6], [7], 8) == [8, 2]
+    assert c.runner_up([3, 5, 6], [7], 1) == [8]
+    # the occurrences agree on the first token and part on the second: the runner-up parts there
+    c = LookupCorpus(flat([[1, 2, 3, 9], [1, 2, 3, 8], [1, 2, 4, 8]]))
+    assert c.propose([1], 8) == ([2, 3, 9], 1)
+    assert c.runner_up([1], [2, 3, 9], 8) == [2, 4, 8]
+    assert c.runner_up([1], [2, 3, 9, 7], 8) == [2, 4, 8]
+    assert LookupCorpus(flat([[1, 2], [1, 2]])).runner_up([1], [2], 4) == []  # they never part
+    assert LookupCorpus(flat([[1, 2], [1]])).runner_up([1], [2], 4) == []  # only an answer's end beside it
+    assert c.runner_up([11], [2], 4) == []  # never seen
+
+
+@pytest.mark.parametrize("votes", [512, 3])
+def test_the_runner_up_matches_the_definition(monkeypatch, votes):
+    monkeypatch.setattr(corpus_module, "MAX_VOTES", votes)
+    rng = np.random.default_rng(2)
+    for vocab in (3, 6, 40):
+        answers = [rng.integers(0, vocab, int(rng.integers(1, 30))).tolist() for _ in range(40)]
+        c = LookupCorpus(flat(answers))
+        for _ in range(200):
+            history = rng.integers(0, vocab, int(rng.integers(1, 9))).tolist()
+            for k in (2, 6):
+                draft, _ = c.propose(history, k)
+                want = brute_force_runner_up(answers, history, draft, k, votes=votes)
+                assert c.runner_up(history, draft, k) == want, (vocab, history, k)
+
+
 @pytest.mark.parametrize("votes", [512, 3])
 def test_the_index_matches_the_definition(monkeypatch, votes):
     monkeypatch.setattr(corpus_module, "MAX_VOTES", votes)  # (3: only an n-gram's latest 3 occurrences vote)

@@ -53,6 +53,48 @@ def test_the_index_matches_the_definition_as_it_grows():
             idx.extend(seq[i:i + 1])
 
 
+def brute_force_alternatives(tokens: list[int], k: int, most: int, look: int = 16, ngrams=(4, 3, 2, 1)) -> list[list[int]]:
+    """The definition: the continuations after each suffix's earlier occurrences (longest suffix
+    first, each suffix's latest `look` occurrences, latest first), periodic past the end of the text,
+    each kept where its first token is new; the first one kept is propose()'s copy, not an alternative."""
+    kept, seen = [], set()
+    for n in ngrams:
+        if len(tokens) <= n:
+            continue
+        starts = [s for s in range(len(tokens) - n - 1, -1, -1) if tokens[s:s + n] == tokens[-n:]][:look]
+        for s in starts:
+            period = len(tokens) - (s + n)
+            copy = [tokens[s + n + i % period] for i in range(k)]
+            if copy[0] not in seen:
+                seen.add(copy[0])
+                kept.append(copy)
+    return kept[1:most + 1]
+
+
+def test_alternatives_by_hand():
+    idx = NgramIndex([1, 2, 3, 9, 1, 2, 4, 9, 1, 2, 3, 8, 5, 2])
+    # the suffix "2" occurred three times before: going on with "3 8" (latest: the copy), "4 9" and "3 9"
+    assert idx.propose(2) == ([3, 8], 1)
+    assert idx.alternatives(2, 3) == [[4, 9]]  # ("3 9" starts like the copy)
+    idx.extend([6, 1, 2])
+    assert idx.propose(1) == ([3], 2)  # "1 2" again: the latest went on with 3
+    assert idx.alternatives(2, 3) == [[4, 9], [6, 1]]  # then the "1 2" before with 4; then the shorter "2" with 6
+    assert idx.alternatives(2, 1) == [[4, 9]]
+    assert idx.alternatives(2, 3, look=1) == [[6, 1]]  # (one occurrence read per suffix: "1 2"'s latest, then "2"'s)
+    assert NgramIndex([5, 5]).alternatives(3, 2) == []  # one way on only
+
+
+def test_alternatives_match_the_definition_as_the_text_grows():
+    rng = np.random.default_rng(1)
+    for vocab in (3, 8, 30):
+        seq = rng.integers(0, vocab, 200).tolist()
+        idx = NgramIndex(seq[:3])
+        for i in range(3, len(seq)):
+            for k, most, look in ((1, 2, 16), (4, 3, 16), (3, 5, 2)):
+                assert idx.alternatives(k, most, look) == brute_force_alternatives(seq[:i], k, most, look), (vocab, i)
+            idx.extend(seq[i:i + 1])
+
+
 MASK = 23
 CFG = dict(vocab_size=24, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
            mask_token_id=MASK, eos_token_id=1)

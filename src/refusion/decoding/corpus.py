@@ -99,6 +99,25 @@ class LookupCorpus:
         at, n = self.occurrences(history)
         return (self._vote(at, k), n) if n else ([], 0)
 
+    def runner_up(self, history: Sequence[int], draft: Sequence[int], k: int) -> list[int]:
+        """Another draft of up to k tokens for the same place as `draft` (propose()'s): where the voting
+        occurrences first part within the draft, the next most frequent token instead of the draft's,
+        and then the vote of the occurrences that continue with it; [] where they never part there."""
+        at, n = self.occurrences(history)
+        t = self.tokens
+        for j, d in enumerate(draft):
+            if len(at) < 2:
+                return []
+            nxt = t[at + j]
+            if not (nxt == d).all():
+                values, counts = np.unique(nxt[(nxt != d) & (nxt >= 0)], return_counts=True)
+                if not len(values):
+                    return []
+                v = int(values[len(counts) - 1 - int(counts[::-1].argmax())])  # (a tie: the larger value)
+                return list(draft[:j]) + [v] + self._vote(at[nxt == v] + j + 1, k - j - 1)
+            at = at[nxt == d]
+        return []
+
     def _vote(self, at: np.ndarray, k: int) -> list[int]:
         """The draft from occurrences whose continuations begin at `at`: at each position the most
         frequent next token among those that agree so far (-1, an answer's end, counts as a vote to

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from refusion.model.config import ModelConfig
 
 LOOKUP_NGRAMS = (4, 3, 2, 1)  # suffix lengths tried, longest first (longer matches are accepted further)
+ALTERNATIVE_LOOK = 16  # occurrences of a suffix read for alternatives() (a common one may have hundreds)
 
 
 def lookup_by_default(config: ModelConfig) -> bool:
@@ -34,15 +35,22 @@ class NgramIndex:
         self.ngrams = tuple(sorted(ngrams, reverse=True))
         self.tokens: list[int] = []
         self.after: dict[tuple[int, ...], int] = {}
+        # (n, where a continuation begins) -> where the one after the same n-gram's previous occurrence
+        # begins: each n-gram's occurrences, latest first, for alternatives()
+        self.earlier: dict[tuple[int, int], int] = {}
         self.extend(tokens)
 
     def extend(self, tokens: Iterable[int]) -> None:
-        h, after = self.tokens, self.after
+        h, after, earlier = self.tokens, self.after, self.earlier
         for t in tokens:
             i = len(h)  # t's index: the n-grams ending just before it now have a continuation
             for n in self.ngrams:
                 if i >= n:
-                    after[tuple(h[i - n:i])] = i
+                    key = tuple(h[i - n:i])
+                    before = after.get(key)
+                    if before is not None:
+                        earlier[n, i] = before
+                    after[key] = i
             h.append(t)
 
     def propose(self, k: int) -> tuple[list[int], int]:
@@ -55,8 +63,35 @@ class NgramIndex:
             if len(h) > n:
                 start = self.after.get(tuple(h[-n:]))
                 if start is not None:
-                    copy = h[start:start + k]
-                    if len(copy) < k:  # the copy runs into the suffix: the text repeats with period len(copy)
-                        copy = (copy * (k // len(copy) + 1))[:k]
-                    return copy, n
+                    return self._copy(start, k), n
         return [], 0
+
+    def _copy(self, start: int, k: int) -> list[int]:
+        copy = self.tokens[start:start + k]
+        if len(copy) < k:  # the copy runs into the suffix: the text repeats with period len(copy)
+            copy = (copy * (k // len(copy) + 1))[:k]
+        return copy
+
+    def alternatives(self, k: int, most: int, look: int = ALTERNATIVE_LOOK) -> list[list[int]]:
+        """Up to `most` other copies, each of k tokens and each beginning with a token that neither
+        propose()'s copy nor an earlier alternative begins with: what followed the earlier occurrences
+        of the same longest suffix (latest first), then of the shorter ones (at most `look` of each
+        suffix's occurrences are read). Where the text has gone two ways after the same words, the
+        way it did not take last time is the next best guess (fed as a branch: SpeculativeParams.fork)."""
+        h, out, seen = self.tokens, [], set()
+        for n in self.ngrams:
+            if len(h) <= n:
+                continue
+            start = self.after.get(tuple(h[-n:]))
+            for _ in range(look):
+                if start is None:
+                    break
+                first = h[start] if start < len(h) else None
+                if first not in seen:
+                    if seen:  # (the first one met is propose()'s copy)
+                        out.append(self._copy(start, k))
+                        if len(out) == most:
+                            return out
+                    seen.add(first)
+                start = self.earlier.get((n, start))
+        return out

@@ -108,6 +108,7 @@ COST_DRAFT_LENGTH = 32  # the cost policy's default bound: it picks narrower wid
 DRAFT_LENGTH = 16  # the adaptive and fixed policies' default
 # redraft feeds width + 1 blocks of width + 1 masks: the cost policy drafts at most this far with it
 REDRAFT_COST_DRAFT = 8
+MAX_BRANCHES = 3  # drafts a forking row may feed beside its first (fork)
 
 
 @dataclass(frozen=True)
@@ -139,10 +140,10 @@ class SpeculativeParams:
     redraft: bool = option(False, "also feed, behind each draft token, masks that see the draft only up to it, so "
                                   "that after a partly accepted draft the next one is drafted from the accepted "
                                   "tokens (wider forwards, which the cost policy prices; exact either way)")
-    fork: bool = option(False, "also feed, beside the draft, a second one (the runner-up of the masks', the copy's and "
-                               "the corpus' drafts) from the token where the two part, seeing only its own branch: "
-                               "a step accepts whichever goes further (the cost policy feeds it where it pays; "
-                               "exact either way)")
+    fork: bool = option(False, "also feed, beside the draft, the other drafts on offer (the masks', the copy's, the "
+                               "corpus') and the copy's and the corpus' other ways on, each from the token where it "
+                               "parts from the draft and seeing only its own branch: a step accepts whichever goes "
+                               "furthest (the cost policy feeds each where it pays; exact either way)")
     sampler: bool = option(True, "chain each mask's draft on the token drafted before it with the model's mask "
                                  "sampler, where it has one (mask_sampler.safetensors beside its weights); off: "
                                  "each mask's argmax (exact either way)", flag="--no-sampler")
@@ -206,10 +207,10 @@ class SpeculativeParams:
 
     @property
     def max_width(self) -> int:
-        """The most tokens one step can feed after the prefill: x, the draft, the masks (and a second draft)."""
+        """The most tokens one step can feed after the prefill: x, the draft, the masks (and the branches)."""
         d = min(self.draft_length, REDRAFT_COST_DRAFT) if self.redraft and self.widths == "cost" else self.draft_length
         masks = self.mask_length if self.mask_length is not None else d + 1
-        return 1 + d + masks * (1 + d if self.redraft else 1) + (d if self.fork else 0)
+        return 1 + d + masks * (1 + d if self.redraft else 1) + (MAX_BRANCHES * d if self.fork else 0)
 
 
 register(Decoder("speculative", SpeculativeParams, "refusion.decoding.speculative:generate_speculative",

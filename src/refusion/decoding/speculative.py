@@ -55,14 +55,17 @@ tokens: every step then feeds a fresh draft, at the price of width + 1 blocks of
 cost policy prices (widths.fed_tokens).
 
 Fork (`fork`): a row holding more than one draft (the masks', a copy, the corpus's) also feeds the
-runner-up beside the one it verifies, from the token where the two part: its tokens sit after the
-masks, at the positions after the fork, and see x, the shared tokens and their own branch only (an
-attention mask). Where the first draft is rejected exactly at the fork, the second is verified in
-the same forward and, where it goes further, its accepted tokens are committed and their KV moved to
-the columns after the fork (one copy per layer, only then). The cost policy feeds as many of its
-tokens as pay (_choose_seconds): the chance that it is tested, times how far second drafts have
-gone where they were (their own kind of acceptance, widths.SECOND), against what they add to the
-forward.
+others beside the one it verifies, as branches, each from the token where it parts from the first:
+the runner-up offers, and the ways the text and the corpus went otherwise after the same words (a
+copy of an earlier occurrence that continues differently, lookup.NgramIndex.alternatives; the
+corpus vote's runner-up, corpus.LookupCorpus.runner_up), up to MAX_BRANCHES, one per place and token
+they part with. A branch's tokens sit after the masks, at the positions after its fork, and see x,
+the shared tokens and their own branch only (an attention mask). Where the first draft is rejected
+exactly at a branch's fork, the branch is verified in the same forward; the one that goes furthest
+has its accepted tokens committed and their KV moved to the columns after the fork (one copy per
+layer, only then). The cost policy feeds as many of each branch's tokens as pay (_choose_branches):
+the chance that it is tested, times how far such branches have gone where they were (their own
+kinds of acceptance, widths.SECOND and widths.ALTERNATIVE), against what they add to the forward.
 
 Sampler (`sampler`, model/mask_sampler.py): a model may keep a small head beside its weights that
 chooses each mask's draft among its most likely tokens given the token chosen before it, one mask
@@ -97,7 +100,8 @@ from refusion.decoding import widths
 from refusion.decoding.common import DecodeResult, packed_index
 from refusion.decoding.corpus import corpus_of
 from refusion.decoding.lookup import NgramIndex, lookup_by_default
-from refusion.decoding.params import MAX_DRAFT, REDRAFT_COST_DRAFT, SpeculativeParams, check_prompts, check_seed
+from refusion.decoding.params import (MAX_BRANCHES, MAX_DRAFT, REDRAFT_COST_DRAFT, SpeculativeParams, check_prompts,
+                                      check_seed)
 from refusion.decoding.sampling import draw, position_uniforms, sampling_probs
 from refusion.model.cache import RaggedKVCache
 from refusion.model.config import ModelConfig
@@ -149,11 +153,13 @@ class SpeculativeSeq:
         # redraft: this step's blocks of masks behind x and each draft token but the last, each seeing
         # the draft up to its own place only: feed index of the first, and each one's length (0: none)
         self.redraft_from = self.redraft_len = 0
-        # fork: a second draft of the same positions (the runner-up offer, _offer_drafts), kept from where
-        # it parts from the draft: its tokens after the first second_at, which the two share; this
-        # step feeds second_width of them (_choose_seconds), after the masks, from feed index second_from
-        self.second: list[int] = []
-        self.second_at = self.second_width = self.second_from = self.fed_second = 0
+        # fork: other drafts of the same positions (_offer_drafts, best first), each kept from where it parts
+        # from the draft: (that fork, its tokens from there, its kind); this step feeds branch_widths[i]
+        # tokens of branch i (_choose_branches) after the masks: per branch fed, (feed index of its first
+        # token, fork, tokens fed, index in branches)
+        self.branches: list[tuple[int, list[int], int]] = []
+        self.branch_widths: list[int] = []
+        self.fed_branches: list[tuple[int, int, int, int]] = []
         self.anchor = 0  # feed index whose logits give the first token of this step
 
     def _masks(self) -> int:
@@ -187,15 +193,15 @@ class SpeculativeSeq:
             self.anchor, self.fed_k = 0, k
             start = self.P + len(self.res.tokens) - 1  # x's position
         pos = list(range(start, start + len(ids)))
-        self.redraft_from = self.redraft_len = self.second_from = self.fed_second = 0
-        if self.x is not None and self.second_at < k and self.second_width:
-            # the second draft's tokens see x and the draft's first second_at tokens, then their own
-            s = self.second_at
-            n = min(self.second_width, len(self.second), left - 1 - s)
-            if n > 0:
-                self.second_from, self.fed_second = len(ids), n
-                ids += self.second[:n]
-                pos += range(start + s + 1, start + s + 1 + n)
+        self.redraft_from = self.redraft_len = 0
+        self.fed_branches = []
+        for i, ((at, tokens, _), w) in enumerate(zip(self.branches, self.branch_widths)):
+            # a branch's tokens see x and the draft's first `at` tokens, then their own
+            n = min(w, len(tokens), left - 1 - at)
+            if self.x is not None and at < k and n > 0:
+                self.fed_branches.append((len(ids), at, n, i))
+                ids += tokens[:n]
+                pos += range(start + at + 1, start + at + 1 + n)
         if self.p.redraft and self.x is not None and k and m:
             # block i drafts from x, d1..di: its masks sit at the positions after d_i's (after x's for i = 0)
             self.redraft_from, self.redraft_len = len(ids), m
@@ -207,14 +213,14 @@ class SpeculativeSeq:
         return ids, pos
 
     def advance(self, j: int, extra: int, mask_preds: list[int], redrafted: list[int] | None = None,
-                second_run: int | None = None) -> None:
+                branch: tuple[list[int], int] | None = None) -> None:
         """Commit the first j draft tokens and `extra`; keep their KV; make the next draft (after a
         rejection, `redrafted` when this step fed redraft blocks: the draft from the accepted tokens).
-        second_run: the second draft went further (j is its fork): its first second_run tokens come
-        after the draft's j (the decoder has moved their KV to the columns after those)."""
+        branch: (a branch's tokens, r) where that branch went further (j is its fork): its first r
+        tokens come after the draft's j (the decoder has moved their KV to the columns after those)."""
         prefill = self.x is None
         k = self.fed_k
-        run = self.draft[:j] + (self.second[:second_run] if second_run is not None else [])
+        run = self.draft[:j] + (branch[0][:branch[1]] if branch is not None else [])
         commit = (run + [extra])[: self.p.gen_length - len(self.res.tokens)]
         eos_at = next((i for i, t in enumerate(commit) if t in self.eos), None)
         if eos_at is not None:
@@ -235,8 +241,8 @@ class SpeculativeSeq:
             self.c = self.P + j if prefill else self.c + len(run) + 1
             # after a mismatch the rest of the old draft still guesses the positions after `extra`;
             # after a full accept `extra` took the first mask's position
-            if second_run is not None:  # (the masks sat behind the first draft)
-                self.draft = [] if self.fresh_after_miss else self.second[second_run + 1:]
+            if branch is not None:  # (the masks sat behind the first draft)
+                self.draft = [] if self.fresh_after_miss else branch[0][branch[1] + 1:]
             elif redrafted is not None and j < k:
                 self.draft = redrafted
             elif j < k and self.fresh_after_miss:
@@ -253,7 +259,7 @@ class SpeculativeSeq:
         else:
             self.kind = widths.FRESH  # (a plan not fed with the prompt: the masks drafted)
         self.x = extra
-        self.second, self.second_at = [], 0
+        self.branches, self.branch_widths = [], []
         if self.index is not None:
             self.index.extend(commit)
         if self.on_commit is not None and commit:
@@ -366,7 +372,7 @@ class SpeculativeBatch:
         else:
             self._hold_widths()
             self.held += 1
-        self._choose_seconds()
+        self._choose_branches()
         for lo, hi, prefill in ((0, old, False), (old, len(self.running), True)):
             if hi > lo:
                 self._forward(lo, hi, prefill, began)
@@ -479,51 +485,68 @@ class SpeculativeBatch:
             if q.bare and q.kind < widths.LOOKUP:
                 q.bare = False
 
-    def _choose_seconds(self) -> None:
-        """How many tokens of its second draft each forking row feeds this step (fork): the most
-        expected tokens beyond the first draft's, less what they add to the forward's cost at the
-        step's tokens per second, where that is positive. A second draft is tested only where the
-        first is accepted up to the fork and rejected there (the chance of that, by the first draft's
-        rates), and is then accepted as far as the second drafts of this row and model were lately
-        where they were tested (the SECOND kind's rates)."""
+    def _choose_branches(self) -> None:
+        """How many tokens of each of its branches each forking row feeds this step (fork), branch by
+        branch in the row's order: the most expected tokens beyond the first draft's, less what they
+        add to the forward's cost at the step's tokens per second, where that is positive. A branch is
+        tested only where the first draft is accepted up to its fork and rejected there (the chance of
+        that, by the first draft's rates) and no branch fed before it from the same fork was right on
+        its first token; it is then accepted as far as this row's and model's branches of its kind
+        were lately where they were tested (widths.SECOND, widths.ALTERNATIVE)."""
         for q in self.running:
-            q.second_width = 0
-        if not any(q.second for q in self.running):  # (only a row that forks holds one)
+            q.branch_widths = [0] * len(q.branches)
+        if not any(q.branches for q in self.running):  # (only a row that forks holds any)
             return
         seqs = [q for q in self.running if q.x is not None]  # (a prefill never forks)
         left = [q.p.gen_length - len(q.res.tokens) for q in seqs]
         k = np.array([q._fed_draft(n) for q, n in zip(seqs, left)])
-        at = np.array([q.second_at for q in seqs])
-        room = np.array([min(len(q.second), q.p.draft_length, n - 1 - q.second_at) if q.p.fork else 0
-                         for q, n in zip(seqs, left)])
-        ask = (room > 0) & (at < k)
-        if not ask.any():
+        R = max(len(q.branches) if q.p.fork else 0 for q in seqs)
+        if R == 0 or not k.any():
             return
         if self.cost is None:
             self.cost = widths.cost_model(self.model)
-        B, K, L = len(seqs), int(k.max()), int(room.max())
+        B, K = len(seqs), int(k.max())
+        L = max(min(len(t), q.p.draft_length) for q in seqs for _, t, _ in q.branches)
         rate = self._rates(seqs, [q.kind for q in seqs], K)
         value = widths.expected_accepted(rate, k)
         upto = np.concatenate([np.ones((B, 1)), np.cumprod(rate, axis=1)], 1)  # [B, K + 1]: reaches position i
         rows = np.arange(B)
-        # accepted up to the fork and rejected there
-        tested = upto[rows, np.minimum(at, K)] * (1 - rate[rows, np.minimum(at, K - 1)])
-        second = np.cumsum(np.cumprod(self._rates(seqs, [widths.SECOND] * B, L), axis=1), axis=1)  # [B, L]
-        n = np.arange(1, L + 1)[None, :]
-        gain = np.where(n <= room[:, None], tested[:, None] * second, -np.inf)
+        went = {kind: self._rates(seqs, [kind] * B, L) for kind in (widths.SECOND, widths.ALTERNATIVE)}
+        gone = {kind: np.cumsum(np.cumprod(r, axis=1), axis=1) for kind, r in went.items()}  # [B, L]
+        untested = np.ones((B, K + 1))  # per fork: no branch fed from it so far was right on its first token
         fed = np.array([1 + kk + min(q._masks(), n - kk) for q, kk, n in zip(seqs, k.tolist(), left)])
-        total = int(fed.sum())
-        if self.cost.packed:
-            grid = self.cost.grid(B, total + L + 1)
-            seconds, more = float(grid[total]), grid[total + n] - grid[total]  # [1, L]
-        else:  # padded to the widest row
-            seconds = float(self.cost(B, [B * int(fed.max())])[0])
-            more = self.cost(B, (B * np.maximum(fed[:, None] + n, fed.max())).ravel()).reshape(B, L) - seconds
-        ratio = (B + float(value.sum())) / seconds
-        net = np.where(ask[:, None], gain - ratio * more, -np.inf)
-        best = net.argmax(1)
-        for i in np.flatnonzero(net[rows, best] > 0):
-            seqs[i].second_width = int(best[i]) + 1
+        n = np.arange(1, L + 1)[None, :]
+        seconds = None
+        for r in range(R):
+            branch = [q.branches[r] if q.p.fork and r < len(q.branches) else (K, [], widths.SECOND) for q in seqs]
+            at = np.array([min(b[0], K) for b in branch])
+            room = np.array([min(len(t), q.p.draft_length, m - 1 - f) for (f, t, _), q, m in zip(branch, seqs, left)])
+            ask = (room > 0) & (at < k)
+            if not ask.any():
+                continue
+            kinds = [b[2] for b in branch]
+            cum = np.stack([gone[kind][i] for i, kind in enumerate(kinds)])
+            # accepted up to the fork and rejected there, and no branch before it right there
+            tested = upto[rows, at] * (1 - rate[rows, np.minimum(at, K - 1)]) * untested[rows, at]
+            gain = np.where(n <= room[:, None], tested[:, None] * cum, -np.inf)
+            total = int(fed.sum())
+            if self.cost.packed:
+                grid = self.cost.grid(B, total + L + 1)
+                more = grid[total + n] - grid[total]  # [1, L]
+                base = float(grid[total])
+            else:  # padded to the widest row
+                base = float(self.cost(B, [B * int(fed.max())])[0])
+                more = self.cost(B, (B * np.maximum(fed[:, None] + n, fed.max())).ravel()).reshape(B, L) - base
+            if seconds is None:  # the step's tokens per second without branches: what a token added must beat
+                seconds = base
+                ratio = (B + float(value.sum())) / seconds
+            net = np.where(ask[:, None], gain - ratio * more, -np.inf)
+            best = net.argmax(1)
+            for i in np.flatnonzero(net[rows, best] > 0):
+                w = int(best[i]) + 1
+                seqs[i].branch_widths[r] = w
+                fed[i] += w
+                untested[i, at[i]] *= 1 - went[kinds[i]][i, 0]
 
     def _masks_pay(self, seqs: list[SpeculativeSeq], bare: np.ndarray, chosen: np.ndarray, masks: np.ndarray,
                    redraft: np.ndarray, rate: np.ndarray, n: int) -> np.ndarray:
@@ -564,27 +587,31 @@ class SpeculativeBatch:
         # rows are right-aligned so that every row's anchor..end falls in the last `need` columns
         packed = np.zeros((3, B, W), dtype=np.int64)  # ids, positions, cache columns
         # anchor's index among the last `need`, draft length, seed, response position the anchor
-        # predicts, prompt length; the second draft's first column among the last `need`, fork, length
-        meta = np.zeros((8, B), dtype=np.int64)
+        # predicts, prompt length; then per branch slot (S of them) its first column among the last
+        # `need`, its fork and its length (0: no branch)
+        S = max(len(q.fed_branches) for q in seqs)
+        meta = np.zeros((5 + 3 * S, B), dtype=np.int64)
         for b, (q, (ids, pos)) in enumerate(zip(seqs, feeds)):
             w, off = len(ids), W - len(ids)
             packed[0, b], packed[1, b, off:] = self.pad, pos
             packed[0, b, off:] = ids
             a = need - (w - q.anchor)
-            meta[:, b] = a, q.fed_k, q.seed, len(q.res.tokens), q.P, a + q.second_from, q.second_at, q.fed_second
+            meta[:5, b] = a, q.fed_k, q.seed, len(q.res.tokens), q.P
+            for i, (first, at, n, _) in enumerate(q.fed_branches):
+                meta[5 + i, b], meta[5 + S + i, b], meta[5 + 2 * S + i, b] = a + first, at, n
         # cache columns: a row's w real tokens take its next w columns and its W - w padding slots the
         # columns after them, where no real query of the row looks (rolled: padding comes first)
         fed_w = np.array([len(ids) for ids, _ in feeds])
         packed[2] = np.array([q.c for q in seqs])[:, None] + (np.arange(W)[None, :] + fed_w[:, None]) % W
         dev = torch.from_numpy(np.concatenate([packed.reshape(-1), meta.reshape(-1)])).to(self.device)
         ids_t, pos_t, col_t = dev[: 3 * B * W].view(3, B, W)
-        anchor_t, k_t, seed_t, g_t, prompt_t, *second_t = dev[3 * B * W:].view(8, B)
-        forked = bool(meta[7].any())
+        anchor_t, k_t, seed_t, g_t, prompt_t = dev[3 * B * W: 3 * B * W + 5 * B].view(5, B)
+        branch_t = dev[3 * B * W + 5 * B:].view(3, S, B).transpose(1, 2).contiguous()  # [3, B, S]
         used = max(q.c for q in seqs) + W
         cache = self.cache.at(col_t, keys=used, row0=lo)
         # a query sees every kept column of its row and its own row's fed tokens up to itself
         cols = torch.arange(used, device=self.device)[None, None, :]
-        if forked or any(q.redraft_len for q in seqs):
+        if S or any(q.redraft_len for q in seqs):
             mask = self._branch_mask(seqs, packed[2], fed_w, cols, col_t)
         else:
             mask = cols <= col_t[:, :, None]
@@ -594,31 +621,37 @@ class SpeculativeBatch:
         out = self.model(ids_t, pos_t, attn_mask=mask[:, None], cache=cache, num_logits=need, real=real,
                          states=chained is not None)
         logits, states = (out[0].float(), out[1]) if chained is not None else (out.float(), None)
-        j, extra, drafts, run = self._judge(seqs, logits, ids_t[:, W - need:], pos_t[:, W - need:] - prompt_t[:, None],
-                                            anchor_t, k_t, seed_t, g_t, second_t if forked else None,
-                                            int(meta[7].max()))
+        j, extra, drafts, went = self._judge(seqs, logits, ids_t[:, W - need:], pos_t[:, W - need:] - prompt_t[:, None],
+                                             anchor_t, k_t, seed_t, g_t, branch_t if S else None,
+                                             int(meta[5 + 2 * S:].max(initial=0)))
         if chained is not None:
             drafts = self._chain(drafts, logits, states, j, k_t, extra, *chained)
-        # the step's one transfer
-        host = torch.cat([j[:, None], extra[:, None], run[:, None], drafts], 1).cpu().numpy()
+        # the step's one transfer: j, extra, how far each branch went, the drafts (from column h)
+        host = torch.cat([j[:, None], extra[:, None], went, drafts], 1).cpu().numpy()
+        h = 2 + S
         kinds = np.array([q.kind for q in seqs])
         for b, (q, (ids, _)) in enumerate(zip(seqs, feeds)):
-            a, k, j, run = int(meta[0, b]), q.fed_k, int(host[b, 0]), int(host[b, 2])
+            a, k, j = int(meta[0, b]), q.fed_k, int(host[b, 0])
             masks_from = a + 1 + k  # the masks after the anchor and the draft
-            if q.fed_second and j == q.second_at:  # the second draft was tested: it went further where run > 0
-                q.acceptance.record(widths.SECOND, run, q.fed_second)
-                self.prior.record(widths.SECOND, run, q.fed_second)
-                if run:  # its accepted tokens' KV go to the columns after the fork
-                    self.cache.move_columns(lo + b, q.c + q.second_from, q.c + q.second_at + 1, run)
-            if run:  # (the masks sat behind the first draft)
-                q.advance(j, int(host[b, 1]), [], second_run=run)
+            won = None  # the branch that went furthest, where one went any way
+            for i, (first, at, n, which) in enumerate(q.fed_branches):
+                if j == at:  # tested: the first draft was rejected at its fork
+                    r, kind = int(host[b, 2 + i]), q.branches[which][2]
+                    q.acceptance.record(kind, r, n)
+                    self.prior.record(kind, r, n)
+                    if r and (won is None or r > won[1]):
+                        won = (i, r)
+            if won is not None:  # its accepted tokens' KV go to the columns after the fork
+                first, at, _, which = q.fed_branches[won[0]]
+                self.cache.move_columns(lo + b, q.c + first, q.c + at + 1, won[1])
+                q.advance(j, int(host[b, 1]), [], branch=(q.branches[which][1], won[1]))  # (the masks sat behind the first draft)
             elif q.redraft_len:  # (the blocks after the draft's own masks: block j drafts from the accepted tokens)
                 r, first = q.redraft_len, a + q.redraft_from
-                redrafted = host[b, 3 + first + j * r + 1: 3 + first + (j + 1) * r].tolist() if j < k else None
-                q.advance(j, int(host[b, 1]), host[b, 3 + masks_from: 3 + first].tolist(), redrafted)
+                redrafted = host[b, h + first + j * r + 1: h + first + (j + 1) * r].tolist() if j < k else None
+                q.advance(j, int(host[b, 1]), host[b, h + masks_from: h + first].tolist(), redrafted)
             else:
-                end = a + q.second_from if q.fed_second else need
-                q.advance(j, int(host[b, 1]), host[b, 3 + masks_from: 3 + end].tolist())
+                end = a + q.fed_branches[0][0] if q.fed_branches else need
+                q.advance(j, int(host[b, 1]), host[b, h + masks_from: h + end].tolist())
         self._offer_drafts(seqs)
         if not prefill:
             self.prior.record_many(kinds, host[:, 0], meta[1], predicted)
@@ -638,8 +671,8 @@ class SpeculativeBatch:
             return None
         use = np.array([q.p.sampler and not (q.p.temperature > 0 and q.p.sampled_drafts) for q in seqs])
         first = anchor + 1 + np.array([q.fed_k for q in seqs])
-        redraft = np.array([a + q.redraft_from if q.redraft_len else a + q.second_from if q.fed_second else need
-                            for q, a in zip(seqs, anchor)])
+        redraft = np.array([a + q.redraft_from if q.redraft_len else a + q.fed_branches[0][0] if q.fed_branches
+                            else need for q, a in zip(seqs, anchor)])
         n = np.where(use, np.maximum(redraft - first, 0), 0)
         r = np.where(use, [q.redraft_len for q in seqs], 0)
         M = int(max(n.max(initial=0), r.max(initial=0)))
@@ -672,10 +705,10 @@ class SpeculativeBatch:
 
     def _branch_mask(self, seqs: list[SpeculativeSeq], col: np.ndarray, fed_w: np.ndarray, cols: Tensor,
                      col_t: Tensor) -> Tensor:
-        """The step's attention mask [B, W, used] when rows feed redraft blocks or a second draft: a
-        query sees its row's kept columns and fed tokens up to `upto` (itself, but for block i's masks
-        x, d1..di, and for the second draft x and the draft up to the fork), and the columns from
-        `own` (its block's or branch's first) to itself. col [B, W]: each fed slot's cache column
+        """The step's attention mask [B, W, used] when rows feed redraft blocks or branches: a query
+        sees its row's kept columns and fed tokens up to `upto` (itself, but for block i's masks
+        x, d1..di, and for a branch x and the draft up to its fork), and the columns from `own` (its
+        block's or branch's first) to itself. col [B, W]: each fed slot's cache column
         (col_t: the same, already on the device)."""
         upto, own = col.copy(), col + 1
         W = col.shape[1]
@@ -685,9 +718,9 @@ class SpeculativeBatch:
                 s = x + q.redraft_from + i * r  # the block's first slot
                 upto[b, s:s + r] = col[b, x] + i  # x's column, then d1's, ...
                 own[b, s:s + r] = col[b, s]
-            if q.fed_second:
-                s, n = x + q.second_from, q.fed_second
-                upto[b, s:s + n] = col[b, x] + q.second_at
+            for first, at, n, _ in q.fed_branches:
+                s = x + first
+                upto[b, s:s + n] = col[b, x] + at
                 own[b, s:s + n] = col[b, s]
         upto_t, own_t = torch.from_numpy(np.stack([upto, own])).to(self.device)
         at = col_t[:, :, None]
@@ -698,8 +731,10 @@ class SpeculativeBatch:
         a copy of its earlier text (lookup.py) and a continuation from the model's lookup corpus
         (corpus.py); with a plan (add(plan=...)), the plan's tokens from here. A row's next draft is
         whichever of the masks' draft and these has the longest expected accepted prefix (the row's
-        own acceptance of each kind, shrunk towards the model's pooled one)."""
+        own acceptance of each kind, shrunk towards the model's pooled one). A forking row keeps the
+        others, and the copy's and the corpus's other ways on, as its branches (_branches)."""
         offers = []
+        others: dict[int, list[list[int]]] = {}  # a forking row's alternatives (ALTERNATIVE branches)
         for q in seqs:
             if q.done:
                 continue
@@ -707,10 +742,15 @@ class SpeculativeBatch:
                 copy, n = q.index.propose(q.p.draft_length)
                 if copy:
                     offers.append((q, copy, widths.lookup_kind(n)))
+                    if q.p.fork:
+                        others[id(q)] = q.index.alternatives(q.p.draft_length, MAX_BRANCHES)
                 if self.corpus is not None:
                     draft, n = self.corpus.propose(q.index.tokens, q.p.draft_length)
                     if draft:
                         offers.append((q, draft, widths.corpus_kind(n, beside_copy=bool(copy))))
+                        if q.p.fork:
+                            runner_up = self.corpus.runner_up(q.index.tokens, draft, q.p.draft_length)
+                            others.setdefault(id(q), []).extend([runner_up] if runner_up else [])
             if q.plan is not None:
                 g = len(q.res.tokens)  # the response position the draft starts at
                 if g < len(q.plan):
@@ -733,19 +773,21 @@ class SpeculativeBatch:
             drafts.sort(key=lambda d: d[:2], reverse=True)  # (stable; a plan wins a tie: it was asked for)
             _, _, q.draft, q.kind = drafts[0]
             if q.p.fork:
-                q.second, q.second_at = _second_draft(q.draft, [d[2] for d in drafts[1:]])
+                q.branches = _branches(q.draft, [(d[2], widths.SECOND) for d in drafts[1:]]
+                                       + [(d, widths.ALTERNATIVE) for d in others.get(id(q), [])])
 
     def _judge(self, seqs: list[SpeculativeSeq], logits: Tensor, ids: Tensor, own: Tensor, anchor: Tensor,
-               k: Tensor, seed: Tensor, g: Tensor, second: list[Tensor] | None = None, L: int = 0
+               k: Tensor, seed: Tensor, g: Tensor, branches: Tensor | None = None, L: int = 0
                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Per row: j (accepted draft tokens), the extra token, every column's draft token (the
         masks' ones are the next draft): its argmax, or with sampled_drafts its position-keyed draw;
-        and how many tokens of the second draft were accepted after the draft's first j (0 unless it
-        was tested, j being its fork, and went further). logits/ids: the last N fed columns; own:
-        each column's response position; the anchor column predicts response position g, each draft
-        column after it the next one, each mask its own. second: each row's second draft (first
-        column, fork, length; L the longest), whose first token is predicted by the column of the
-        draft's token at the fork and each other by the column before it."""
+        and per branch [B, S] how many of its tokens were accepted after the draft's first j (0 unless
+        it was tested, j being its fork); the extra token follows the one that went furthest (the
+        first of them). logits/ids: the last N fed columns; own: each column's response position; the
+        anchor column predicts response position g, each draft column after it the next one, each
+        mask its own. branches [3, B, S]: each row's branches' first column, fork and length (0: none;
+        L the longest); a branch's first token is predicted by the column of the draft's token at the
+        fork and each other by the column before it."""
         B, N, _ = logits.shape
         amax = logits.argmax(-1)
         want = drafts = amax  # the token each column's prediction commits: greedy, or the position-keyed draw
@@ -763,10 +805,10 @@ class SpeculativeBatch:
             # the position each column's draw is for: the next one up to the last draft token, then
             # the masks' own (the uniforms the output at those positions will be drawn with)
             a = anchor[:, None]
-            target = own  # a mask's own position; the anchor's is g, a draft's or a second draft's the next
-            if second is not None:
-                branch = (col >= second[0][:, None]) & (col < (second[0] + second[2])[:, None])
-                target = torch.where(branch, own + 1, own)
+            target = own  # a mask's own position; the anchor's is g, a draft's or a branch's the next
+            if branches is not None:
+                c3, first, n = col[:, :, None], branches[0][:, None, :], branches[2][:, None, :]
+                target = torch.where(((c3 >= first) & (c3 < first + n)).any(-1), own + 1, own)
             target = torch.where(col <= a + k[:, None], g[:, None] + col - a, target)
             tok = draw(probs, position_uniforms(seed, target.clamp(min=0)))
             want = torch.where(torch.tensor(sampling, device=logits.device)[:, None], tok, amax)
@@ -786,39 +828,47 @@ class SpeculativeBatch:
         run = torch.where(c < a, True, torch.where(c < a + k[:, None], ok, False))
         j = run.long().cumprod(1).sum(1) - anchor
         extra = want.gather(1, (anchor + j)[:, None]).squeeze(1)  # the column after the accepted drafts
-        went = torch.zeros_like(j)
-        if second is not None:
-            first, fork, n = second
-            i = torch.arange(L, device=logits.device)[None, :]
-            slot = (first[:, None] + i).clamp(max=N - 1)
-            parent = torch.where(i == 0, (anchor + fork)[:, None], slot - 1)
-            tok = ids.gather(1, slot)
-            ok2 = tok == want.gather(1, parent)
-            if any(t is not None for t in taus):
-                rows = torch.arange(B, device=logits.device)[:, None]
-                if probs is None:
-                    lp = logits[rows, parent]
-                    p_tok = (lp.gather(-1, tok[..., None]).squeeze(-1) - lp.logsumexp(-1)).exp()
-                else:
-                    p_tok = probs[rows, parent].gather(-1, tok[..., None]).squeeze(-1)
-                ok2 |= p_tok >= tau[:, None]
-            went = ((ok2 & (i < n[:, None])).long().cumprod(1).sum(1)) * ((n > 0) & (j == fork))
-            extra = torch.where(went > 0, want.gather(1, (first + went - 1).clamp(min=0)[:, None]).squeeze(1), extra)
+        if branches is None:
+            return j, extra, drafts, j.new_zeros(B, 0)
+        first, fork, n = branches  # [B, S] each
+        S = first.shape[1]
+        i = torch.arange(L, device=logits.device)[None, None, :]
+        slot = (first[:, :, None] + i).clamp(max=N - 1)  # [B, S, L]
+        parent = torch.where(i == 0, (anchor[:, None] + fork)[:, :, None], slot - 1).reshape(B, S * L)
+        tok = ids.gather(1, slot.reshape(B, S * L))
+        ok2 = tok == want.gather(1, parent)
+        if any(t is not None for t in taus):
+            rows = torch.arange(B, device=logits.device)[:, None]
+            if probs is None:
+                p_tok = (logits[rows, parent, tok] - logits.logsumexp(-1).gather(1, parent)).exp()
+            else:
+                p_tok = probs[rows, parent, tok]
+            ok2 |= p_tok >= tau[:, None]
+        went = (ok2.view(B, S, L) & (i < n[:, :, None])).long().cumprod(2).sum(2) * ((n > 0) & (j[:, None] == fork))
+        best, which = went.max(1)
+        last = (first.gather(1, which[:, None]).squeeze(1) + best - 1).clamp(min=0)
+        extra = torch.where(best > 0, want.gather(1, last[:, None]).squeeze(1), extra)
         return j, extra, drafts, went
 
 
-def _second_draft(draft: list[int], others: list[list[int]]) -> tuple[list[int], int]:
-    """The first of `others` that parts from `draft` within both (the better drafts come first): its
-    tokens after the ones the two share, and how many those are (([], 0): none)."""
-    for other in others:
+def _branches(draft: list[int], others: list[tuple[list[int], int]], most: int = MAX_BRANCHES
+              ) -> list[tuple[int, list[int], int]]:
+    """The branches a row feeds beside `draft`: each of `others` (a draft and its kind, the better
+    ones first) that parts from it within both, as (how many tokens the two share, its tokens after
+    those, its kind), one per place and token they part with (the first met), up to `most`."""
+    out, seen = [], set()
+    for other, kind in others:
         s = 0
         for a, b in zip(draft, other):
             if a != b:
                 break
             s += 1
-        if s < min(len(draft), len(other)):
-            return other[s:], s
-    return [], 0
+        if s < min(len(draft), len(other)) and (s, other[s]) not in seen:
+            seen.add((s, other[s]))
+            out.append((s, other[s:], kind))
+            if len(out) == most:
+                break
+    return out
 
 
 @torch.inference_mode()

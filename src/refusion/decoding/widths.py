@@ -318,10 +318,12 @@ FRESH, AFTER_MISS, LOOKUP = 0, 1, 2  # the kinds of draft a step feeds (Acceptan
 PLAN = LOOKUP + max(LOOKUP_NGRAMS)  # a copy's kind is LOOKUP + its match's length - 1 (lookup_kind)
 CORPUS = PLAN + 1  # PLAN: a draft answer given with the prompt (plan-and-infill's, ReFusionParams.verify)
 # a corpus draft's kind is CORPUS + its match's length - 1, or that plus max(CORPUS_NGRAMS) where a copy is on
-# offer beside it (corpus_kind); SECOND: a second draft fed beside the first (SpeculativeParams.fork), counted
-# only where it was tested: where the first draft failed at the fork
+# offer beside it (corpus_kind); SECOND: another draft on offer fed beside the first as a branch
+# (SpeculativeParams.fork), ALTERNATIVE: a copy's or the corpus's other way on fed so; both counted only
+# where tested: where the first draft failed at the branch's fork
 SECOND = CORPUS + 2 * max(CORPUS_NGRAMS)
-KINDS = SECOND + 1
+ALTERNATIVE = SECOND + 1
+KINDS = ALTERNATIVE + 1
 
 
 def lookup_kind(n: int) -> int:
@@ -344,9 +346,10 @@ class Acceptance:
     the old draft (drafted beside the token that was rejected), then the masks'; lookup_kind(n), a
     copy of what followed the same n last tokens earlier in the text (lookup.py); PLAN, the
     sequence's draft answer at the positions that follow; corpus_kind(n), what the model's lookup
-    corpus continues the same n last tokens with (corpus.py), apart where a copy is on offer too; SECOND, a second draft of any of those
-    kinds fed beside the first from where they part, counted only where the first failed there
-    (the chance it then holds is what a second draft is worth). They are counted
+    corpus continues the same n last tokens with (corpus.py), apart where a copy is on offer too; SECOND, another
+    draft of those kinds fed beside the first from where they part (a branch), and ALTERNATIVE, a
+    branch from a copy's earlier occurrences or the corpus's runner-up, each counted only where the
+    first failed there (the chance it then holds is what a branch is worth). They are counted
     apart because they are accepted very differently. Counts change through record and
     record_many only: what is read from them is kept until they do."""
 
