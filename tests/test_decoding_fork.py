@@ -231,7 +231,8 @@ def test_sampled_output_is_the_same_with_and_without_fork(temperature, top_p, fo
     for seed in range(3):
         model = tiny_model(seed)
         kw = dict(gen_length=40, temperature=temperature, top_p=top_p, lookup=True)
-        plain = generate_speculative(model, PROMPTS, SpeculativeParams(**kw), eos_ids=[], seed=7, cost=CHEAP)
+        plain = generate_speculative(model, PROMPTS, SpeculativeParams(fork=False, **kw), eos_ids=[], seed=7,
+                                     cost=CHEAP)
         forked = generate_speculative(model, PROMPTS, SpeculativeParams(fork=True, **kw), eos_ids=[], seed=7,
                                       cost=CHEAP)
         assert [r.tokens for r in forked] == [r.tokens for r in plain]
@@ -270,8 +271,23 @@ def test_a_branch_from_a_fork_already_fed_is_worth_less():
     assert q.branch_widths[0] > 0 and q.branch_widths[1] == 0 and q.branch_widths[2] > 0
 
 
+def test_fork_is_on_by_default_where_the_row_drafts_by_lookup_and_not_with_redraft(forks):
+    model = tiny_model(0)
+    for kw, on in ((dict(lookup=True), True), (dict(lookup=False), False), (dict(lookup=True, redraft=True), False),
+                   (dict(lookup=True, fork=False), False), (dict(lookup=False, fork=True), True)):
+        batch = SpeculativeBatch(model, eos_ids=[], cost=CHEAP)
+        batch.add(PROMPTS[0], SpeculativeParams(gen_length=20, **kw))
+        batch.step()
+        assert batch.running[0].fork is on, kw
+    generate_speculative(model, PROMPTS, SpeculativeParams(gen_length=40, lookup=True), eos_ids=[], cost=CHEAP)
+    assert forks["fed"] > 0  # (the default feeds branches)
+    with pytest.raises(ValueError, match="fork must be true, false or unset"):
+        SpeculativeParams(fork=1)
+
+
 def test_fork_is_refused_with_redraft_and_counts_in_the_widest_step():
     with pytest.raises(ValueError, match="fork and redraft"):
         SpeculativeParams(fork=True, redraft=True)
+    assert SpeculativeParams(redraft=True).max_width == SpeculativeParams(redraft=True, fork=False).max_width
     assert SpeculativeParams(fork=True, widths="fixed", draft_length=3, mask_length=2).max_width == (
         1 + 3 + 2 + spec.MAX_BRANCHES * 3)

@@ -140,10 +140,12 @@ class SpeculativeParams:
     redraft: bool = option(False, "also feed, behind each draft token, masks that see the draft only up to it, so "
                                   "that after a partly accepted draft the next one is drafted from the accepted "
                                   "tokens (wider forwards, which the cost policy prices; exact either way)")
-    fork: bool = option(False, "also feed, beside the draft, the other drafts on offer (the masks', the copy's, the "
-                               "corpus') and the copy's and the corpus' other ways on, each from the token where it "
-                               "parts from the draft and seeing only its own branch: a step accepts whichever goes "
-                               "furthest (the cost policy feeds each where it pays; exact either way)")
+    fork: bool | None = option(None, "also feed, beside the draft, the other drafts on offer (the masks', the copy's, "
+                                     "the corpus') and the copy's and the corpus' other ways on, each from the token "
+                                     "where it parts from the draft and seeing only its own branch: a step accepts "
+                                     "whichever goes furthest (the cost policy feeds each where it pays; exact either "
+                                     "way). Default: on where the decoder drafts by lookup (a model with a mask "
+                                     "adapter) and redraft is off, off otherwise")
     sampler: bool = option(True, "chain each mask's draft on the token drafted before it with the model's mask "
                                  "sampler, where it has one (mask_sampler.safetensors beside its weights); off: "
                                  "each mask's argmax (exact either way)", flag="--no-sampler")
@@ -184,7 +186,7 @@ class SpeculativeParams:
             raise ValueError(f"mask_length {self.mask_length} exceeds {MAX_DRAFT}, the most masks a step may feed; "
                              "lower mask_length (default: the draft width + 1)")
         check_sampling(self.temperature, self.top_k, self.top_p)
-        for name in ("lookup", "fresh_after_miss"):
+        for name in ("lookup", "fresh_after_miss", "fork"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, bool):
                 raise ValueError(f"{name} must be true, false or unset (the model's default), got {v!r}")
@@ -192,8 +194,8 @@ class SpeculativeParams:
             check_probability("accept_prob", self.accept_prob)
             if self.accept_prob == 0:
                 raise ValueError("accept_prob must be > 0 (0 would accept every draft token)")
-        if self.fork and self.redraft:
-            raise ValueError("fork and redraft do not combine (a second draft would need redraft blocks of its own): "
+        if self.fork is True and self.redraft:
+            raise ValueError("fork and redraft do not combine (a branch would need redraft blocks of its own): "
                              "choose one")
 
     def check_model(self, config) -> None:
@@ -210,7 +212,7 @@ class SpeculativeParams:
         """The most tokens one step can feed after the prefill: x, the draft, the masks (and the branches)."""
         d = min(self.draft_length, REDRAFT_COST_DRAFT) if self.redraft and self.widths == "cost" else self.draft_length
         masks = self.mask_length if self.mask_length is not None else d + 1
-        return 1 + d + masks * (1 + d if self.redraft else 1) + (MAX_BRANCHES * d if self.fork else 0)
+        return 1 + d + masks * (1 + d if self.redraft else 1) + (MAX_BRANCHES * d if self.fork is not False and not self.redraft else 0)
 
 
 register(Decoder("speculative", SpeculativeParams, "refusion.decoding.speculative:generate_speculative",

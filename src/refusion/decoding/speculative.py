@@ -121,14 +121,14 @@ class SpeculativeSeq:
     in cache columns [0, c)), the draft for the positions after x, its width (the most draft tokens
     its next step feeds) and how far its drafts were accepted. seed: the key of its sampled draws;
     lookup: whether it also drafts copies of earlier text (p.lookup as the batch settled it);
-    fresh_after_miss: p.fresh_after_miss, settled the same way."""
+    fresh_after_miss, fork: p.fresh_after_miss and p.fork, settled the same way."""
 
     def __init__(self, sid: int, prompt: list[int], p: SpeculativeParams, mask_id: int, eos: set[int],
                  seed: int, on_commit: Callable[[list[int], list[int]], None] | None,
                  causal_first: bool = False, plan: list[int] | None = None, lookup: bool = False,
-                 fresh_after_miss: bool = False) -> None:
+                 fresh_after_miss: bool = False, fork: bool = False) -> None:
         self.sid, self.prompt, self.p, self.mask_id, self.eos = sid, prompt, p, mask_id, eos
-        self.seed, self.on_commit, self.fresh_after_miss = seed, on_commit, fresh_after_miss
+        self.seed, self.on_commit, self.fresh_after_miss, self.fork = seed, on_commit, fresh_after_miss, fork
         self.P = len(prompt)
         # the first token from the prompt's last token (a model trained for it: causal_first_token),
         # else from the first mask; either way the masks fed after the prompt draft from position P on
@@ -335,11 +335,13 @@ class SpeculativeBatch:
         if plan is not None and any(not 0 <= t < self.vocab for t in plan):
             raise ValueError(f"plan token ids must lie in [0, {self.vocab})")
         cfg = self.model.config
+        lookup = p.lookup if p.lookup is not None else lookup_by_default(cfg)
         q = SpeculativeSeq(self.next_id, list(prompt), p, self.mask_id, self.eos, seed or 0, on_commit,
-                           causal_first=cfg.causal_first_token, plan=plan,
-                           lookup=p.lookup if p.lookup is not None else lookup_by_default(cfg),
+                           causal_first=cfg.causal_first_token, plan=plan, lookup=lookup,
                            fresh_after_miss=(p.fresh_after_miss if p.fresh_after_miss is not None
-                                             else fresh_after_miss_by_default(cfg)))
+                                             else fresh_after_miss_by_default(cfg)),
+                           # (branches pay where drafts of other text are on offer beside the masks')
+                           fork=p.fork if p.fork is not None else lookup and not p.redraft)
         self.next_id += 1
         self.pending.append(q)
         return q.sid
@@ -500,7 +502,7 @@ class SpeculativeBatch:
         seqs = [q for q in self.running if q.x is not None]  # (a prefill never forks)
         left = [q.p.gen_length - len(q.res.tokens) for q in seqs]
         k = np.array([q._fed_draft(n) for q, n in zip(seqs, left)])
-        R = max(len(q.branches) if q.p.fork else 0 for q in seqs)
+        R = max(len(q.branches) if q.fork else 0 for q in seqs)
         if R == 0 or not k.any():
             return
         if self.cost is None:
@@ -518,7 +520,7 @@ class SpeculativeBatch:
         n = np.arange(1, L + 1)[None, :]
         seconds = None
         for r in range(R):
-            branch = [q.branches[r] if q.p.fork and r < len(q.branches) else (K, [], widths.SECOND) for q in seqs]
+            branch = [q.branches[r] if q.fork and r < len(q.branches) else (K, [], widths.SECOND) for q in seqs]
             at = np.array([min(b[0], K) for b in branch])
             room = np.array([min(len(t), q.p.draft_length, m - 1 - f) for (f, t, _), q, m in zip(branch, seqs, left)])
             ask = (room > 0) & (at < k)
@@ -742,13 +744,13 @@ class SpeculativeBatch:
                 copy, n = q.index.propose(q.p.draft_length)
                 if copy:
                     offers.append((q, copy, widths.lookup_kind(n)))
-                    if q.p.fork:
+                    if q.fork:
                         others[id(q)] = q.index.alternatives(q.p.draft_length, MAX_BRANCHES)
                 if self.corpus is not None:
                     draft, n = self.corpus.propose(q.index.tokens, q.p.draft_length)
                     if draft:
                         offers.append((q, draft, widths.corpus_kind(n, beside_copy=bool(copy))))
-                        if q.p.fork:
+                        if q.fork:
                             runner_up = self.corpus.runner_up(q.index.tokens, draft, q.p.draft_length)
                             others.setdefault(id(q), []).extend([runner_up] if runner_up else [])
             if q.plan is not None:
@@ -772,7 +774,7 @@ class SpeculativeBatch:
         for q, *drafts in held.values():
             drafts.sort(key=lambda d: d[:2], reverse=True)  # (stable; a plan wins a tie: it was asked for)
             _, _, q.draft, q.kind = drafts[0]
-            if q.p.fork:
+            if q.fork:
                 q.branches = _branches(q.draft, [(d[2], widths.SECOND) for d in drafts[1:]]
                                        + [(d, widths.ALTERNATIVE) for d in others.get(id(q), [])])
 

@@ -275,7 +275,7 @@ class RaggedKVCache:
 
     def move_columns(self, row: int, src: int, dst: int, n: int) -> None:
         """Copy row `row`'s columns [src, src + n) to [dst, dst + n) (the ranges may overlap): a
-        speculative step keeps the KV of a second draft's accepted tokens where its first draft's were."""
+        speculative step keeps the KV of a branch's accepted tokens where its first draft's were."""
         for buffers in (self.k, self.v):
             for buf in buffers:
                 buf[row, :, dst:dst + n] = buf[row, :, src:src + n].clone()
