@@ -291,3 +291,15 @@ def test_fork_is_refused_with_redraft_and_counts_in_the_widest_step():
     assert SpeculativeParams(redraft=True).max_width == SpeculativeParams(redraft=True, fork=False).max_width
     assert SpeculativeParams(fork=True, widths="fixed", draft_length=3, mask_length=2).max_width == (
         1 + 3 + 2 + spec.MAX_BRANCHES * 3)
+
+
+def test_settled_decides_fork_for_the_model_and_max_width_counts_branches_only_then():
+    from types import SimpleNamespace
+
+    adapted, plain = SimpleNamespace(mask_adapter=object()), SimpleNamespace(mask_adapter=None)
+    p = SpeculativeParams(widths="fixed", draft_length=3, mask_length=2)
+    assert p.settled(adapted).fork is True and p.settled(plain).fork is False
+    assert SpeculativeParams(redraft=True).settled(adapted).fork is False
+    assert SpeculativeParams(lookup=True).settled(plain).fork is True
+    assert SpeculativeParams(fork=False).settled(adapted).fork is False
+    assert p.max_width == 1 + 3 + 2 and p.settled(adapted).max_width == 1 + 3 + 2 + spec.MAX_BRANCHES * 3

@@ -122,9 +122,9 @@ def test_speculative_feeds_the_chain_and_every_output_stays_ar(monkeypatch, look
     monkeypatch.setattr(MaskSampler, "draft", spy)
     advance = spec.SpeculativeSeq.advance
 
-    def watch(self, j, extra, mask_preds, redrafted=None):
+    def watch(self, j, extra, mask_preds, redrafted=None, branch=None):  # (lookup rows fork by default)
         k = self.fed_k
-        advance(self, j, extra, mask_preds, redrafted)
+        advance(self, j, extra, mask_preds, redrafted, branch)
         if j == k and not self.done and mask_preds:
             held.append((extra, list(mask_preds)))
         elif redrafted and not self.done:

@@ -337,3 +337,17 @@ def test_slow_bodies_kept_alive_and_pipelined_requests_are_served(live):
         s.sendall(HEALTH + HEALTH)
         assert [read_response(s)[0] for _ in range(2)] == [200, 200]
         assert UNREAD.pop(s, b"") == b"", "more bytes than the two responses"
+
+
+def test_the_step_width_names_the_branches_of_a_forking_request():
+    """A request that forks reserves columns for its branches, and a refusal says so."""
+    from refusion.decoding.params import MAX_BRANCHES, SpeculativeParams
+    from refusion.serve import budget
+    from refusion.serve.params import DecoderChoice
+
+    spec = SpeculativeParams(gen_length=64, draft_length=100, mask_length=100, widths="fixed", fork=True)
+    choice = DecoderChoice("speculative", {}, spec, 64)
+    assert budget.step_width(choice) == 1 + 100 + 100 + MAX_BRANCHES * 100
+    with pytest.raises(budget.RequestError, match=rf"1 \+ draft_length 100 \+ mask_length 100 \+ {MAX_BRANCHES * 100} "
+                                                  r"for redraft blocks or branches = 501 tokens fed per step"):
+        budget.check(10, choice, 400, 10_000)

@@ -8,7 +8,7 @@ Kept apart from the decoders' code, which imports torch, so that the CLI can bui
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from refusion.decoding.registry import Decoder, option, register
 
@@ -198,6 +198,18 @@ class SpeculativeParams:
             raise ValueError("fork and redraft do not combine (a branch would need redraft blocks of its own): "
                              "choose one")
 
+    def settled(self, config) -> SpeculativeParams:
+        """These parameters with fork decided for `config`'s model where unset: on where the decoder drafts
+        by lookup (lookup unset: a model with a mask adapter, decoding.lookup.lookup_by_default) and
+        redraft is off. (max_width counts branches only once fork is on, so a server reserves columns
+        for them where they are fed.)"""
+        if self.fork is not None:
+            return self
+        from refusion.decoding.lookup import lookup_by_default  # (params is imported by `refusion --help`: kept light)
+
+        lookup = self.lookup if self.lookup is not None else lookup_by_default(config)
+        return replace(self, fork=bool(lookup and not self.redraft))
+
     def check_model(self, config) -> None:
         """The widths within the model's context: no step can draft past the positions it has."""
         limit = config.max_position_embeddings
@@ -209,15 +221,16 @@ class SpeculativeParams:
 
     @property
     def max_width(self) -> int:
-        """The most tokens one step can feed after the prefill: x, the draft, the masks (and the branches)."""
+        """The most tokens one step can feed after the prefill: x, the draft, the masks (and the branches,
+        with fork on: settled() decides it for a model where it is unset)."""
         d = min(self.draft_length, REDRAFT_COST_DRAFT) if self.redraft and self.widths == "cost" else self.draft_length
         masks = self.mask_length if self.mask_length is not None else d + 1
-        return 1 + d + masks * (1 + d if self.redraft else 1) + (MAX_BRANCHES * d if self.fork is not False and not self.redraft else 0)
+        return 1 + d + masks * (1 + d if self.redraft else 1) + (MAX_BRANCHES * d if self.fork else 0)
 
 
 register(Decoder("speculative", SpeculativeParams, "refusion.decoding.speculative:generate_speculative",
                  "self-speculative: the masks draft, causal predictions verify; greedy AR's exact output",
-                 fits=("refusion",), batch=lambda p, config: p))
+                 fits=("refusion",), batch=lambda p, config: p.settled(config)))
 
 # ---- plan-and-infill ------------------------------------------------------------------------------
 

@@ -325,7 +325,7 @@ class SpeculativeBatch:
         """Queue a sequence; it joins at the next step. on_commit(positions, tokens) streams commits.
         plan: a draft of the whole answer (response positions 0, 1, ...), offered as the draft at
         the positions each step reaches, verified like any draft (the output does not depend on it)."""
-        p = params or SpeculativeParams()
+        p = (params or SpeculativeParams()).settled(self.model.config)
         p.check_model(self.model.config)
         if not prompt:
             raise ValueError("every prompt needs at least one token")
@@ -340,8 +340,7 @@ class SpeculativeBatch:
                            causal_first=cfg.causal_first_token, plan=plan, lookup=lookup,
                            fresh_after_miss=(p.fresh_after_miss if p.fresh_after_miss is not None
                                              else fresh_after_miss_by_default(cfg)),
-                           # (branches pay where drafts of other text are on offer beside the masks')
-                           fork=p.fork if p.fork is not None else lookup and not p.redraft)
+                           fork=p.fork)
         self.next_id += 1
         self.pending.append(q)
         return q.sid

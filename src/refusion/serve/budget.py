@@ -59,7 +59,9 @@ def check(prompt_len: int, choice: DecoderChoice, context: int, limit: int) -> N
 def _width_terms(choice: DecoderChoice) -> str:
     p = choice.spec
     masks = p.mask_length if p.mask_length is not None else p.draft_length + 1
-    return f"1 + draft_length {p.draft_length} + mask_length {masks}"
+    extra = p.max_width - (1 + p.draft_length + masks)  # (redraft blocks, branches)
+    return f"1 + draft_length {p.draft_length} + mask_length {masks}" + (f" + {extra} for redraft blocks or branches"
+                                                                           if extra else "")
 
 
 def _width_field(choice: DecoderChoice) -> str:
