@@ -289,6 +289,7 @@ def main() -> None:
     pad = tok.pad_id if tok.pad_id is not None else eos[0]
     benches = {"gsm8k": gsm8k_examples(args.gsm8k, args.n_gsm8k, args.seed),
                "humaneval": humaneval_examples(args.humaneval, args.n_humaneval, args.seed)}
+    benches = {b: exs for b, exs in benches.items() if exs}  # (--n-humaneval 0: GSM8K only)
     prompts = {b: [tok.chat_prompt_ids(e.prompt) for e in exs] for b, exs in benches.items()}
     rows = state.get("rows", [])
     done = {(r["threads"], r["batch_size"], r["name"], r["bench"]) for r in rows}
