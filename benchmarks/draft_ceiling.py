@@ -36,18 +36,10 @@ from refusion.decoding.lookup import NgramIndex
 from refusion.decoding.params import MAX_BRANCHES
 from refusion.model.checkpoint import load_model
 from refusion.model.tokenizer import Tokenizer
+from draft_sources import shared_prefix
 from smollm2_speculative import gsm8k_examples, humaneval_examples
 
 CAP = 32  # draft tokens looked at (the cost policy's default draft_length)
-
-
-def shared_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def offers_along(prompt: list[int], answer: list[int], corpus) -> list[dict]:

@@ -29,32 +29,43 @@ def flat(answers):
     return np.array([t for a in answers for t in (*a, -1)])
 
 
-def brute_force(answers, history, k, ngrams=(6, 5, 4, 3, 2, 1), votes=512, min_share=0.5):
-    """The definition, by scanning every occurrence."""
-    t = flat(answers).tolist()
+def brute_occurrences(t, history, ngrams, votes):
+    """Where the continuations of the longest suffix of `history` held in t begin (its latest `votes`), and n."""
     for n in ngrams:
         if len(history) < n:
             continue
         suf = list(history[-n:])
         occ = [s + n for s in range(len(t) - n) if t[s:s + n] == suf and t[s + n] >= 0][-votes:]
-        if not occ:
-            continue
-        draft = []
-        while len(draft) < k:
-            j = len(draft)
-            counts = {}
-            for s in occ:
-                counts[t[s + j]] = counts.get(t[s + j], 0) + 1
-            best = max(counts.values())
-            win = max(x for x, c in counts.items() if c == best)
-            if j and best < min_share * len(occ):  # (past the first token, too few agree: the draft ends)
-                break
-            if win == -1:
-                break
-            draft.append(win)
-            occ = [s for s in occ if t[s + j] == win]
-        return draft, n
+        if occ:
+            return occ, n
     return [], 0
+
+
+def brute_vote(t, occ, k, min_share):
+    """Token by token, the most frequent next token among the occurrences that agree so far (a tie: the
+    larger id), while past the first token at least min_share of them agree, until an answer's end."""
+    draft = []
+    while len(draft) < k:
+        j = len(draft)
+        counts = {}
+        for s in occ:
+            counts[t[s + j]] = counts.get(t[s + j], 0) + 1
+        best = max(counts.values())
+        win = max(x for x, c in counts.items() if c == best)
+        if j and best < min_share * len(occ):  # (past the first token, too few agree: the draft ends)
+            break
+        if win == -1:
+            break
+        draft.append(win)
+        occ = [s for s in occ if t[s + j] == win]
+    return draft
+
+
+def brute_force(answers, history, k, ngrams=(6, 5, 4, 3, 2, 1), votes=512, min_share=0.5):
+    """The definition, by scanning every occurrence."""
+    t = flat(answers).tolist()
+    occ, n = brute_occurrences(t, history, ngrams, votes)
+    return (brute_vote(t, occ, k, min_share), n) if occ else ([], 0)
 
 
 def test_the_index_by_hand():
@@ -84,45 +95,22 @@ def brute_force_runner_up(answers, history, draft, k, ngrams=(6, 5, 4, 3, 2, 1),
     place within `draft` where any goes on otherwise, the most frequent other next token (not an
     answer's end; a tie: the larger id), then the vote of the occurrences going on with it."""
     t = flat(answers).tolist()
-    for n in ngrams:
-        if len(history) < n:
-            continue
-        suf = list(history[-n:])
-        occ = [s + n for s in range(len(t) - n) if t[s:s + n] == suf and t[s + n] >= 0][-votes:]
-        if not occ:
-            continue
-        for j, d in enumerate(draft):
-            if len(occ) < 2:
-                return []
+    occ, _ = brute_occurrences(t, history, ngrams, votes)
+    for j, d in enumerate(draft):
+        if len(occ) < 2:
+            return []
+        if any(t[s + j] != d for s in occ):
             others = {}
             for s in occ:
                 if t[s + j] != d and t[s + j] >= 0:
                     others[t[s + j]] = others.get(t[s + j], 0) + 1
-            if any(t[s + j] != d for s in occ):
-                if not others:
-                    return []
-                best = max(others.values())
-                v = max(x for x, c in others.items() if c == best)
-                rest = [s + j + 1 for s in occ if t[s + j] == v]
-                tail = []
-                while len(tail) < k - j - 1:  # (brute_force's vote, from the occurrences going on with v)
-                    i = len(tail)
-                    if len(rest) == 1:
-                        more = t[rest[0] + i: rest[0] + k - j - 1]
-                        tail += more[:more.index(-1)] if -1 in more else more
-                        break
-                    counts = {}
-                    for s in rest:
-                        counts[t[s + i]] = counts.get(t[s + i], 0) + 1
-                    top = max(counts.values())
-                    win = max(x for x, c in counts.items() if c == top)
-                    if (i and top < min_share * len(rest)) or win == -1:
-                        break
-                    tail.append(win)
-                    rest = [s for s in rest if t[s + i] == win]
-                return list(draft[:j]) + [v] + tail
-            occ = [s for s in occ if t[s + j] == d]
-        return []
+            if not others:
+                return []
+            best = max(others.values())
+            v = max(x for x, c in others.items() if c == best)
+            rest = [s + j + 1 for s in occ if t[s + j] == v]
+            return list(draft[:j]) + [v] + brute_vote(t, rest, k - j - 1, min_share)
+        occ = [s for s in occ if t[s + j] == d]
     return []
 
 
