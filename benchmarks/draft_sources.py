@@ -149,7 +149,7 @@ def two_branches(held: list[int], others: list[list[int]], output: list[int], at
 
 def measure(model, prompts: list[list[int]], max_tokens: int, cap: int, budget: int = 8,
             corpus_fraction: float = 1.0, corpus_where_no_copy: bool = False, sampler: bool = True,
-            fork: bool | None = None) -> dict:
+            fork: bool = False) -> dict:
     per = defaultdict(lambda: dict(steps=0, fed=0, accepted=0))
     tokens = forwards = steps = 0
     outputs = []
@@ -224,9 +224,9 @@ def main() -> None:
                     help="offer corpus drafts only where no copy is on offer (an experiment)")
     ap.add_argument("--no-sampler", action="store_true",
                     help="the masks draft their argmax, without the model's sampler (model/mask_sampler.py)")
-    ap.add_argument("--fork", action=argparse.BooleanOptionalAction, default=None,
+    ap.add_argument("--fork", action=argparse.BooleanOptionalAction, default=False,
                     help="decode with (--fork) or without (--no-fork) branches beside the first draft where they "
-                         "pay (SpeculativeParams.fork; default: the decoder's, on with lookup)")
+                         "pay (SpeculativeParams.fork; default: without, the decoder's default)")
     ap.add_argument("--frozen-costs", metavar="JSON",
                     help="the forward costs from this file (measured into it if it does not exist), kept "
                          "unchanged: runs given the same file compare exactly")

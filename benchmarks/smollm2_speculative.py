@@ -11,12 +11,13 @@ template applied), greedy, each setting decodes every prompt at each thread coun
     speculative                  the adapted model's `speculative` decoder with the masks' drafts alone
                                  (`--no-lookup`; its default widths)
     speculative +lookup          the same with prompt-lookup drafts too (`--lookup`, this model's default): each step feeds the
-                                 masks' draft or a copy of earlier text, whichever it expects to go further,
-                                 and the others beside it as branches where they pay (`--fork`, on with lookup)
+                                 masks' draft, a copy of earlier text or the corpus's, whichever it expects to
+                                 go furthest
     speculative +lookup          the same with each mask's argmax: without the adapter's sampler (`--no-sampler`),
       no sampler                 where it has one (model/mask_sampler.py)
-    speculative +lookup +fork,   the default with `--fork` said (branches beside the first draft where they pay:
-    speculative +lookup no fork  the other drafts on offer and their other ways on), and without them (`--no-fork`)
+    speculative +lookup +fork,   the default with branches beside the first draft where they pay (`--fork`: the
+    speculative +lookup no fork  other drafts on offer and their other ways on), and without them (the default;
+                                 files written while branches were the default name that one so)
     speculative +redraft,        the two above with redraft blocks (`--redraft`: after a rejection the next
     speculative +lookup +redraft draft comes from masks that saw the accepted tokens only)
     speculative +lookup 2 masks, the default with a fixed number of masks behind every draft (`--mask-length`)
@@ -78,7 +79,7 @@ OURS = {  # name -> (which model, decoder, params without gen_length)
     "speculative +lookup": ("adapted", "speculative", {"lookup": True}),
     # (the masks' argmax drafts, without the adapter's sampler where it has one: model/mask_sampler.py)
     "speculative +lookup no sampler": ("adapted", "speculative", {"lookup": True, "sampler": False}),
-    "speculative +lookup +fork": ("adapted", "speculative", {"lookup": True, "fork": True}),  # (the default's)
+    "speculative +lookup +fork": ("adapted", "speculative", {"lookup": True, "fork": True}),
     "speculative +lookup no fork": ("adapted", "speculative", {"lookup": True, "fork": False}),
     "speculative +redraft": ("adapted", "speculative", {"lookup": False, "redraft": True}),
     "speculative +lookup +redraft": ("adapted", "speculative", {"lookup": True, "redraft": True}),

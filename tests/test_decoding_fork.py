@@ -271,18 +271,19 @@ def test_a_branch_from_a_fork_already_fed_is_worth_less():
     assert q.branch_widths[0] > 0 and q.branch_widths[1] == 0 and q.branch_widths[2] > 0
 
 
-def test_fork_is_on_by_default_where_the_row_drafts_by_lookup_and_not_with_redraft(forks):
+def test_fork_is_off_unless_asked_for(forks):
     model = tiny_model(0)
-    for kw, on in ((dict(lookup=True), True), (dict(lookup=False), False), (dict(lookup=True, redraft=True), False),
-                   (dict(lookup=True, fork=False), False), (dict(lookup=False, fork=True), True)):
+    for kw, on in ((dict(lookup=True), False), (dict(lookup=False), False), (dict(lookup=True, fork=True), True),
+                   (dict(lookup=False, fork=True), True)):
         batch = SpeculativeBatch(model, eos_ids=[], cost=CHEAP)
         batch.add(PROMPTS[0], SpeculativeParams(gen_length=20, **kw))
         batch.step()
         assert batch.running[0].fork is on, kw
     generate_speculative(model, PROMPTS, SpeculativeParams(gen_length=40, lookup=True), eos_ids=[], cost=CHEAP)
-    assert forks["fed"] > 0  # (the default feeds branches)
-    with pytest.raises(ValueError, match="fork must be true, false or unset"):
-        SpeculativeParams(fork=1)
+    assert forks["fed"] == 0  # (the default feeds no branch)
+    generate_speculative(model, PROMPTS, SpeculativeParams(gen_length=40, lookup=True, fork=True), eos_ids=[],
+                         cost=CHEAP)
+    assert forks["fed"] > 0
 
 
 def test_fork_is_refused_with_redraft_and_counts_in_the_widest_step():
@@ -293,13 +294,8 @@ def test_fork_is_refused_with_redraft_and_counts_in_the_widest_step():
         1 + 3 + 2 + spec.MAX_BRANCHES * 3)
 
 
-def test_settled_decides_fork_for_the_model_and_max_width_counts_branches_only_then():
-    from types import SimpleNamespace
-
-    adapted, plain = SimpleNamespace(mask_adapter=object()), SimpleNamespace(mask_adapter=None)
+def test_max_width_counts_branches_only_with_fork():
     p = SpeculativeParams(widths="fixed", draft_length=3, mask_length=2)
-    assert p.settled(adapted).fork is True and p.settled(plain).fork is False
-    assert SpeculativeParams(redraft=True).settled(adapted).fork is False
-    assert SpeculativeParams(lookup=True).settled(plain).fork is True
-    assert SpeculativeParams(fork=False).settled(adapted).fork is False
-    assert p.max_width == 1 + 3 + 2 and p.settled(adapted).max_width == 1 + 3 + 2 + spec.MAX_BRANCHES * 3
+    assert p.max_width == 1 + 3 + 2
+    assert SpeculativeParams(widths="fixed", draft_length=3, mask_length=2, fork=True).max_width == (
+        1 + 3 + 2 + spec.MAX_BRANCHES * 3)

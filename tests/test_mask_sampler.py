@@ -122,7 +122,7 @@ def test_speculative_feeds_the_chain_and_every_output_stays_ar(monkeypatch, look
     monkeypatch.setattr(MaskSampler, "draft", spy)
     advance = spec.SpeculativeSeq.advance
 
-    def watch(self, j, extra, mask_preds, redrafted=None, branch=None):  # (lookup rows fork by default)
+    def watch(self, j, extra, mask_preds, redrafted=None, branch=None):  # (branch: a forking row's)
         k = self.fed_k
         advance(self, j, extra, mask_preds, redrafted, branch)
         if j == k and not self.done and mask_preds:

@@ -8,7 +8,7 @@ Kept apart from the decoders' code, which imports torch, so that the CLI can bui
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from refusion.decoding.registry import Decoder, option, register
 
@@ -140,12 +140,11 @@ class SpeculativeParams:
     redraft: bool = option(False, "also feed, behind each draft token, masks that see the draft only up to it, so "
                                   "that after a partly accepted draft the next one is drafted from the accepted "
                                   "tokens (wider forwards, which the cost policy prices; exact either way)")
-    fork: bool | None = option(None, "also feed, beside the draft, the other drafts on offer (the masks', the copy's, "
-                                     "the corpus') and the copy's and the corpus' other ways on, each from the token "
-                                     "where it parts from the draft and seeing only its own branch: a step accepts "
-                                     "whichever goes furthest (the cost policy feeds each where it pays; exact either "
-                                     "way). Default: on where the decoder drafts by lookup (a model with a mask "
-                                     "adapter) and redraft is off, off otherwise")
+    fork: bool = option(False, "also feed, beside the draft, the other drafts on offer (the masks', the copy's, the "
+                               "corpus') and the copy's and the corpus' other ways on, each from the token where it "
+                               "parts from the draft and seeing only its own branch: a step accepts whichever goes "
+                               "furthest (the cost policy feeds each where it pays; exact either way). More tokens "
+                               "per forward, but on a CPU wider forwards: measured slower than without on SmolLM2")
     sampler: bool = option(True, "chain each mask's draft on the token drafted before it with the model's mask "
                                  "sampler, where it has one (mask_sampler.safetensors beside its weights); off: "
                                  "each mask's argmax (exact either way)", flag="--no-sampler")
@@ -186,7 +185,7 @@ class SpeculativeParams:
             raise ValueError(f"mask_length {self.mask_length} exceeds {MAX_DRAFT}, the most masks a step may feed; "
                              "lower mask_length (default: the draft width + 1)")
         check_sampling(self.temperature, self.top_k, self.top_p)
-        for name in ("lookup", "fresh_after_miss", "fork"):
+        for name in ("lookup", "fresh_after_miss"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, bool):
                 raise ValueError(f"{name} must be true, false or unset (the model's default), got {v!r}")
@@ -194,21 +193,9 @@ class SpeculativeParams:
             check_probability("accept_prob", self.accept_prob)
             if self.accept_prob == 0:
                 raise ValueError("accept_prob must be > 0 (0 would accept every draft token)")
-        if self.fork is True and self.redraft:
+        if self.fork and self.redraft:
             raise ValueError("fork and redraft do not combine (a branch would need redraft blocks of its own): "
                              "choose one")
-
-    def settled(self, config) -> SpeculativeParams:
-        """These parameters with fork decided for `config`'s model where unset: on where the decoder drafts
-        by lookup (lookup unset: a model with a mask adapter, decoding.lookup.lookup_by_default) and
-        redraft is off. (max_width counts branches only once fork is on, so a server reserves columns
-        for them where they are fed.)"""
-        if self.fork is not None:
-            return self
-        from refusion.decoding.lookup import lookup_by_default  # (params is imported by `refusion --help`: kept light)
-
-        lookup = self.lookup if self.lookup is not None else lookup_by_default(config)
-        return replace(self, fork=bool(lookup and not self.redraft))
 
     def check_model(self, config) -> None:
         """The widths within the model's context: no step can draft past the positions it has."""
@@ -222,7 +209,7 @@ class SpeculativeParams:
     @property
     def max_width(self) -> int:
         """The most tokens one step can feed after the prefill: x, the draft, the masks (and the branches,
-        with fork on: settled() decides it for a model where it is unset)."""
+        with fork on)."""
         d = min(self.draft_length, REDRAFT_COST_DRAFT) if self.redraft and self.widths == "cost" else self.draft_length
         masks = self.mask_length if self.mask_length is not None else d + 1
         return 1 + d + masks * (1 + d if self.redraft else 1) + (MAX_BRANCHES * d if self.fork else 0)
@@ -230,7 +217,7 @@ class SpeculativeParams:
 
 register(Decoder("speculative", SpeculativeParams, "refusion.decoding.speculative:generate_speculative",
                  "self-speculative: the masks draft, causal predictions verify; greedy AR's exact output",
-                 fits=("refusion",), batch=lambda p, config: p.settled(config)))
+                 fits=("refusion",), batch=lambda p, config: p))
 
 # ---- plan-and-infill ------------------------------------------------------------------------------
 

@@ -121,7 +121,7 @@ class SpeculativeSeq:
     in cache columns [0, c)), the draft for the positions after x, its width (the most draft tokens
     its next step feeds) and how far its drafts were accepted. seed: the key of its sampled draws;
     lookup: whether it also drafts copies of earlier text (p.lookup as the batch settled it);
-    fresh_after_miss, fork: p.fresh_after_miss and p.fork, settled the same way."""
+    fresh_after_miss: p.fresh_after_miss, settled the same way; fork: p.fork."""
 
     def __init__(self, sid: int, prompt: list[int], p: SpeculativeParams, mask_id: int, eos: set[int],
                  seed: int, on_commit: Callable[[list[int], list[int]], None] | None,
@@ -325,7 +325,7 @@ class SpeculativeBatch:
         """Queue a sequence; it joins at the next step. on_commit(positions, tokens) streams commits.
         plan: a draft of the whole answer (response positions 0, 1, ...), offered as the draft at
         the positions each step reaches, verified like any draft (the output does not depend on it)."""
-        p = (params or SpeculativeParams()).settled(self.model.config)
+        p = params or SpeculativeParams()
         p.check_model(self.model.config)
         if not prompt:
             raise ValueError("every prompt needs at least one token")
@@ -667,7 +667,7 @@ class SpeculativeBatch:
         many they are, and of the redraft blocks the first column and each block's masks (none of
         either for a row that drafts sampled tokens or asked for no sampler); and the longest block
         of any row. None where no row has a block of two. (Every mask of a block is chained: a cap
-        lowered SmolLM2's masks-only TPF without a speed gain, README "The masks' sampler".)"""
+        lowered SmolLM2's masks-only TPF without a speed gain: results/smollm2-refusion/README.md.)"""
         if self.sampler is None:
             return None
         use = np.array([q.p.sampler and not (q.p.temperature > 0 and q.p.sampled_drafts) for q in seqs])

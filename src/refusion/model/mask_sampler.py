@@ -86,6 +86,7 @@ def save_sampler(sampler: MaskSampler, directory: str | Path) -> Path:
     meta = {"hidden_size": str(sampler.hidden_size), "width": str(sampler.width),
             "candidates": str(sampler.candidates)}
     save_file(tensors, str(tmp), metadata=meta)
+    tmp.chmod(0o644)  # (the file ships with a model: readable like its weights)
     os.replace(tmp, path)
     return path
 
