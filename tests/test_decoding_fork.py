@@ -286,16 +286,11 @@ def test_fork_is_off_unless_asked_for(forks):
     assert forks["fed"] > 0
 
 
-def test_fork_is_refused_with_redraft_and_counts_in_the_widest_step():
+def test_fork_is_refused_with_redraft_and_counts_in_the_widest_step_only_when_on():
     with pytest.raises(ValueError, match="fork and redraft"):
         SpeculativeParams(fork=True, redraft=True)
+    assert SpeculativeParams(widths="fixed", draft_length=3, mask_length=2).max_width == 1 + 3 + 2
     assert SpeculativeParams(redraft=True).max_width == SpeculativeParams(redraft=True, fork=False).max_width
     assert SpeculativeParams(fork=True, widths="fixed", draft_length=3, mask_length=2).max_width == (
         1 + 3 + 2 + spec.MAX_BRANCHES * 3)
 
-
-def test_max_width_counts_branches_only_with_fork():
-    p = SpeculativeParams(widths="fixed", draft_length=3, mask_length=2)
-    assert p.max_width == 1 + 3 + 2
-    assert SpeculativeParams(widths="fixed", draft_length=3, mask_length=2, fork=True).max_width == (
-        1 + 3 + 2 + spec.MAX_BRANCHES * 3)
