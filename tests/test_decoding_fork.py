@@ -259,6 +259,7 @@ def test_the_policy_feeds_a_branch_only_where_it_pays():
 def test_a_branch_from_a_fork_already_fed_is_worth_less():
     """A second branch from the same fork is tested only where the first was wrong on its first token:
     where branches of its kind are always right there, it is worth nothing and is not fed."""
+    widths.PRIORS.pop(tiny_model(0), None)  # (the model is shared: no other test's drafts in its pooled counts)
     batch = SpeculativeBatch(tiny_model(0), eos_ids=[], cost=widths.CostModel.of(lambda rows, tokens: 1e-3 + 1e-5 * tokens))
     batch.add(PROMPTS[1], SpeculativeParams(gen_length=30, draft_length=4, mask_length=2, widths="fixed", fork=True))
     batch.step()

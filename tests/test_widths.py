@@ -71,6 +71,30 @@ def test_observed_step_times_move_the_table_and_a_frozen_one_stays():
 
 
 
+def test_a_slower_machine_moves_the_width_seen_and_every_wider_one_without_flattening_the_curve():
+    """Steps of one width only, on a machine 1.3x slower than the table: the estimate there follows,
+    and so do the wider widths the decode never fed (moving the cells around the width seen alone,
+    and raising the cells past them to no less, made wider forwards look nearly free: the step to
+    twice the width cost a third of its true price). Narrower cells stay where they were; a faster
+    machine's steps lower them only as far as a cell past them goes."""
+    f = lambda rows, t: 0.047 * max(1.0, t / (6.0 * rows))  # flat to 6 tokens a row, then linear
+    live = CostModel.of(f)
+    live.frozen = False
+    eight = live.seconds[1].copy()
+    for _ in range(200):
+        live.observe(1, 8, 1.3 * f(1, 8))
+    for t in (8, 12, 16, 24, 100):
+        assert float(live(1, [t])[0]) == pytest.approx(1.3 * f(1, t), rel=1e-3), t
+    assert float(live(1, [4])[0]) == pytest.approx(f(1, 4))
+    assert np.array_equal(live.seconds[1], eight)  # (8 rows' table: no step of 8 rows seen)
+    for _ in range(400):
+        live.observe(1, 16, 0.5 * f(1, 16))
+    assert float(live(1, [16])[0]) == pytest.approx(0.5 * f(1, 16), rel=1e-3)
+    assert float(live(1, [12])[0]) == pytest.approx(0.5 * f(1, 16), rel=1e-3)  # (no dearer than 16 tokens)
+    assert float(live(1, [4])[0]) == pytest.approx(f(1, 4))
+    assert (np.diff(live.seconds[0]) >= 0).all()
+
+
 def test_noted_step_times_are_observed_in_batches_in_order():
     """A decode notes every step's time; the table moves REFRESH_EVERY notes at a time, exactly as
     observing each in turn would have moved it, and not before."""
@@ -401,7 +425,7 @@ def test_every_steps_widths_are_the_widths_as_first_written_as_timings_move_the_
     from run to run). Some rows drop the draft they hold for the masks' fresh one."""
     dropped = 0
     for seed in range(1, 4):
-        frozen = CostModel.of(linear(), True)
+        frozen = CostModel.of(linear(per_token=1e-5), True)  # (tokens cheap: masks often worth a fresh draft)
         cost = CostModel(frozen.rows, frozen.tokens, frozen.seconds, True)
         rng, note = np.random.default_rng(seed), cost.note
         with monkeypatch.context() as patch:

@@ -19,8 +19,11 @@ CALIBRATION_SECONDS and reached CALIBRATION_TOKENS tokens), each the fastest of 
 into a nondecreasing convex curve (a busy machine's spikes taken out), interpolated linearly and
 extrapolated past the grid. It is then
 kept up to date from the decode's own step timings: every decode forward already ends in a host
-transfer, so timing it adds no sync, and each step moves the table's nearest cells a little
-towards what the step took (its host work included; REFRESH_EVERY steps' timings at a time). A
+transfer, so timing it adds no sync, and each step moves the table a little towards what the
+step took (its host work included; REFRESH_EVERY steps' timings at a time): the cell at its width
+and every cell past it alike. A decode times only the few widths it uses; moving only their cells
+(and raising any cell past them to no less) flattened the curve past them on a machine slower than
+at calibration or at a longer context, so that wider steps looked nearly free. A
 CPU's ragged batch computes only its real tokens in its products, but attention and the cache
 still see rows x the widest row: the cost of each padding slot is measured too (one forward with
 one wide row and the others one token wide) and added to the table's. `CostModel.of` makes a fixed table from a
@@ -216,9 +219,11 @@ class CostModel:
             self.noted.clear()
 
     def observe(self, rows: int, tokens: int, seconds: float, padding: int = 0) -> None:
-        """A decode forward computing `tokens` tokens and `padding` padding slots took `seconds`: move
-        the table's nearest cells towards it, each by its share of the interpolation (a step's noise
-        moves the table by a few percent at most)."""
+        """A decode forward computing `tokens` tokens and `padding` padding slots took `seconds`:
+        scale the tables of the row counts around `rows` towards it, each by its share of the
+        interpolation (a step's noise moves them by a few percent at most): the cell at or below
+        `tokens` by its share, every cell above it fully (a wider forward costs at least as much
+        more), and a cell below left as it is unless it now exceeds one above it."""
         if self.frozen or not seconds > 0:
             return
         g = self.grids.get(rows)
@@ -229,18 +234,19 @@ class CostModel:
         for r, wr in zip((i, i + 1), _shares(f)) if len(self.rows) > 1 else ((0, 1.0),):
             if wr == 0:
                 continue  # (no share: its cells would be multiplied by 1)
-            j, g = _bracket(self.tokens[r], float(tokens))
-            for c, wc in zip((j, j + 1), _shares(g)):
-                if c < len(self.seconds[r]):
-                    self.seconds[r][c] *= ratio ** (REFRESH_RATE * wr * wc)
-            np.maximum.accumulate(self.seconds[r], out=self.seconds[r])
+            s = self.seconds[r]
+            j, h = _bracket(self.tokens[r], float(tokens))
+            s[j] *= ratio ** (REFRESH_RATE * wr * _shares(h)[0])
+            s[j + 1:] *= ratio ** (REFRESH_RATE * wr)
+            s[:] = np.minimum.accumulate(s[::-1])[::-1]  # (a cell no dearer than any to its right)
         self.grids.clear()
 
 
 def _shares(f: float) -> tuple[float, float]:
-    """How much of an observation each of the two cells around it takes: their interpolation
-    weights, or all of it each past the grid's ends, where both extrapolate it (scaling both
-    scales the estimate there; moving only the nearer one would tilt the table)."""
+    """How much of an observation each of the two cells (row counts' tables, or token counts)
+    around it takes: their interpolation weights, or all of it each past the ends, where both
+    extrapolate it (scaling both scales the estimate there; moving only the nearer one would tilt
+    the line)."""
     return (1 - f, f) if 0 <= f <= 1 else (1.0, 1.0)
 
 
