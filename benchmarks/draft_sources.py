@@ -24,7 +24,9 @@ seeded): whether more answers would draft more. --corpus-where-no-copy offers a 
 where the row has no copy on offer (an experiment on the choice). --frozen-costs measures the forward
 costs once into a JSON file, or reads them from it, and keeps them (the widths then follow the same
 numbers in every run given that file, so two runs differ only by what they change; by default the
-costs follow each step's timing). Instruments the decoder by subclassing
+costs follow each step's timing), and then also reports tokens per modelled second: the tokens over
+the frozen table's seconds for every forward's width (prefills included, host work not), a speed
+comparison between two settings that no timing noise moves. Instruments the decoder by subclassing
 SpeculativeBatch (two internal methods); timing-free. Writes JSON and prints tables.
 
     python benchmarks/draft_sources.py --n-gsm8k 30 --n-humaneval 15 --corpus-fraction 0.25 --out /tmp/quarter.json
@@ -91,11 +93,17 @@ class WatchedBatch(SpeculativeBatch):
         self.fed: list[tuple[int, int, int]] = []
         self.offers: list[tuple[int, dict[str, list[int]]]] = []
         self.holding: list[str] = []  # after each step's offers: the source of the draft the row holds
+        self.widths: list[int] = []  # every forward's tokens (one row: the width of the ids fed), prefills too
 
     def _forward(self, lo, hi, prefill, start) -> None:
         for q in self.running[lo:hi]:
             self.fed.append((len(q.res.tokens), q.kind, min(len(q.draft), q.width)))
-        super()._forward(lo, hi, prefill, start)
+        hook = self.model.register_forward_pre_hook(lambda m, args, kw: self.widths.append(int(args[0].shape[1])),
+                                                    with_kwargs=True)
+        try:
+            super()._forward(lo, hi, prefill, start)
+        finally:
+            hook.remove()
 
     def _offer_drafts(self, seqs) -> None:
         for q in seqs:
@@ -149,13 +157,16 @@ def two_branches(held: list[int], others: list[list[int]], output: list[int], at
 
 def measure(model, prompts: list[list[int]], max_tokens: int, cap: int, budget: int = 8,
             corpus_fraction: float = 1.0, corpus_where_no_copy: bool = False, sampler: bool = True,
-            fork: bool = False) -> dict:
+            fork: bool = False, cost: CostModel | None = None) -> dict:
+    """The counts on `prompts`; cost: the frozen table the decode's choices read (--frozen-costs),
+    which then prices every forward (modelled_seconds, modelled_tps)."""
     per = defaultdict(lambda: dict(steps=0, fed=0, accepted=0))
     tokens = forwards = steps = 0
     outputs = []
     best = {"best of all": 0, "the draft fed": 0}
     alternatives: dict[str, dict] = {}
     branches = dict(alone=0, **{f"first cut at {a}": 0 for a in range(1, budget - 1)})
+    fed_widths = []
     for prompt in prompts:
         batch = WatchedBatch(model, corpus_fraction=corpus_fraction, corpus_where_no_copy=corpus_where_no_copy)
         batch.add(prompt, SpeculativeParams(gen_length=max_tokens, lookup=True, sampler=sampler, fork=fork), seed=0)
@@ -165,6 +176,7 @@ def measure(model, prompts: list[list[int]], max_tokens: int, cap: int, budget: 
                 pass
         out = result.tokens
         outputs.append(out)
+        fed_widths += batch.widths
         tokens, forwards = tokens + len(out), forwards + result.forwards
         at = [g for g, _, _ in batch.fed] + [len(out)]
         for i, (g, kind, k) in enumerate(batch.fed[1:], 1):  # (the prefill fed no draft)
@@ -191,9 +203,11 @@ def measure(model, prompts: list[list[int]], max_tokens: int, cap: int, budget: 
         for k in alt:
             if k != "steps":
                 alt[k] /= alt["steps"]
+    modelled = float(cost(1, fed_widths).sum()) if cost is not None else None
     return dict(tokens=tokens, forwards=forwards, tpf=tokens / forwards, kinds=dict(per), outputs=outputs,
                 accepted_per_step={k: v / max(steps, 1) for k, v in best.items()}, steps=steps,
-                alternatives=alternatives, branches=dict(budget=budget, accepted_per_step=per_step))
+                alternatives=alternatives, branches=dict(budget=budget, accepted_per_step=per_step),
+                modelled_seconds=modelled, modelled_tps=None if modelled is None else tokens / modelled)
 
 
 def frozen_costs(model, path: Path) -> CostModel:
@@ -241,8 +255,9 @@ def main() -> None:
     path = resolve_model(args.model)
     model = load_model(path)
     tok = Tokenizer.from_dir(path)
+    cost = None
     if args.frozen_costs:
-        widths.COSTS[widths.cost_key(model)] = frozen_costs(model, Path(args.frozen_costs))
+        cost = widths.COSTS[widths.cost_key(model)] = frozen_costs(model, Path(args.frozen_costs))
     benches = {"gsm8k": gsm8k_examples(args.gsm8k, args.n_gsm8k, 0) if args.n_gsm8k else [],
                "humaneval": humaneval_examples(args.humaneval, args.n_humaneval, 0) if args.n_humaneval else []}
     results = {}
@@ -253,13 +268,14 @@ def main() -> None:
             continue
         r = results[bench] = measure(model, [tok.chat_prompt_ids(e.prompt) for e in exs], args.max_tokens, args.cap,
                                      args.budget, args.corpus_fraction, args.corpus_where_no_copy,
-                                     sampler=not args.no_sampler, fork=args.fork)
+                                     sampler=not args.no_sampler, fork=args.fork, cost=cost)
         total = sum(v["steps"] for v in r["kinds"].values())
         for kind, v in sorted(r["kinds"].items(), key=lambda kv: -kv[1]["steps"]):
             print(f"| {bench} | {kind} | {v['steps']} | {v['steps'] / total:.0%} | {v['fed'] / v['steps']:.2f} | "
                   f"{v['accepted'] / v['steps']:.2f} |")
         a = r["accepted_per_step"]
-        print(f"| {bench} | TPF {r['tpf']:.2f}; accepted a step: the draft fed {a['the draft fed']:.2f}, "
+        tps = f"; {r['modelled_tps']:.1f} tokens per modelled second" if r["modelled_tps"] else ""
+        print(f"| {bench} | TPF {r['tpf']:.2f}{tps}; accepted a step: the draft fed {a['the draft fed']:.2f}, "
               f"best of all on offer (cut at {args.cap}) {a['best of all']:.2f} | | | | |")
     print(f"\n| benchmark | on offer -> held | steps | accepted of each (cut at {args.cap}) |\n|---|---|---|---|")
     for bench, r in results.items():

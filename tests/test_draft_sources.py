@@ -90,3 +90,24 @@ def test_frozen_costs_are_written_once_and_read_back(tmp_path, monkeypatch):
         assert c.frozen and c.packed and c.pad == 1e-5
         assert [x.tolist() for x in c.seconds] == [x.tolist() for x in table.seconds]
         assert float(c(2, [10])[0]) == float(table(2, [10])[0])
+
+
+def test_modelled_seconds_price_every_forward_by_the_frozen_table(monkeypatch):
+    """With the frozen table the decode read, each forward (prefills too) is priced at its width: one
+    second a forward makes the modelled seconds the forwards and the modelled speed the TPF; a
+    second a token, the tokens the forwards were fed. Without one there is no modelled speed."""
+    model = looping_model()
+    for per_token in (False, True):
+        widths.PRIORS.pop(model, None)
+        table = widths.CostModel.of(lambda rows, tokens: float(tokens) if per_token else 1.0)
+        monkeypatch.setattr(widths, "cost_model", lambda m: table)
+        fed = []
+        hook = model.register_forward_pre_hook(lambda m, args, kw: fed.append(args[0].numel()), with_kwargs=True)
+        r = draft_sources.measure(model, PROMPTS, 40, cap=8, cost=table)
+        hook.remove()
+        assert len(fed) == r["forwards"]
+        if per_token:
+            assert r["modelled_seconds"] == sum(fed) > r["forwards"] + sum(map(len, PROMPTS))
+        else:
+            assert r["modelled_seconds"] == r["forwards"] and r["modelled_tps"] == pytest.approx(r["tpf"])
+    assert draft_sources.measure(model, PROMPTS[:1], 8, cap=8)["modelled_seconds"] is None
