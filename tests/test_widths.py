@@ -9,7 +9,7 @@ import pytest
 import reference_widths as reference
 
 from refusion.decoding import ARParams, generate_ar, widths
-from refusion.decoding.params import COST_DRAFT_LENGTH
+from refusion.decoding.params import COST_DRAFT_LENGTH, MAX_DRAFT
 from refusion.decoding import speculative as spec
 from refusion.decoding.speculative import SpeculativeBatch, SpeculativeParams, generate_speculative
 from refusion.decoding.widths import Acceptance, CostModel, best_widths
@@ -580,7 +580,7 @@ def test_a_draft_that_predicts_its_end_bounds_the_width():
     batch._choose_widths()
     assert q.width == 3  # a free cost would take all 16
     q.draft = [5, 6, 7, 8, 9]
-    assert q.draft_end() == spec.MAX_DRAFT
+    assert q.draft_end() == MAX_DRAFT
     batch._choose_widths()
     assert q.width == 16
 
