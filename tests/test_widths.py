@@ -74,8 +74,8 @@ def test_observed_step_times_move_the_table_and_a_frozen_one_stays():
 def test_a_slower_machine_moves_the_width_seen_and_every_wider_one_without_flattening_the_curve():
     """Steps of one width only, on a machine 1.3x slower than the table: the estimate there follows,
     and so do the wider widths the decode never fed (moving the cells around the width seen alone,
-    and raising the cells past them to no less, made wider forwards look nearly free: the step to
-    twice the width cost a third of its true price). Narrower cells stay where they were; a faster
+    and raising the cells past them to no less, made going wider look cheaper than it is). Narrower
+    cells stay where they were; a faster
     machine's steps lower them only as far as a cell past them goes."""
     f = lambda rows, t: 0.047 * max(1.0, t / (6.0 * rows))  # flat to 6 tokens a row, then linear
     live = CostModel.of(f)
