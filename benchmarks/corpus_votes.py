@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from refusion.bundled import resolve_model
-from refusion.decoding import widths
+from refusion.decoding import costs
 from refusion.decoding.corpus import LookupCorpus
 from refusion.decoding.params import SpeculativeParams
 from refusion.decoding.speculative import SpeculativeBatch
@@ -109,7 +109,7 @@ def main() -> None:
     model = load_model(path)
     tok = Tokenizer.from_dir(path)
     if args.frozen_costs:
-        widths.COSTS[widths.cost_key(model)] = frozen_costs(model, Path(args.frozen_costs))
+        costs.COSTS[costs.cost_key(model)] = frozen_costs(model, Path(args.frozen_costs))
     benches = {"gsm8k": gsm8k_examples("tasks", args.n_gsm8k, 0) if args.n_gsm8k else [],
                "humaneval": humaneval_examples("tasks", args.n_humaneval, 0) if args.n_humaneval else []}
     results = {b: measure(model, [tok.chat_prompt_ids(e.prompt) for e in exs], args.max_tokens)

@@ -43,9 +43,9 @@ import numpy as np
 import torch
 
 from refusion.bundled import resolve_model
-from refusion.decoding import widths
+from refusion.decoding import costs, widths
 from refusion.decoding.corpus import LookupCorpus
-from refusion.decoding.widths import CostModel
+from refusion.decoding.costs import CostModel
 from refusion.decoding.params import SpeculativeParams
 from refusion.decoding.speculative import SpeculativeBatch
 from refusion.model.checkpoint import load_model
@@ -215,7 +215,7 @@ def frozen_costs(model, path: Path) -> CostModel:
     if path.is_file():
         t = json.loads(path.read_text())
     else:
-        c = widths.cost_model(model)
+        c = costs.cost_model(model)
         t = dict(rows=c.rows.tolist(), tokens=[x.tolist() for x in c.tokens], seconds=[x.tolist() for x in c.seconds],
                  packed=c.packed, pad=c.pad)
         path.write_text(json.dumps(t))
@@ -257,7 +257,7 @@ def main() -> None:
     tok = Tokenizer.from_dir(path)
     cost = None
     if args.frozen_costs:
-        cost = widths.COSTS[widths.cost_key(model)] = frozen_costs(model, Path(args.frozen_costs))
+        cost = costs.COSTS[costs.cost_key(model)] = frozen_costs(model, Path(args.frozen_costs))
     benches = {"gsm8k": gsm8k_examples(args.gsm8k, args.n_gsm8k, 0) if args.n_gsm8k else [],
                "humaneval": humaneval_examples(args.humaneval, args.n_humaneval, 0) if args.n_humaneval else []}
     results = {}

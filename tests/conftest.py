@@ -5,7 +5,7 @@ import pytest
 import torch
 import transformers
 
-from refusion.decoding import widths
+from refusion.decoding import costs
 from refusion.model.fetch import qwen3_tokenizer_files
 
 QWEN3_VOCAB = 151936  # the published checkpoint's padded embedding size
@@ -56,8 +56,8 @@ def fixed_forward_cost(monkeypatch):
     (decoding/widths.py); every test runs it on one fixed cost table instead, so that no test's
     widths depend on how busy the machine is (tests/test_widths.py measures). A CPU's shape: a
     cost per forward, per row and per token computed, in about the bundled model's proportions."""
-    cost = widths.CostModel.of(lambda rows, tokens: 1e-3 * (1 + 0.1 * rows + 0.03 * tokens))
-    monkeypatch.setattr(widths, "cost_model", lambda model: cost)
+    cost = costs.CostModel.of(lambda rows, tokens: 1e-3 * (1 + 0.1 * rows + 0.03 * tokens))
+    monkeypatch.setattr(costs, "cost_model", lambda model: cost)
 
 
 @pytest.fixture(scope="module")

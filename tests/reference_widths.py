@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from refusion.decoding.widths import _bracket, _line, _shares  # (unchanged by the rewrite: shared)
-from refusion.decoding.widths import (CALIBRATION_WEIGHT, KINDS, PRIOR_MEMORY, PRIOR_WEIGHT, REFRESH_RATE, Acceptance,
-                                     CostModel)
+from refusion.decoding.costs import REFRESH_RATE, CostModel, _bracket, _line, _shares  # (_bracket .. unchanged: shared)
+from refusion.decoding.widths import CALIBRATION_WEIGHT, KINDS, PRIOR_MEMORY, PRIOR_WEIGHT, Acceptance
 
 
 def cost(model: CostModel, rows: int, tokens) -> np.ndarray:

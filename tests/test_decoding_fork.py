@@ -7,15 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from refusion.decoding import speculative as spec, widths
+from refusion.decoding import costs, speculative as spec, widths
 from refusion.decoding.speculative import SpeculativeBatch, SpeculativeParams, generate_speculative
 from refusion.model.cache import KVCache
 from test_decoding_speculative import MASK, PROMPTS, ar, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-CHEAP = widths.CostModel.of(lambda rows, tokens: 1e-3 + 1e-7 * tokens)  # wide forwards cost next to nothing
-DEAR = widths.CostModel.of(lambda rows, tokens: 1e-3 * tokens)  # every token as dear as a forward of one
+CHEAP = costs.CostModel.of(lambda rows, tokens: 1e-3 + 1e-7 * tokens)  # wide forwards cost next to nothing
+DEAR = costs.CostModel.of(lambda rows, tokens: 1e-3 * tokens)  # every token as dear as a forward of one
 
 FORK = [dict(lookup=True), dict(lookup=True, widths="fixed", draft_length=3), dict(lookup=True, widths="adaptive"),
         dict(lookup=True, fresh_after_miss=False), dict(lookup=True, mask_length=0, widths="fixed", draft_length=4),
@@ -260,7 +260,7 @@ def test_a_branch_from_a_fork_already_fed_is_worth_less():
     """A second branch from the same fork is tested only where the first was wrong on its first token:
     where branches of its kind are always right there, it is worth nothing and is not fed."""
     widths.PRIORS.pop(tiny_model(0), None)  # (the model is shared: no other test's drafts in its pooled counts)
-    batch = SpeculativeBatch(tiny_model(0), eos_ids=[], cost=widths.CostModel.of(lambda rows, tokens: 1e-3 + 1e-5 * tokens))
+    batch = SpeculativeBatch(tiny_model(0), eos_ids=[], cost=costs.CostModel.of(lambda rows, tokens: 1e-3 + 1e-5 * tokens))
     batch.add(PROMPTS[1], SpeculativeParams(gen_length=30, draft_length=4, mask_length=2, widths="fixed", fork=True))
     batch.step()
     (q,) = batch.running

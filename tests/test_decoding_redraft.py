@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from refusion.decoding import widths
+from refusion.decoding import costs, widths
 from refusion.decoding.speculative import SpeculativeBatch, SpeculativeParams, generate_speculative
 from test_decoding_speculative import MASK, PROMPTS, ar, tiny_model
 
@@ -88,7 +88,7 @@ def test_what_redraft_feeds_is_what_the_cost_policy_prices():
 def test_the_steps_feed_what_the_policy_priced():
     """Every redrafting step of the cost policy feeds fed_tokens(width, masks, redraft) tokens."""
     model = tiny_model(1)
-    batch = SpeculativeBatch(model, eos_ids=[], cost=widths.CostModel.of(lambda r, t: 1e-3 + 1e-5 * t))
+    batch = SpeculativeBatch(model, eos_ids=[], cost=costs.CostModel.of(lambda r, t: 1e-3 + 1e-5 * t))
     batch.add(PROMPTS[3], SpeculativeParams(gen_length=40, redraft=True))
     batch.step()
     (q,) = batch.running

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from refusion.decoding import ARParams, generate_ar, widths
+from refusion.decoding import ARParams, costs, generate_ar, widths
 
 from test_lookup import PROMPTS, looping_model
 
@@ -78,13 +78,13 @@ def test_the_corpus_proposes_nothing_where_a_copy_is_on_offer():
 
 
 def test_frozen_costs_are_written_once_and_read_back(tmp_path, monkeypatch):
-    from refusion.decoding.widths import CostModel
+    from refusion.decoding.costs import CostModel
 
     table = CostModel([1, 4], [[1, 8], [4, 32]], [[1e-3, 2e-3], [2e-3, 5e-3]], packed=True, pad=1e-5)
-    monkeypatch.setattr(widths, "cost_model", lambda model: table)
+    monkeypatch.setattr(costs, "cost_model", lambda model: table)
     path = tmp_path / "costs.json"
     first = draft_sources.frozen_costs(None, path)
-    monkeypatch.setattr(widths, "cost_model", lambda model: pytest.fail("measured again"))
+    monkeypatch.setattr(costs, "cost_model", lambda model: pytest.fail("measured again"))
     again = draft_sources.frozen_costs(None, path)
     for c in (first, again):
         assert c.frozen and c.packed and c.pad == 1e-5
@@ -99,8 +99,8 @@ def test_modelled_seconds_price_every_forward_by_the_frozen_table(monkeypatch):
     model = looping_model()
     for per_token in (False, True):
         widths.PRIORS.pop(model, None)
-        table = widths.CostModel.of(lambda rows, tokens: float(tokens) if per_token else 1.0)
-        monkeypatch.setattr(widths, "cost_model", lambda m: table)
+        table = costs.CostModel.of(lambda rows, tokens: float(tokens) if per_token else 1.0)
+        monkeypatch.setattr(costs, "cost_model", lambda m: table)
         fed = []
         hook = model.register_forward_pre_hook(lambda m, args, kw: fed.append(args[0].numel()), with_kwargs=True)
         r = draft_sources.measure(model, PROMPTS, 40, cap=8, cost=table)

@@ -7,7 +7,7 @@ only where they pay for themselves."""
 import numpy as np
 import pytest
 
-from refusion.decoding import ARParams, generate_ar, widths
+from refusion.decoding import ARParams, costs, generate_ar, widths
 from refusion.decoding import speculative as spec
 from refusion.decoding.lookup import LOOKUP_NGRAMS, NgramIndex
 from refusion.decoding.speculative import SpeculativeParams, generate_speculative
@@ -130,7 +130,7 @@ def held_copy(per_token: float, fresh: int, copies: int) -> spec.SpeculativeSeq:
     per_token s a fed token. Its widths chosen once."""
     model = looping_model()
     widths.PRIORS.pop(model, None)
-    batch = spec.SpeculativeBatch(model, eos_ids=[], cost=widths.CostModel.of(lambda rows, t: 1.0 + per_token * t))
+    batch = spec.SpeculativeBatch(model, eos_ids=[], cost=costs.CostModel.of(lambda rows, t: 1.0 + per_token * t))
     batch.add(PROMPTS[0], SpeculativeParams(lookup=True, gen_length=32))
     batch.step()  # the prefill
     q = batch.running[0]
@@ -169,7 +169,7 @@ def test_masks_pay_by_the_rule_written_out():
     widths.PRIORS.pop(model, None)
 
     def pays(c: float) -> bool:
-        batch = spec.SpeculativeBatch(model, eos_ids=[], cost=widths.CostModel.of(lambda rows, t: 1.0 + c * t))
+        batch = spec.SpeculativeBatch(model, eos_ids=[], cost=costs.CostModel.of(lambda rows, t: 1.0 + c * t))
         batch.add(PROMPTS[0], SpeculativeParams(lookup=True, gen_length=32))
         batch.step()
         pool = batch.prior
@@ -192,7 +192,7 @@ def test_a_copy_not_worth_feeding_is_dropped_for_the_masks_fresh_draft(masks_wor
     where the masks' fresh draft is worth feeding, and keeps it (an AR step) where it is not."""
     model = looping_model()
     widths.PRIORS.pop(model, None)
-    batch = spec.SpeculativeBatch(model, eos_ids=[], cost=widths.CostModel.of(lambda rows, tokens: 1.0 + 0.01 * tokens))
+    batch = spec.SpeculativeBatch(model, eos_ids=[], cost=costs.CostModel.of(lambda rows, tokens: 1.0 + 0.01 * tokens))
     batch.add(PROMPTS[0], SpeculativeParams(lookup=True, gen_length=32))
     batch.step()  # the prefill
     q = batch.running[0]
@@ -230,7 +230,7 @@ def test_a_kind_of_draft_not_fed_lately_is_fed_again(monkeypatch):
         return ids, pos
 
     monkeypatch.setattr(spec.SpeculativeSeq, "next_feed", next_feed)
-    linear = widths.CostModel.of(lambda rows, tokens: float(tokens))  # a token never pays for itself
+    linear = costs.CostModel.of(lambda rows, tokens: float(tokens))  # a token never pays for itself
 
     def run(lookup_count: float) -> list[tuple[int, int]]:
         widths.PRIORS.pop(model, None)

@@ -8,16 +8,17 @@ import numpy as np
 import pytest
 import reference_widths as reference
 
-from refusion.decoding import ARParams, generate_ar, widths
+from refusion.decoding import ARParams, costs, generate_ar, widths
 from refusion.decoding.params import COST_DRAFT_LENGTH, MAX_DRAFT
 from refusion.decoding import speculative as spec
 from refusion.decoding.speculative import SpeculativeBatch, SpeculativeParams, generate_speculative
-from refusion.decoding.widths import Acceptance, CostModel, best_widths
+from refusion.decoding.costs import CostModel
+from refusion.decoding.widths import Acceptance, best_widths
 from refusion.model.config import ModelConfig
 from refusion.model.transformer import Transformer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-MEASURED = widths.cost_model  # (conftest.py gives every test a fixed table instead)
+MEASURED = costs.cost_model  # (conftest.py gives every test a fixed table instead)
 
 PROMPTS = [[2, 3, 4], [5, 6, 7, 8, 9, 10, 11], [12], [13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 2, 3]]
 
@@ -45,9 +46,9 @@ def test_a_linear_cost_is_interpolated_and_extrapolated_exactly():
 def test_timings_are_smoothed_into_a_nondecreasing_convex_curve():
     xs = np.array([1.0, 2, 4, 8, 16, 32, 64])
     flat_then_linear = np.array([1.0, 1, 1, 1, 1, 2, 4])  # an accelerator: room, then full
-    assert widths._smooth(xs, flat_then_linear).tolist() == flat_then_linear.tolist()
+    assert costs._smooth(xs, flat_then_linear).tolist() == flat_then_linear.tolist()
     spiked = np.array([1.0, 1.1, 5.0, 1.4, 2.2, 3.8, 7.0])  # a busy machine's spike at 4, and a noisy 2
-    got = widths._smooth(xs, spiked)
+    got = costs._smooth(xs, spiked)
     assert got[2] < 1.4 and got[0] == 1.0 and got[-1] == 7.0
     assert (np.diff(got) >= 0).all() and (np.diff(np.diff(got) / np.diff(xs)) >= -1e-12).all()
     assert (got <= spiked + 1e-12).all()
@@ -103,28 +104,28 @@ def test_noted_step_times_are_observed_in_batches_in_order():
     noted = CostModel(frozen.rows, frozen.tokens, frozen.seconds, packed=True, pad=1e-5)
     observed = copy.deepcopy(noted)
     timings = [(int(rng.integers(1, 9)), int(rng.integers(1, 200)), float(rng.uniform(1e-3, 1e-2)),
-                int(rng.integers(0, 20))) for _ in range(2 * widths.REFRESH_EVERY + 3)]
+                int(rng.integers(0, 20))) for _ in range(2 * costs.REFRESH_EVERY + 3)]
     for n, timing in enumerate(timings, 1):
         noted.note(*timing)
-        if n % widths.REFRESH_EVERY == 0:
-            for t in timings[n - widths.REFRESH_EVERY: n]:
+        if n % costs.REFRESH_EVERY == 0:
+            for t in timings[n - costs.REFRESH_EVERY: n]:
                 observed.observe(*t)
         assert all(np.array_equal(a, b) for a, b in zip(noted.seconds, observed.seconds)), n
-        assert len(noted.noted) == n % widths.REFRESH_EVERY
+        assert len(noted.noted) == n % costs.REFRESH_EVERY
     assert not all(np.array_equal(a, b) for a, b in zip(noted.seconds, frozen.seconds))  # (it did move)
     frozen.note(*timings[0])
     assert frozen.noted == []
 
 def test_calibration_measures_the_grid_and_fits_a_short_context():
     model = tiny()
-    cost = widths.measure_cost(model)
-    assert cost.packed and not cost.frozen and list(cost.rows) == list(widths.CALIBRATION_ROWS)
+    cost = costs.measure_cost(model)
+    assert cost.packed and not cost.frozen and list(cost.rows) == list(costs.CALIBRATION_ROWS)
     for rows, tokens, seconds in zip(cost.rows, cost.tokens, cost.seconds):
-        assert len(tokens) >= 2 and list(tokens) == [rows * w for w in widths.CALIBRATION_WIDTHS[: len(tokens)]]
+        assert len(tokens) >= 2 and list(tokens) == [rows * w for w in costs.CALIBRATION_WIDTHS[: len(tokens)]]
         assert tokens[0] == rows  # a plain AR step's cost is measured, not extrapolated
         assert (seconds > 0).all() and (np.diff(seconds) >= 0).all()
     assert cost.pad > 0  # a CPU's ragged batch: its padding's cost was measured
-    short = widths.measure_cost(tiny(max_position_embeddings=40))  # 20 cached columns, widths up to 16
+    short = costs.measure_cost(tiny(max_position_embeddings=40))  # 20 cached columns, widths up to 16
     assert max(short.tokens[0]) <= 16
 
 
@@ -132,9 +133,9 @@ def test_calibration_measures_up_to_its_least_tokens_however_long_forwards_take(
     """Out of time at once, a row count is still measured to CALIBRATION_TOKENS (two widths at
     least): a table of 1-3 tokens priced every wider step from its last two cells, which a wide step's
     timing then scaled, pricing 2 tokens as 33."""
-    monkeypatch.setattr(widths, "CALIBRATION_SECONDS", 0.0)
-    cost = widths.measure_cost(tiny())
-    assert list(cost.tokens[0]) == [w for w in widths.CALIBRATION_WIDTHS if w <= widths.CALIBRATION_TOKENS]
+    monkeypatch.setattr(costs, "CALIBRATION_SECONDS", 0.0)
+    cost = costs.measure_cost(tiny())
+    assert list(cost.tokens[0]) == [w for w in costs.CALIBRATION_WIDTHS if w <= costs.CALIBRATION_TOKENS]
     assert list(cost.tokens[1]) == [8, 16]
 
 
@@ -284,7 +285,7 @@ def test_more_rows_draft_less_on_a_cpu():
 def random_table(rng, packed=None, frozen=False) -> CostModel:
     """A cost table with 1 to 3 row counts and 2 to 7 token counts each, seconds increasing."""
     rows = sorted(rng.choice(np.arange(1, 17), size=int(rng.integers(1, 4)), replace=False).tolist())
-    tokens = [[r * w for w in widths.CALIBRATION_WIDTHS[: int(rng.integers(2, 8))]] for r in rows]
+    tokens = [[r * w for w in costs.CALIBRATION_WIDTHS[: int(rng.integers(2, 8))]] for r in rows]
     seconds = [np.cumsum(rng.uniform(1e-4, 1e-3, len(t))) for t in tokens]
     packed = bool(rng.integers(2)) if packed is None else packed
     return CostModel(rows, tokens, seconds, packed, frozen)
@@ -443,8 +444,8 @@ def test_every_steps_widths_are_the_widths_as_first_written_as_timings_move_the_
 @pytest.mark.parametrize("packed", [True, False])
 def test_the_cost_policy_keeps_ar_tokens_with_measured_and_injected_costs(monkeypatch, packed):
     model = tiny(3)
-    monkeypatch.setattr(widths, "COSTS", {})
-    monkeypatch.setattr(widths, "cost_model", MEASURED)
+    monkeypatch.setattr(costs, "COSTS", {})
+    monkeypatch.setattr(costs, "cost_model", MEASURED)
     want = generate_ar(model, PROMPTS, ARParams(gen_length=24), eos_ids=[1])
     fed = []
     plain = spec.SpeculativeSeq.next_feed
@@ -467,7 +468,7 @@ def test_the_cost_policy_keeps_ar_tokens_with_measured_and_injected_costs(monkey
             assert r.tokens == alone[0].tokens
     assert all(k <= w <= d for w, k, _, d in fed)  # within draft_length, and no more drafts than the width
     if packed:  # measured once for this model's shape and threads, then refreshed by the decodes' steps
-        (cost,) = widths.COSTS.values()
+        (cost,) = costs.COSTS.values()
         assert not cost.frozen and cost.packed
     else:  # a flat cost: every row drafts as far as it may
         assert max(w for w, _, _, d in fed if d == 32) == 23  # (gen_length 24: at most 23 drafts after a token)

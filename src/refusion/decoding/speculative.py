@@ -96,7 +96,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from refusion.decoding import widths
+from refusion.decoding import costs, widths
 from refusion.decoding.common import DecodeResult, packed_index
 from refusion.decoding.corpus import corpus_of
 from refusion.decoding.lookup import lookup_by_default
@@ -130,8 +130,8 @@ class SpeculativeBatch:
     """
 
     def __init__(self, model: Transformer, eos_ids: list[int] | None = None, max_rows: int | None = None,
-                 max_row_tokens: int | None = None, cost: widths.CostModel | None = None) -> None:
-        """cost: what a forward costs, for the cost policy (default: measured, widths.cost_model)."""
+                 max_row_tokens: int | None = None, cost: costs.CostModel | None = None) -> None:
+        """cost: what a forward costs, for the cost policy (default: measured, costs.cost_model)."""
         cfg = model.config
         # the cache grows geometrically but never past these (a server's limits on rows and columns)
         self.max_rows, self.max_row_tokens = max_rows, max_row_tokens
@@ -248,7 +248,7 @@ class SpeculativeBatch:
         if not any(free):
             return
         if self.cost is None:
-            self.cost = widths.cost_model(self.model)
+            self.cost = costs.cost_model(self.model)
         # a row drafts at most draft_length tokens (PACKED_BATCH_DRAFT beside others on a CPU), and one
         # fewer than the positions it has left
         most = widths.PACKED_BATCH_DRAFT if self.cost.packed and len(seqs) > 1 else widths.MAX_DRAFT
@@ -341,7 +341,7 @@ class SpeculativeBatch:
         if R == 0 or not k.any():
             return
         if self.cost is None:
-            self.cost = widths.cost_model(self.model)
+            self.cost = costs.cost_model(self.model)
         B, K = len(seqs), int(k.max())
         L = max(min(len(t), q.p.draft_length) for q in seqs for _, t, _ in q.branches)
         rate = self._rates(seqs, [q.kind for q in seqs], K)
@@ -712,7 +712,7 @@ def _branches(draft: list[int], others: list[tuple[list[int], int]], most: int =
 def generate_speculative(model: Transformer, prompts: list[list[int]], params: SpeculativeParams | None = None, *,
                          eos_ids: list[int] | None = None, seed: int | None = None,
                          on_commit: Callable[[int, list[int], list[int]], None] | None = None,
-                         cost: widths.CostModel | None = None,
+                         cost: costs.CostModel | None = None,
                          plans: list[list[int]] | None = None) -> list[DecodeResult]:
     """Self-speculative decoding of a batch of prompts; on_commit(row, positions, tokens) streams.
     Every sampled sequence draws with the uniforms of `seed` (0 when None), as it would alone.
