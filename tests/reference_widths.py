@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from refusion.decoding.costs import REFRESH_RATE, CostModel, _bracket, _line, _shares  # (_bracket .. unchanged: shared)
+# (_bracket, _line and _shares were not rewritten: the reference shares them)
+from refusion.decoding.costs import REFRESH_RATE, CostModel, _bracket, _line, _shares
 from refusion.decoding.widths import CALIBRATION_WEIGHT, KINDS, PRIOR_MEMORY, PRIOR_WEIGHT, Acceptance
 
 

@@ -1,25 +1,24 @@
 """What a forward costs, for the speculative decoder's cost policy (widths.py).
 
-`CostModel`: seconds as a function of the batch's rows and of the tokens the forward computes,
-which is what the code really computes: on a CPU the sum of the rows' fed
-tokens (a ragged batch computes only its real tokens, common.packed_index), elsewhere rows x the
-widest row (rows are padded to one width). It is measured at first use for this device type,
-dtype, model shape, thread count and forward (compiled or eager): timed forwards on a scratch
-cache, widths 1..64 at 1 and 8 rows (wider ones extrapolated once a row count has taken
-CALIBRATION_SECONDS and reached CALIBRATION_TOKENS tokens), each the fastest of three, smoothed
-into a nondecreasing convex curve (a busy machine's spikes taken out), interpolated linearly and
-extrapolated past the grid. It is then
-kept up to date from the decode's own step timings: every decode forward already ends in a host
-transfer, so timing it adds no sync, and each step moves the table a little towards what the
-step took (its host work included; REFRESH_EVERY steps' timings at a time): the cell at its width
-and every cell past it alike. A decode times only the few widths it uses; moving only their cells
-(and raising any cell past them to no less) flattened the curve past them on a machine slower than
-at calibration or at a longer context, so that wider steps looked nearly free. A
-CPU's ragged batch computes only its real tokens in its products, but attention and the cache
-still see rows x the widest row: the cost of each padding slot is measured too (one forward with
-one wide row and the others one token wide) and added to the table's. `CostModel.of` makes a fixed table from a
-function (`SpeculativeBatch(cost=...)`, `generate_speculative(cost=...)`; tests/conftest.py
-gives every test one).
+`CostModel`: seconds as a function of the batch's rows and of the tokens the forward computes, which
+is what the code really computes: on a CPU the sum of the rows' fed tokens (a ragged batch computes
+only its real tokens, common.packed_index), elsewhere rows x the widest row (rows are padded to one
+width). It is measured at first use for this device type, dtype, model shape, thread count and
+forward (compiled or eager): timed forwards on a scratch cache, widths 1..64 at 1 and 8 rows (wider
+ones extrapolated once a row count has taken CALIBRATION_SECONDS and reached CALIBRATION_TOKENS
+tokens), each the fastest of three, smoothed into a nondecreasing convex curve (a busy machine's
+spikes taken out), interpolated linearly and extrapolated past the grid. It is then kept up to date
+from the decode's own step timings: every decode forward already ends in a host transfer, so timing
+it adds no sync, and each step moves the table a little towards what the step took (its host work
+included; REFRESH_EVERY steps' timings at a time): the cell at its width and every cell past it
+alike. A decode times only the few widths it uses; moving only their cells (and raising any cell
+past them to no less) flattened the curve past them on a machine slower than at calibration or at a
+longer context, so that wider steps looked nearly free. A CPU's ragged batch computes only its real
+tokens in its products, but attention and the cache still see rows x the widest row: the cost of
+each padding slot is measured too (one forward with one wide row and the others one token wide) and
+added to the table's. `CostModel.of` makes a fixed table from a function
+(`SpeculativeBatch(cost=...)`, `generate_speculative(cost=...)`; tests/conftest.py gives every test
+one).
 """
 
 from __future__ import annotations
