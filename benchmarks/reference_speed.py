@@ -177,8 +177,8 @@ def main() -> None:
     if stats is not None:
         summary.update(compile_before_timing=warm, graphs_during_timing=stats.graphs - warm["graphs"],
                        recompiles=stats.recompiles, eager_fallbacks=stats.eager_calls, compiled_calls=stats.compiled_calls)
-    print(f"\n| model | prompts | reference on transformers ms / fwd | port on ours ms / fwd | ours ms / fwd | "
-          f"median ratio (min) | port on ours / ours | same outputs | same forwards |\n|---|---|---|---|---|---|---|---|---|")
+    print("\n| model | prompts | reference on transformers ms / fwd | port on ours ms / fwd | ours ms / fwd | "
+          "median ratio (min) | port on ours / ours | same outputs | same forwards |\n|---|---|---|---|---|---|---|---|---|")
     s = summary
     print(f"| {model_dir.name} | {s['prompts']} | {s['ms_per_forward_ref_hf']:.2f} | {s['ms_per_forward_port_ours']:.2f} | "
           f"{s['ms_per_forward_ours']:.2f} | {s['median_ratio']:.2f}x ({s['min_ratio']:.2f}x) | {s['median_ratio_port']:.2f}x | "

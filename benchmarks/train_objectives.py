@@ -71,7 +71,7 @@ def main() -> None:
               "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(), "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"| objective | tokens/s | ms/step | layout share of step |\n|---|---|---|---|")
+    print("| objective | tokens/s | ms/step | layout share of step |\n|---|---|---|---|")
     for r in rows:
         print(f"| {r['objective']} | {r['tokens_per_s']:.0f} | {r['ms_per_step']:.1f} | {100 * r['layout_share']:.2f}% |")
     print(f"\n{args.batch_size} examples per step, {args.steps} steps after {args.warmup} warm-up, "

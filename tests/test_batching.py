@@ -9,7 +9,6 @@ import functools
 from pathlib import Path
 
 import pytest
-import torch
 
 from refusion.model.checkpoint import load_model
 from refusion.decoding import decode

@@ -351,12 +351,12 @@ def test_seeded_samples_are_ar_samples_whatever_the_widths_and_the_batch(model_s
     for i, kw in enumerate(SAMPLED):
         seed = 10 * model_seed + i
         want = [sampled_ar(model, p, kw, seed, 24, [1]) for p in PROMPTS]
-        for widths in WIDTHS:
-            params = SpeculativeParams(gen_length=24, **widths, **kw)
+        for setting in WIDTHS:
+            params = SpeculativeParams(gen_length=24, **setting, **kw)
             together = generate_speculative(model, PROMPTS, params, eos_ids=[1], seed=seed)
-            assert [r.tokens for r in together] == want, widths
+            assert [r.tokens for r in together] == want, setting
             for p, w in zip(PROMPTS, want):
-                assert generate_speculative(model, [p], params, eos_ids=[1], seed=seed)[0].tokens == w, widths
+                assert generate_speculative(model, [p], params, eos_ids=[1], seed=seed)[0].tokens == w, setting
 
 
 def test_seeded_samples_do_not_depend_on_who_joins_when():

@@ -58,7 +58,7 @@ def write_tasks(d: Path) -> tuple[list[dict], list[dict]]:
            for ex in TASKS["code"].load("test", n=6, seed=1)]
     for name, rows in (("mc", mc), ("gen", gen)):
         (d / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    common = f"dataset_path: json\ntest_split: test\ndoc_to_text: \"{{{{context}}}}\"\ntarget_delimiter: \"\"\n"
+    common = "dataset_path: json\ntest_split: test\ndoc_to_text: \"{{context}}\"\ntarget_delimiter: \"\"\n"
     (d / "mc.yaml").write_text(
         f"task: refusion_mc\n{common}dataset_kwargs:\n  data_files:\n    test: {d / 'mc.jsonl'}\n"
         "output_type: multiple_choice\ndoc_to_choice: choices\ndoc_to_target: gold\n"

@@ -19,7 +19,7 @@ from refusion.training.data import Example
 from refusion.training.joint_layouts import DraftMasks
 from refusion.training.mask_features import (PrefixCache, block_starts, example_features, feature_batch,
                                              feature_loss, feature_phases, prepare_features)
-from refusion.training.objectives import IGNORE, token_ce
+from refusion.training.objectives import token_ce
 from refusion.training.setup import setup
 from refusion.training.trainer import TrainConfig, fit
 from tiny_causal_lm import addition_records, assert_clean_logits_are_the_bases, base_dir, data_file  # noqa: F401

@@ -362,7 +362,6 @@ def test_all_masked_batch_has_zero_ar_term():
 
 
 def test_empty_response_contributes_zero():
-    full = make_batch([[10, 11]], [[20, 21, 22, 23, 24, EOS]], PAD)
     mixed = make_batch([[10, 11], [12, 13, 14]], [[20, 21, 22, 23, 24, EOS], []], PAD)
     x = refusion_inputs(mixed, MASK, gen(3), slot_sizes=(2,))
     # the empty example is its prompt and padding only, with no label

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import random
-import re
 from collections.abc import Callable
 
 from refusion.tasks import Example, Score, Task
