@@ -73,6 +73,12 @@ def test_prompt_sources(files, tmp_path):
     assert len(code) == 3 and all(re.fullmatch(r"Complete the following Python function\.\n```python\ndef .*"
                                                r"(\"\"\"|\'\'\')\n```", p.query, re.S) for p in code)
     assert load_prompts("stdlib-functions", n=3) == code  # seeded
+    methods = load_prompts("stdlib-methods", n=3)
+    # a method stands alone: its def at the left margin, its self kept, its docstring one level in
+    assert len(methods) == 3 and all(re.fullmatch(r"Complete the following Python function\.\n```python\n"
+                                                  r"def \w+\(self\b.*\n    [rbu]?(\"\"\"|\'\'\').*(\"\"\"|\'\'\')\n```",
+                                                  p.query, re.S) for p in methods), [p.query for p in methods]
+    assert {p.source for p in methods} == {"stdlib-methods"} and not {p.query for p in methods} & {p.query for p in code}
     assert [p.query for p in load_prompts(f"gsm8k:{d / 'train.jsonl'}")][:2] == [
         gsm8k_prompt("Tom has 0 apples. How many?"), gsm8k_prompt("Tom has 1 apples. How many?")]
     assert all(p.query.startswith("Continue this Python code:\n") for p in load_prompts("stdlib", n=2))

@@ -23,7 +23,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description=_doc_head())
     g.add_argument("--model", help=MODEL_HELP)
     g.add_argument("--prompts", required=True, help="comma-separated sources: gsm8k:FILE (a train split), "
-                   "stdlib-functions, stdlib, jsonl:FILE")
+                   "stdlib-functions, stdlib-methods, stdlib, jsonl:FILE")
     g.add_argument("--n", type=positive_int, help="prompts per source (a seeded sample; default: all, "
                    "1000 for stdlib)")
     g.add_argument("--seed", type=seed_int, default=0, help="of the sample of prompts")

@@ -69,6 +69,17 @@ def stdlib_functions(n: int, seed: int = 0, max_chars: int = 1200) -> list[str]:
     """n functions of the standard library as HumanEval-style prompts: a public module-level function's
     `def` line(s) and its docstring, up to the docstring's end (the body left to complete). Drawn from
     the files in a seeded order; each function once. Fewer than n when the library has fewer."""
+    return _stdlib_defs(n, seed, max_chars, methods=False)
+
+
+def stdlib_methods(n: int, seed: int = 0, max_chars: int = 1200) -> list[str]:
+    """n methods of the standard library's public classes, as stdlib_functions gives functions: the
+    method's `def` line(s) and docstring, dedented to stand alone (its `self` kept). There are about
+    three times as many of them as module-level functions, so more code prompts of HumanEval's kind."""
+    return _stdlib_defs(n, seed, max_chars, methods=True)
+
+
+def _stdlib_defs(n: int, seed: int, max_chars: int, methods: bool) -> list[str]:
     import ast
 
     files = stdlib_files()
@@ -81,11 +92,17 @@ def stdlib_functions(n: int, seed: int = 0, max_chars: int = 1200) -> list[str]:
         except SyntaxError:  # (a library file of another Python's grammar)
             continue
         lines = text.splitlines()
-        for node in tree.body:
+        if methods:
+            nodes = [m for c in tree.body if isinstance(c, ast.ClassDef) and not c.name.startswith("_")
+                     for m in c.body]
+        else:
+            nodes = tree.body
+        for node in nodes:
             if (not isinstance(node, ast.FunctionDef) or node.name.startswith("_") or node.decorator_list
                     or len(node.body) < 2 or ast.get_docstring(node) is None):
                 continue  # a docstring and something after it to write
-            head = "\n".join(lines[node.lineno - 1:node.body[0].end_lineno]) + "\n"
+            indent = " " * node.col_offset
+            head = "\n".join(x.removeprefix(indent) for x in lines[node.lineno - 1:node.body[0].end_lineno]) + "\n"
             if len(head) <= max_chars:
                 out.append(head)
                 if len(out) == n:

@@ -12,6 +12,7 @@ Prompt sources (`--prompts`, comma-separated; never a test split):
                        name says "test" is refused
     stdlib-functions   public functions of the Python standard library, signature and docstring, as
                        HumanEval asks for a function (tasks/code.py complete_function_prompt)
+    stdlib-methods     public methods of its public classes, the same way (about three times as many)
     stdlib             "Continue this Python code:" passages of the standard library (training/corpus.py)
     jsonl:FILE         the "query" of every record of a {"query", "response"} file
 
@@ -39,7 +40,7 @@ if TYPE_CHECKING:  # (torch is imported when decoding starts: `refusion --help` 
     from refusion.model.tokenizer import Tokenizer
     from refusion.model.transformer import Transformer
 
-SOURCES = ("gsm8k", "stdlib-functions", "stdlib", "jsonl")
+SOURCES = ("gsm8k", "stdlib-functions", "stdlib-methods", "stdlib", "jsonl")
 
 
 @dataclass
@@ -53,14 +54,14 @@ def load_prompts(spec: str, n: int | None = None, seed: int = 0) -> list[Prompt]
     without repeats, in a fixed order."""
     from refusion.tasks.code import complete_function_prompt
     from refusion.tasks.maths import gsm8k_prompt
-    from refusion.training.corpus import stdlib_functions, stdlib_records
+    from refusion.training.corpus import stdlib_functions, stdlib_methods, stdlib_records
 
     out: list[Prompt] = []
     for item in filter(None, (x.strip() for x in spec.split(","))):
         name, _, arg = item.partition(":")
         if name not in SOURCES or bool(arg) != (name in ("gsm8k", "jsonl")):
-            raise DataError(f"unknown prompt source {item!r}; sources: gsm8k:FILE, stdlib-functions, stdlib, "
-                            "jsonl:FILE")
+            raise DataError(f"unknown prompt source {item!r}; sources: gsm8k:FILE, stdlib-functions, "
+                            "stdlib-methods, stdlib, jsonl:FILE")
         if name == "gsm8k":
             if "test" in Path(arg).name.lower():
                 raise DataError(f"{arg}: a test split; self-generated training data comes from a train split")
@@ -69,6 +70,8 @@ def load_prompts(spec: str, n: int | None = None, seed: int = 0) -> list[Prompt]
             queries = [r["query"] for r in load_records(arg)]
         elif name == "stdlib-functions":
             queries = [complete_function_prompt(code) for code in stdlib_functions(n or 10**9, seed)]
+        elif name == "stdlib-methods":
+            queries = [complete_function_prompt(code) for code in stdlib_methods(n or 10**9, seed)]
         else:
             queries = [r["query"] for r in stdlib_records(n or 1000, seed)]
         queries = list(dict.fromkeys(queries))  # each once, first occurrence's place
