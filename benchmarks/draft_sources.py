@@ -77,8 +77,11 @@ class CorpusWhereNoCopy:
     def __init__(self, corpus: LookupCorpus) -> None:
         self.corpus, self.copy_on_offer = corpus, False
 
+    def offer(self, history, k: int) -> tuple[list[int], int, bool]:
+        return ([], 0, False) if self.copy_on_offer else self.corpus.offer(history, k)
+
     def propose(self, history, k: int) -> tuple[list[int], int]:
-        return ([], 0) if self.copy_on_offer else self.corpus.propose(history, k)
+        return self.offer(history, k)[:2]
 
 
 class WatchedBatch(SpeculativeBatch):

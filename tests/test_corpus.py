@@ -14,6 +14,7 @@ from refusion.cli import main
 from refusion.decoding import ARParams, decode, generate_ar, widths
 from refusion.decoding import corpus as corpus_module, speculative as spec
 from refusion.decoding.corpus import LookupCorpus, corpus_of, read_corpus, write_corpus
+from refusion.decoding.lookup import NgramIndex
 from refusion.model.checkpoint import LOOKUP_CORPUS
 from refusion.decoding.speculative import SpeculativeParams, generate_speculative
 from refusion.model.checkpoint import load_model, save_model
@@ -159,6 +160,34 @@ def test_the_index_matches_the_definition(monkeypatch, votes):
                 assert c.propose(history, k) == brute_force(answers, history, k, votes=votes), (vocab, history, k)
 
 
+def test_a_contested_first_token_is_said_so():
+    # after "1": 3 has 2 of the 5 votes (drafted all the same), 2 has 3 of 4, and one voter is never contested
+    assert LookupCorpus(flat([[1, 2], [1, 3], [1, 4], [1, 5], [1, 3]])).offer([1], 8) == ([3], 1, True)
+    assert LookupCorpus(flat([[1, 2], [1, 2], [1, 4], [1, 2]])).offer([1], 8) == ([2], 1, False)
+    assert LookupCorpus(flat([[1, 7, 8]])).offer([1], 8) == ([7, 8], 1, False)
+    assert LookupCorpus(flat([[1, 7, 8]])).offer([6], 8) == ([], 0, False)
+    # an occurrence that ends its answer continues nothing, so it has no vote on the first token
+    assert LookupCorpus(flat([[1], [1], [1], [1, 5], [1, 6], [1, 5]])).offer([1], 8) == ([5], 1, False)
+
+
+@pytest.mark.parametrize("votes", [512, 3])
+def test_contested_matches_the_definition(monkeypatch, votes):
+    monkeypatch.setattr(corpus_module, "MAX_VOTES", votes)
+    rng = np.random.default_rng(4)
+    for vocab in (3, 6, 40):
+        answers = [rng.integers(0, vocab, int(rng.integers(1, 30))).tolist() for _ in range(40)]
+        c = LookupCorpus(flat(answers))
+        t = flat(answers).tolist()
+        for _ in range(200):
+            history = rng.integers(0, vocab, int(rng.integers(1, 9))).tolist()
+            draft, n, contested = c.offer(history, 4)
+            assert (draft, n) == c.propose(history, 4)
+            occ, _ = brute_occurrences(t, history, (6, 5, 4, 3, 2, 1), votes)
+            voters = [t[s] for s in occ]
+            want = bool(draft) and len(voters) > 1 and voters.count(draft[0]) < 0.5 * len(voters)
+            assert contested == want, (vocab, history)
+
+
 def test_the_corpus_file_round_trips_and_bad_files_are_named(tmp_path):
     answers = [[3, 4, 5], [], [0, 7]]
     path = write_corpus(tmp_path, answers)
@@ -198,6 +227,39 @@ def test_speculative_drafts_from_the_models_corpus_and_keeps_ar_output(tmp_path,
     assert sum(r.forwards for r in on) < 0.5 * sum(r.forwards for r in off)
     pool = widths.prior_for(model)
     assert pool.accepted[widths.CORPUS:].sum() > 0
+
+
+def test_a_corpus_draft_is_counted_by_its_vote(tmp_path, monkeypatch):
+    """Every corpus draft a row takes is of the kind its match's length, the copy beside it and its
+    contested first token say; contested and uncontested drafts are both met."""
+    save_model(Transformer(ModelConfig(**CFG)).init_weights(seed=7, std=0.5), tmp_path / "m")
+    model = load_model(tmp_path / "m")
+    prompts = [[2, 3, 4], [9, 8, 7, 6], [12, 5], [3, 3, 9]]
+    answers = generate_ar(model, prompts, ARParams(gen_length=40), eos_ids=[])
+    rng = np.random.default_rng(0)  # the answers, and noisy copies of them: votes that split
+    noisy = [[t if rng.random() > 0.6 else int(rng.integers(2, 20)) for t in r.tokens] for r in answers for _ in range(4)]
+    write_corpus(tmp_path / "m", [r.tokens for r in answers] + noisy)
+    model = load_model(tmp_path / "m")
+    corpus, plain, seen = corpus_of(model), spec.SpeculativeBatch._offer_drafts, set()
+
+    def offer_drafts(self, seqs):
+        plain(self, seqs)
+        for q in seqs:
+            if not q.done and widths.CORPUS <= q.kind < widths.SECOND:
+                draft, n, contested = corpus.offer(q.index.tokens, q.p.draft_length)
+                copy, _ = q.index.propose(q.p.draft_length)
+                assert q.kind == widths.corpus_kind(n, bool(copy), contested) and q.draft == draft
+                seen.add(contested)
+
+    monkeypatch.setattr(spec.SpeculativeBatch, "_offer_drafts", offer_drafts)
+    params = SpeculativeParams(lookup=True, gen_length=40, draft_length=8, adaptive=False)
+    out = generate_speculative(model, prompts, params, eos_ids=[])
+    assert [r.tokens for r in out] == [r.tokens for r in answers]
+    # these answers repeat themselves, so copies win most steps: without them, contested drafts are held too
+    monkeypatch.setattr(NgramIndex, "propose", lambda self, k: ([], 0))
+    out = generate_speculative(model, prompts, params, eos_ids=[])
+    assert [r.tokens for r in out] == [r.tokens for r in answers]
+    assert seen == {False, True}
 
 
 def test_lookup_corpus_command_and_an_adapter_carries_its_corpus(tmp_path, monkeypatch, capsys):

@@ -9,7 +9,7 @@ import pytest
 
 from refusion.decoding import ARParams, costs, generate_ar, widths
 from refusion.decoding import speculative as spec
-from refusion.decoding.lookup import LOOKUP_NGRAMS, NgramIndex
+from refusion.decoding.lookup import COPY_AGREED, COPY_ONCE, COPY_SPLIT, LOOKUP_NGRAMS, NgramIndex
 from refusion.decoding.speculative import SpeculativeParams, generate_speculative
 from refusion.model.config import ModelConfig
 from refusion.model.transformer import Transformer
@@ -50,6 +50,36 @@ def test_the_index_matches_the_definition_as_it_grows():
         for i in range(5, len(seq)):
             for k in (1, 4, 9):
                 assert idx.propose(k) == brute_force(seq[:i], k), (vocab, i, k)
+            idx.extend(seq[i:i + 1])
+
+
+def brute_support(tokens: list[int], n: int, look: int = 16) -> int:
+    """The definition: the tokens that followed the latest `look` earlier occurrences of the last n."""
+    after = [tokens[s + n] for s in range(len(tokens) - n - 1, -1, -1) if tokens[s:s + n] == tokens[-n:]][:look]
+    return COPY_SPLIT if len(set(after)) > 1 else COPY_ONCE if len(after) == 1 else COPY_AGREED
+
+
+def test_how_far_the_text_backs_a_copy_by_hand():
+    assert NgramIndex([5, 1, 2, 3, 1, 2]).support(2) == COPY_ONCE  # "1 2" once before
+    assert NgramIndex([1, 2, 3, 1, 2, 3, 1, 2]).support(2) == COPY_AGREED  # twice, on to 3 both times
+    assert NgramIndex([1, 2, 3, 1, 2, 4, 1, 2]).support(2) == COPY_SPLIT  # on to 3, then to 4
+    assert NgramIndex([1, 2, 3, 1, 2, 4, 1, 2]).support(1) == COPY_SPLIT  # the last token alone, "2", too
+    assert NgramIndex([2, 9, 1, 2, 9, 2]).support(1) == COPY_AGREED  # "2" went on to 9 both times
+    assert NgramIndex([2, 9, 2, 9, 2, 3, 2]).support(1, look=1) == COPY_ONCE  # only the latest read
+    with pytest.raises(ValueError, match="no copy"):
+        NgramIndex([1, 2, 3]).support(1)
+
+
+def test_support_matches_the_definition_as_the_text_grows():
+    rng = np.random.default_rng(3)
+    for vocab in (2, 4, 30):
+        seq = rng.integers(0, vocab, 200).tolist()
+        idx = NgramIndex(seq[:3])
+        for i in range(3, len(seq)):
+            _, n = idx.propose(4)
+            if n:
+                for look in (1, 2, 16):
+                    assert idx.support(n, look) == brute_support(seq[:i], n, look), (vocab, i, n, look)
             idx.extend(seq[i:i + 1])
 
 
@@ -122,6 +152,31 @@ def test_copies_are_fed_accepted_and_counted_under_their_own_kind(fed_kinds):
     assert sum(r.forwards for r in copies) < 0.75 * sum(r.forwards for r in masks)  # loops are copied
     pool = widths.prior_for(model)
     assert pool.accepted[widths.LOOKUP:].sum() > pool.accepted[:widths.LOOKUP].sum()
+
+
+def test_a_copy_is_counted_by_how_far_the_text_backs_it(monkeypatch):
+    """Every copy a row takes is of the kind its match's length and support say, and copies the text
+    backs differently (agreed, once, split) are all met and counted apart."""
+    model = looping_model()
+    widths.PRIORS.pop(model, None)
+    plain, seen = spec.SpeculativeBatch._offer_drafts, set()
+
+    def offer_drafts(self, seqs):
+        plain(self, seqs)
+        for q in seqs:
+            if not q.done and widths.LOOKUP <= q.kind < widths.PLAN:
+                copy, n = q.index.propose(q.p.draft_length)
+                assert q.kind == widths.lookup_kind(n, q.index.support(n)) and q.draft == copy
+                seen.add(q.index.support(n))
+
+    monkeypatch.setattr(spec.SpeculativeBatch, "_offer_drafts", offer_drafts)
+    params = SpeculativeParams(lookup=True, gen_length=48, draft_length=8, adaptive=False)
+    out = generate_speculative(model, PROMPTS + [[4, 5, 4, 6, 4, 7, 4]], params, eos_ids=[])
+    assert [r.tokens for r in out] == [r.tokens for r in generate_ar(model, PROMPTS + [[4, 5, 4, 6, 4, 7, 4]],
+                                                                     ARParams(gen_length=48), eos_ids=[])]
+    assert seen == {COPY_AGREED, COPY_ONCE, COPY_SPLIT}
+    kinds = {widths.lookup_kind(n, s) for n in LOOKUP_NGRAMS for s in (COPY_AGREED, COPY_ONCE, COPY_SPLIT)}
+    assert len(kinds) == 3 * len(LOOKUP_NGRAMS) and kinds == set(range(widths.LOOKUP, widths.PLAN))
 
 
 def held_copy(per_token: float, fresh: int, copies: int) -> spec.SpeculativeSeq:

@@ -96,8 +96,19 @@ class LookupCorpus:
     def propose(self, history: Sequence[int], k: int) -> tuple[list[int], int]:
         """(up to k tokens the corpus most often continues the longest suffix of `history` it holds
         with, voted token by token, that suffix's length), or ([], 0)."""
+        return self.offer(history, k)[:2]
+
+    def offer(self, history: Sequence[int], k: int) -> tuple[list[int], int, bool]:
+        """propose()'s draft and suffix length, and whether its first token was contested: fewer than
+        min_share of the occurrences voting continue with it (it is kept whatever its share, _vote;
+        such a draft is accepted a third as far as one most of them agree on, on SmolLM2's answers:
+        widths.corpus_kind counts it apart)."""
         at, n = self.occurrences(history)
-        return (self._vote(at, k), n) if n else ([], 0)
+        if not n:
+            return [], 0, False
+        draft = self._vote(at, k)
+        contested = bool(draft) and len(at) > 1 and int((self.tokens[at] == draft[0]).sum()) < self.min_share * len(at)
+        return draft, n, contested
 
     def runner_up(self, history: Sequence[int], draft: Sequence[int], k: int) -> list[int]:
         """Another draft of up to k tokens for the same place as `draft` (propose()'s): where the voting

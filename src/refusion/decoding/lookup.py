@@ -16,6 +16,12 @@ from refusion.model.config import ModelConfig
 
 LOOKUP_NGRAMS = (4, 3, 2, 1)  # suffix lengths tried, longest first (longer matches are accepted further)
 ALTERNATIVE_LOOK = 16  # occurrences of a suffix read for alternatives() (a common one may have hundreds)
+# how far the text backs a copy (NgramIndex.support): its suffix's earlier occurrences all went on the
+# same way (at least two of them), it occurred once, or they went different ways. Counted apart
+# (widths.lookup_kind) because they are accepted very differently: on SmolLM2's answers a split copy
+# goes about a third as far as an agreed one
+COPY_AGREED, COPY_ONCE, COPY_SPLIT = 0, 1, 2
+COPY_SUPPORTS = 3
 
 
 def lookup_by_default(config: ModelConfig) -> bool:
@@ -65,6 +71,21 @@ class NgramIndex:
                 if start is not None:
                     return self._copy(start, k), n
         return [], 0
+
+    def support(self, n: int, look: int = ALTERNATIVE_LOOK) -> int:
+        """How far the text backs propose()'s copy, found by matching the last n tokens: COPY_SPLIT where
+        the latest `look` earlier occurrences of those n tokens did not all go on with the same token,
+        else COPY_ONCE where there was one, COPY_AGREED where there were several."""
+        h = self.tokens
+        start = self.after.get(tuple(h[-n:]))
+        if start is None:
+            raise ValueError(f"the last {n} tokens occurred nowhere before: no copy to support")
+        first, seen = h[start], 1
+        while seen < look and (start := self.earlier.get((n, start))) is not None:
+            if h[start] != first:
+                return COPY_SPLIT
+            seen += 1
+        return COPY_ONCE if seen == 1 else COPY_AGREED
 
     def _copy(self, start: int, k: int) -> list[int]:
         copy = self.tokens[start:start + k]

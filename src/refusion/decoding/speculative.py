@@ -31,12 +31,14 @@ model and the words fixture, T = 0.7 and 1.0) that accepted fewer tokens than th
 Lookup (`lookup`, lookup.py): a second source of drafts, with no forward: the tokens that followed
 the latest earlier occurrence of the sequence's last few tokens in its prompt or answer. After each
 step a row feeds whichever of the two drafts, the masks' or the copy, has the longer expected
-accepted prefix (acceptance is counted per kind of draft, a copy's by its match length). Where this
-model's masks do not pay for themselves behind a copy, it is fed with no masks behind it (masks
-draft the next step, which uses their draft only where this one accepts the copy whole, and what
-follows an accepted copy is copied too; _masks_pay weighs that against what they add to the
-forward's cost): a model whose masks draft poorly still gains where its answers repeat their
-context. A copy not worth feeding at all is dropped where the masks' fresh
+accepted prefix (acceptance is counted per kind of draft: a copy's by its match length and by
+whether the text's earlier occurrences of the words it matched all went on the same way; a corpus
+draft's by its match length, whether a copy is on offer beside it and whether its first token won
+most of the vote). Where this model's masks do not pay for themselves behind a copy, it is fed with
+no masks behind it (masks draft the next step, which uses their draft only where this one accepts
+the copy whole, and what follows an accepted copy is copied too; _masks_pay weighs that against
+what they add to the forward's cost): a model whose masks draft poorly still gains where its
+answers repeat their context. A copy not worth feeding at all is dropped where the masks' fresh
 draft is worth feeding: the row would otherwise step alone, without masks, and hold the next copy.
 
 After a rejection (`fresh_after_miss`): the masks behind a draft see the whole draft, so after a
@@ -578,13 +580,13 @@ class SpeculativeBatch:
             if q.index is not None:
                 copy, n = q.index.propose(q.p.draft_length)
                 if copy:
-                    offers.append((q, copy, widths.lookup_kind(n)))
+                    offers.append((q, copy, widths.lookup_kind(n, q.index.support(n))))
                     if q.fork:
                         others[id(q)] = q.index.alternatives(q.p.draft_length, MAX_BRANCHES)
                 if self.corpus is not None:
-                    draft, n = self.corpus.propose(q.index.tokens, q.p.draft_length)
+                    draft, n, contested = self.corpus.offer(q.index.tokens, q.p.draft_length)
                     if draft:
-                        offers.append((q, draft, widths.corpus_kind(n, beside_copy=bool(copy))))
+                        offers.append((q, draft, widths.corpus_kind(n, bool(copy), contested)))
                         if q.fork:
                             runner_up = self.corpus.runner_up(q.index.tokens, draft, q.p.draft_length)
                             others.setdefault(id(q), []).extend([runner_up] if runner_up else [])

@@ -68,7 +68,7 @@ import numpy as np
 
 from refusion.decoding.corpus import CORPUS_NGRAMS
 from refusion.decoding.costs import CostModel
-from refusion.decoding.lookup import LOOKUP_NGRAMS
+from refusion.decoding.lookup import COPY_AGREED, COPY_SUPPORTS, LOOKUP_NGRAMS
 from refusion.decoding.params import MAX_DRAFT
 from refusion.model.transformer import Transformer
 
@@ -98,38 +98,44 @@ CALIBRATION_WEIGHT = 8.0
 
 
 FRESH, AFTER_MISS, LOOKUP = 0, 1, 2  # the kinds of draft a step feeds (Acceptance)
-PLAN = LOOKUP + max(LOOKUP_NGRAMS)  # a copy's kind is LOOKUP + its match's length - 1 (lookup_kind)
+# a copy's kind is LOOKUP + its match's length - 1 + max(LOOKUP_NGRAMS) * how far the text backs it (lookup_kind)
+PLAN = LOOKUP + COPY_SUPPORTS * max(LOOKUP_NGRAMS)
 CORPUS = PLAN + 1  # PLAN: a draft answer given with the prompt (plan-and-infill's, ReFusionParams.verify)
-# a corpus draft's kind is CORPUS + its match's length - 1, or that plus max(CORPUS_NGRAMS) where a copy is on
-# offer beside it (corpus_kind); SECOND: another draft on offer fed beside the first as a branch
-# (SpeculativeParams.fork), ALTERNATIVE: a copy's or the corpus's other way on fed so; both counted only
-# where tested: where the first draft failed at the branch's fork
-SECOND = CORPUS + 2 * max(CORPUS_NGRAMS)
+# a corpus draft's kind is CORPUS + its match's length - 1, apart where a copy is on offer beside it and
+# where its first token was contested (corpus_kind); SECOND: another draft on offer fed beside the first
+# as a branch (SpeculativeParams.fork), ALTERNATIVE: a copy's or the corpus's other way on fed so; both
+# counted only where tested: where the first draft failed at the branch's fork
+SECOND = CORPUS + 4 * max(CORPUS_NGRAMS)
 ALTERNATIVE = SECOND + 1
 KINDS = ALTERNATIVE + 1
 
 
-def lookup_kind(n: int) -> int:
-    """The kind of a copy found by matching the text's last n tokens."""
-    return LOOKUP + n - 1
+def lookup_kind(n: int, support: int = COPY_AGREED) -> int:
+    """The kind of a copy found by matching the text's last n tokens, apart by how far the text backs
+    it (lookup.NgramIndex.support: where those tokens went on different ways before, a copy of the
+    latest goes far less far)."""
+    return LOOKUP + n - 1 + support * max(LOOKUP_NGRAMS)
 
 
-def corpus_kind(n: int, beside_copy: bool = False) -> int:
+def corpus_kind(n: int, beside_copy: bool = False, contested: bool = False) -> int:
     """The kind of a draft from the model's lookup corpus found by matching the last n tokens (corpus.py),
-    counted apart where a copy of the sequence's own text is on offer too: where the text repeats
+    counted apart where a copy of the sequence's own text is on offer too (where the text repeats
     itself, the model follows it rather than its habits, and the corpus's drafts go far less far
-    there than elsewhere (SmolLM2: about half as far)."""
-    return CORPUS + n - 1 + (max(CORPUS_NGRAMS) if beside_copy else 0)
+    there than elsewhere: SmolLM2, about half as far), and where the vote's first token was contested
+    (LookupCorpus.offer)."""
+    return CORPUS + n - 1 + max(CORPUS_NGRAMS) * (int(beside_copy) + 2 * int(contested))
 
 
 class Acceptance:
     """Per kind of draft and draft position (0 = the first draft token): how often a draft reached
     it (every earlier draft token accepted) and how often it was accepted there. The kinds: FRESH,
     the masks' predictions after a fully accepted draft; AFTER_MISS, after a rejection: the rest of
-    the old draft (drafted beside the token that was rejected), then the masks'; lookup_kind(n), a
-    copy of what followed the same n last tokens earlier in the text (lookup.py); PLAN, the
+    the old draft (drafted beside the token that was rejected), then the masks'; lookup_kind(n, support), a
+    copy of what followed the same n last tokens earlier in the text (lookup.py), apart by whether
+    their earlier occurrences agreed on the next token (NgramIndex.support); PLAN, the
     sequence's draft answer at the positions that follow; corpus_kind(n), what the model's lookup
-    corpus continues the same n last tokens with (corpus.py), apart where a copy is on offer too; SECOND, another
+    corpus continues the same n last tokens with (corpus.py), apart where a copy is on offer too and
+    where its first token was contested (LookupCorpus.offer); SECOND, another
     draft of those kinds fed beside the first from where they part (a branch), and ALTERNATIVE, a
     branch from a copy's earlier occurrences or the corpus's runner-up, each counted only where the
     first failed there (the chance it then holds is what a branch is worth). They are counted
