@@ -248,6 +248,7 @@ def main() -> None:
                     help="the forward costs from this file (measured into it if it does not exist), kept "
                          "unchanged: runs given the same file compare exactly")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0, help="of the sample of prompts (smollm2_speculative.py's --seed)")
     ap.add_argument("--out", default="benchmarks/results/draft_sources.json")
     args = ap.parse_args()
     if not 0 < args.corpus_fraction <= 1:
@@ -261,8 +262,8 @@ def main() -> None:
     cost = None
     if args.frozen_costs:
         cost = costs.COSTS[costs.cost_key(model)] = frozen_costs(model, Path(args.frozen_costs))
-    benches = {"gsm8k": gsm8k_examples(args.gsm8k, args.n_gsm8k, 0) if args.n_gsm8k else [],
-               "humaneval": humaneval_examples(args.humaneval, args.n_humaneval, 0) if args.n_humaneval else []}
+    benches = {"gsm8k": gsm8k_examples(args.gsm8k, args.n_gsm8k, args.seed) if args.n_gsm8k else [],
+               "humaneval": humaneval_examples(args.humaneval, args.n_humaneval, args.seed) if args.n_humaneval else []}
     results = {}
     print("| benchmark | draft fed | steps | share of steps | draft tokens fed / step | accepted / step |")
     print("|---|---|---|---|---|---|")
