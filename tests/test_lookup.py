@@ -9,7 +9,8 @@ import pytest
 
 from refusion.decoding import ARParams, costs, generate_ar, widths
 from refusion.decoding import speculative as spec
-from refusion.decoding.lookup import COPY_AGREED, COPY_ONCE, COPY_SPLIT, LOOKUP_NGRAMS, NgramIndex
+from refusion.decoding.lookup import (COPY_AGREED, COPY_AGREED_1, COPY_AGREED_2, COPY_ONCE, COPY_SPLIT,
+                                      COPY_SUPPORTS, LOOKUP_NGRAMS, NgramIndex)
 from refusion.decoding.speculative import SpeculativeParams, generate_speculative
 from refusion.model.config import ModelConfig
 from refusion.model.transformer import Transformer
@@ -54,18 +55,29 @@ def test_the_index_matches_the_definition_as_it_grows():
 
 
 def brute_support(tokens: list[int], n: int, look: int = 16) -> int:
-    """The definition: the tokens that followed the latest `look` earlier occurrences of the last n."""
-    after = [tokens[s + n] for s in range(len(tokens) - n - 1, -1, -1) if tokens[s:s + n] == tokens[-n:]][:look]
-    return COPY_SPLIT if len(set(after)) > 1 else COPY_ONCE if len(after) == 1 else COPY_AGREED
+    """The definition: how many leading tokens (up to 4) the continuations of the latest `look` earlier
+    occurrences of the last n tokens agree on, each continued periodically past the end of the text."""
+    conts = []
+    for s in range(len(tokens) - n - 1, -1, -1):
+        if tokens[s:s + n] == tokens[-n:] and len(conts) < look:
+            period = len(tokens) - (s + n)
+            conts.append([tokens[s + n + i % period] for i in range(4)])
+    if len(conts) == 1:
+        return COPY_ONCE
+    d = next((i for i in range(4) if len({c[i] for c in conts}) > 1), 4)
+    return {0: COPY_SPLIT, 1: COPY_AGREED_1, 2: COPY_AGREED_2, 3: COPY_AGREED_2, 4: COPY_AGREED}[d]
 
 
 def test_how_far_the_text_backs_a_copy_by_hand():
     assert NgramIndex([5, 1, 2, 3, 1, 2]).support(2) == COPY_ONCE  # "1 2" once before
-    assert NgramIndex([1, 2, 3, 1, 2, 3, 1, 2]).support(2) == COPY_AGREED  # twice, on to 3 both times
+    assert NgramIndex([1, 2, 3, 1, 2, 3, 1, 2]).support(2) == COPY_AGREED  # twice, on to "3 1 2 3" both times
     assert NgramIndex([1, 2, 3, 1, 2, 4, 1, 2]).support(2) == COPY_SPLIT  # on to 3, then to 4
     assert NgramIndex([1, 2, 3, 1, 2, 4, 1, 2]).support(1) == COPY_SPLIT  # the last token alone, "2", too
-    assert NgramIndex([2, 9, 1, 2, 9, 2]).support(1) == COPY_AGREED  # "2" went on to 9 both times
+    assert NgramIndex([2, 9, 1, 2, 9, 2]).support(1) == COPY_AGREED_1  # "2" went on to "9 1", then to "9 2"
+    assert NgramIndex([7, 5, 6, 8, 7, 5, 6, 9, 7]).support(1) == COPY_AGREED_2  # "5 6" both times, then 8 and 9
     assert NgramIndex([2, 9, 2, 9, 2, 3, 2]).support(1, look=1) == COPY_ONCE  # only the latest read
+    assert NgramIndex([7, 5, 6, 8, 7, 5, 6, 9, 7]).agreement(1, 8) == (2, 2)  # two occurrences read, agreeing on 2
+    assert NgramIndex([4, 1, 2, 4, 1]).agreement(1, 3) == (1, 3)  # one: it agrees with itself all along
     with pytest.raises(ValueError, match="no copy"):
         NgramIndex([1, 2, 3]).support(1)
 
@@ -174,9 +186,9 @@ def test_a_copy_is_counted_by_how_far_the_text_backs_it(monkeypatch):
     out = generate_speculative(model, PROMPTS + [[4, 5, 4, 6, 4, 7, 4]], params, eos_ids=[])
     assert [r.tokens for r in out] == [r.tokens for r in generate_ar(model, PROMPTS + [[4, 5, 4, 6, 4, 7, 4]],
                                                                      ARParams(gen_length=48), eos_ids=[])]
-    assert seen == {COPY_AGREED, COPY_ONCE, COPY_SPLIT}
-    kinds = {widths.lookup_kind(n, s) for n in LOOKUP_NGRAMS for s in (COPY_AGREED, COPY_ONCE, COPY_SPLIT)}
-    assert len(kinds) == 3 * len(LOOKUP_NGRAMS) and kinds == set(range(widths.LOOKUP, widths.PLAN))
+    assert seen == set(range(COPY_SUPPORTS))
+    kinds = {widths.lookup_kind(n, s) for n in LOOKUP_NGRAMS for s in range(COPY_SUPPORTS)}
+    assert len(kinds) == COPY_SUPPORTS * len(LOOKUP_NGRAMS) and kinds == set(range(widths.LOOKUP, widths.PLAN))
 
 
 def held_copy(per_token: float, fresh: int, copies: int) -> spec.SpeculativeSeq:

@@ -16,12 +16,13 @@ from refusion.model.config import ModelConfig
 
 LOOKUP_NGRAMS = (4, 3, 2, 1)  # suffix lengths tried, longest first (longer matches are accepted further)
 ALTERNATIVE_LOOK = 16  # occurrences of a suffix read for alternatives() (a common one may have hundreds)
-# how far the text backs a copy (NgramIndex.support): its suffix's earlier occurrences all went on the
-# same way (at least two of them), it occurred once, or they went different ways. Counted apart
-# (widths.lookup_kind) because they are accepted very differently: on SmolLM2's answers a split copy
-# goes about a third as far as an agreed one
-COPY_AGREED, COPY_ONCE, COPY_SPLIT = 0, 1, 2
-COPY_SUPPORTS = 3
+# how far the text backs a copy (NgramIndex.support): its suffix occurred once before; or several times,
+# and their continuations agree on no token (split), on one, on two or three, or on four and more
+# (agreed). Counted apart (widths.lookup_kind) because they are accepted very differently: on SmolLM2's
+# answers a split copy goes about a third as far as an agreed one, and an agreed copy's tokens are
+# accepted 19 times in 20 up to where the continuations part, under half the time there
+COPY_AGREED, COPY_ONCE, COPY_SPLIT, COPY_AGREED_1, COPY_AGREED_2 = 0, 1, 2, 3, 4
+COPY_SUPPORTS = 5
 
 
 def lookup_by_default(config: ModelConfig) -> bool:
@@ -72,20 +73,28 @@ class NgramIndex:
                     return self._copy(start, k), n
         return [], 0
 
-    def support(self, n: int, look: int = ALTERNATIVE_LOOK) -> int:
-        """How far the text backs propose()'s copy, found by matching the last n tokens: COPY_SPLIT where
-        the latest `look` earlier occurrences of those n tokens did not all go on with the same token,
-        else COPY_ONCE where there was one, COPY_AGREED where there were several."""
+    def agreement(self, n: int, k: int = 4, look: int = ALTERNATIVE_LOOK) -> tuple[int, int]:
+        """(how many earlier occurrences of the last n tokens were read, their latest `look`; how many
+        leading tokens, up to k, the continuations of those agree on: k where there was one)."""
         h = self.tokens
         start = self.after.get(tuple(h[-n:]))
         if start is None:
             raise ValueError(f"the last {n} tokens occurred nowhere before: no copy to support")
-        first, seen = h[start], 1
-        while seen < look and (start := self.earlier.get((n, start))) is not None:
-            if h[start] != first:
-                return COPY_SPLIT
-            seen += 1
-        return COPY_ONCE if seen == 1 else COPY_AGREED
+        starts = [start]
+        while len(starts) < look and (start := self.earlier.get((n, start))) is not None:
+            starts.append(start)
+        conts = [self._copy(s, k) for s in starts]
+        return len(starts), next((i for i in range(k) if any(c[i] != conts[0][i] for c in conts)), k)
+
+    def support(self, n: int, look: int = ALTERNATIVE_LOOK) -> int:
+        """How far the text backs propose()'s copy, found by matching the last n tokens: COPY_ONCE where
+        those n tokens occurred once before, else by how many leading tokens the continuations of their
+        latest `look` earlier occurrences agree on: COPY_SPLIT none, COPY_AGREED_1 one, COPY_AGREED_2
+        two or three, COPY_AGREED four or more."""
+        seen, d = self.agreement(n, 4, look)
+        if seen == 1:
+            return COPY_ONCE
+        return COPY_SPLIT if d == 0 else COPY_AGREED_1 if d == 1 else COPY_AGREED_2 if d < 4 else COPY_AGREED
 
     def _copy(self, start: int, k: int) -> list[int]:
         copy = self.tokens[start:start + k]

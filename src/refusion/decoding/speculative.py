@@ -32,7 +32,7 @@ Lookup (`lookup`, lookup.py): a second source of drafts, with no forward: the to
 the latest earlier occurrence of the sequence's last few tokens in its prompt or answer. After each
 step a row feeds whichever of the two drafts, the masks' or the copy, has the longer expected
 accepted prefix (acceptance is counted per kind of draft: a copy's by its match length and by
-whether the text's earlier occurrences of the words it matched all went on the same way; a corpus
+how far the text's earlier occurrences of the words it matched went on the same way; a corpus
 draft's by its match length, whether a copy is on offer beside it and whether its first token won
 most of the vote). Where this model's masks do not pay for themselves behind a copy, it is fed with
 no masks behind it (masks draft the next step, which uses their draft only where this one accepts

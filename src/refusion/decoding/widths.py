@@ -113,7 +113,7 @@ KINDS = ALTERNATIVE + 1
 def lookup_kind(n: int, support: int = COPY_AGREED) -> int:
     """The kind of a copy found by matching the text's last n tokens, apart by how far the text backs
     it (lookup.NgramIndex.support: where those tokens went on different ways before, a copy of the
-    latest goes far less far)."""
+    latest goes far less far, and an agreed copy is accepted up to about where they parted)."""
     return LOOKUP + n - 1 + support * max(LOOKUP_NGRAMS)
 
 
@@ -131,8 +131,8 @@ class Acceptance:
     it (every earlier draft token accepted) and how often it was accepted there. The kinds: FRESH,
     the masks' predictions after a fully accepted draft; AFTER_MISS, after a rejection: the rest of
     the old draft (drafted beside the token that was rejected), then the masks'; lookup_kind(n, support), a
-    copy of what followed the same n last tokens earlier in the text (lookup.py), apart by whether
-    their earlier occurrences agreed on the next token (NgramIndex.support); PLAN, the
+    copy of what followed the same n last tokens earlier in the text (lookup.py), apart by how far
+    their earlier occurrences agreed on what came next (NgramIndex.support); PLAN, the
     sequence's draft answer at the positions that follow; corpus_kind(n), what the model's lookup
     corpus continues the same n last tokens with (corpus.py), apart where a copy is on offer too and
     where its first token was contested (LookupCorpus.offer); SECOND, another
