@@ -101,7 +101,7 @@ class LookupCorpus:
     def offer(self, history: Sequence[int], k: int) -> tuple[list[int], int, bool]:
         """propose()'s draft and suffix length, and whether its first token was contested: fewer than
         min_share of the occurrences voting continue with it (it is kept whatever its share, _vote;
-        such a draft is accepted a third as far as one most of them agree on, on SmolLM2's answers:
+        such a draft goes a quarter as far as one most of them agree on, or less, on SmolLM2's answers:
         widths.corpus_kind counts it apart)."""
         at, n = self.occurrences(history)
         if not n:

@@ -19,8 +19,9 @@ ALTERNATIVE_LOOK = 16  # occurrences of a suffix read for alternatives() (a comm
 # how far the text backs a copy (NgramIndex.support): its suffix occurred once before; or several times,
 # and their continuations agree on no token (split), on one, on two or three, or on four and more
 # (agreed). Counted apart (widths.lookup_kind) because they are accepted very differently: on SmolLM2's
-# answers a split copy goes about a third as far as an agreed one, and an agreed copy's tokens are
-# accepted 19 times in 20 up to where the continuations part, under half the time there
+# answers a split copy goes under half as far as one whose words occurred once, and a copy's tokens
+# are accepted about 19 times in 20 up to where those continuations part, a third of the time there
+# (benchmarks/draft_support.py)
 COPY_AGREED, COPY_ONCE, COPY_SPLIT, COPY_AGREED_1, COPY_AGREED_2 = 0, 1, 2, 3, 4
 COPY_SUPPORTS = 5
 
