@@ -218,11 +218,9 @@ def frozen_costs(model, path: Path) -> CostModel:
     if path.is_file():
         t = json.loads(path.read_text())
     else:
-        c = costs.cost_model(model)
-        t = dict(rows=c.rows.tolist(), tokens=[x.tolist() for x in c.tokens], seconds=[x.tolist() for x in c.seconds],
-                 packed=c.packed, pad=c.pad)
+        t = costs.cost_model(model).table()
         path.write_text(json.dumps(t))
-    return CostModel(t["rows"], t["tokens"], t["seconds"], t["packed"], frozen=True, pad=t["pad"])
+    return CostModel.from_table(t, frozen=True)
 
 
 def main() -> None:

@@ -139,6 +139,46 @@ def test_calibration_measures_up_to_its_least_tokens_however_long_forwards_take(
     assert list(cost.tokens[1]) == [8, 16]
 
 
+def test_a_measured_table_is_kept_on_disk_and_read_back(tmp_path, monkeypatch):
+    """The first process measures and writes the table; the next reads the same numbers without
+    measuring; another thread count or model shape is another file; a torn file is measured anew; a
+    cache that cannot be written only costs the measuring."""
+    import json
+
+    import torch
+
+    monkeypatch.setenv("REFUSION_CACHE", str(tmp_path / "cache"))
+    measured = []
+    table = CostModel.of(lambda rows, tokens: 1e-3 * (1 + rows + tokens))
+
+    def measure(model):
+        measured.append(model)
+        return copy.deepcopy(table)
+
+    monkeypatch.setattr(costs, "measure_cost", measure)
+    model = tiny()
+    first = costs.stored_cost(model)
+    path = costs.cost_path(model)
+    assert len(measured) == 1 and path.is_file() and json.loads(path.read_text())["machine"] == costs.machine()
+    again = costs.stored_cost(model)
+    assert len(measured) == 1 and not again.frozen  # read back, and kept current by the decode as measured ones
+    assert again.table() == first.table() == table.table()
+    assert np.array_equal(again(8, np.arange(40)), table(8, np.arange(40)))
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(n + 1)
+        assert costs.cost_path(model) != path
+    finally:
+        torch.set_num_threads(n)
+    assert costs.cost_path(tiny(hidden_size=16)) != path
+    path.write_text('{"rows": [1, 8], "tok')  # torn
+    assert costs.stored_cost(model).table() == table.table() and len(measured) == 2
+    assert json.loads(path.read_text())["rows"] == [1.0, 8.0]  # written whole again
+    monkeypatch.setenv("REFUSION_CACHE", str(path))  # a file where the folder should be: nothing is written
+    assert costs.stored_cost(model).table() == table.table() and len(measured) == 3
+    assert not list(tmp_path.glob("**/*.tmp"))
+
+
 # ---- acceptance -----------------------------------------------------------------------------------
 
 

@@ -19,19 +19,31 @@ each padding slot is measured too (one forward with one wide row and the others 
 added to the table's. `CostModel.of` makes a fixed table from a function
 (`SpeculativeBatch(cost=...)`, `generate_speculative(cost=...)`; tests/conftest.py gives every test
 one).
+
+The measured table is kept on disk (`$REFUSION_CACHE/costs`, default `~/.cache/refusion/costs`), one
+file per machine (CPU or GPU model, torch version) and setting above, so that a new process starts
+deciding at once (measuring takes seconds on a 100M-parameter model, longer than a short answer's
+decode) and every process starts from the same numbers; the live update then corrects a table taken
+on a busier day. Delete the folder to measure anew.
 """
 
 from __future__ import annotations
 
 import bisect
+import hashlib
+import json
+import os
+import platform
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from refusion.decoding.common import packed_index
 from refusion.model.cache import RaggedKVCache
+from refusion.model.fetch import cache_dir
 from refusion.model.transformer import Transformer
 
 CALIBRATION_ROWS = (1, 8)
@@ -107,6 +119,15 @@ class CostModel:
         return cls(CALIBRATION_ROWS, tokens, [[seconds(r, t) for t in ts] for r, ts in zip(CALIBRATION_ROWS, tokens)],
                    packed, frozen=True, pad=pad)
 
+    def table(self) -> dict:
+        """The table as plain lists (from_table's input): what the cost cache and --frozen-costs keep."""
+        return dict(rows=self.rows.tolist(), tokens=[t.tolist() for t in self.tokens],
+                    seconds=[s.tolist() for s in self.seconds], packed=self.packed, pad=self.pad)
+
+    @classmethod
+    def from_table(cls, t: dict, frozen: bool = False) -> CostModel:
+        return cls(t["rows"], t["tokens"], t["seconds"], t["packed"], frozen=frozen, pad=t["pad"])
+
     def __call__(self, rows: int, tokens) -> np.ndarray:
         """Seconds of forwards of `rows` rows computing `tokens` tokens (an array: one estimate each)."""
         t = np.asarray(tokens, dtype=float)
@@ -174,15 +195,54 @@ def cost_key(model: Transformer) -> tuple:
             c.num_kv_heads, c.head_dim, c.vocab_size, torch.get_num_threads(), model.compiled is not None)
 
 
-COSTS: dict[tuple, CostModel] = {}  # cost_key -> its CostModel, measured once per process
+COSTS: dict[tuple, CostModel] = {}  # cost_key -> its CostModel, read or measured once per process
 
 
 def cost_model(model: Transformer) -> CostModel:
-    """The model's CostModel for the current settings, measured on first use."""
+    """The model's CostModel for the current settings: the cost cache's, else measured (on first use)."""
     key = cost_key(model)
     if key not in COSTS:
-        COSTS[key] = measure_cost(model)
+        COSTS[key] = stored_cost(model)
     return COSTS[key]
+
+
+def machine() -> str:
+    """What the cost cache tells machines apart by: the processor's model (or the GPU's), torch's version."""
+    name = platform.processor()
+    try:
+        name = next(x.split(":", 1)[1].strip() for x in Path("/proc/cpuinfo").read_text().splitlines()
+                    if x.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    if torch.cuda.is_available():
+        name += " / " + torch.cuda.get_device_name()
+    return f"{platform.machine()} {name}, torch {torch.__version__}"
+
+
+def cost_path(model: Transformer) -> Path:
+    """The cost cache's file for this model's setting on this machine."""
+    digest = hashlib.sha256(repr((machine(), cost_key(model))).encode()).hexdigest()[:16]
+    return cache_dir() / "costs" / f"{digest}.json"
+
+
+def stored_cost(model: Transformer) -> CostModel:
+    """The cost cache's table for this model's setting (module docstring), or one measured now and
+    written there (atomically; a cache that cannot be written is skipped, a file that cannot be read
+    is measured anew)."""
+    path = cost_path(model)
+    try:
+        return CostModel.from_table(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    cost = measure_cost(model)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(dict(machine=machine(), key=repr(cost_key(model)), **cost.table())))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return cost
 
 
 @torch.inference_mode()
