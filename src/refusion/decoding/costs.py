@@ -30,6 +30,8 @@ on a busier day. Delete the folder to measure anew.
 from __future__ import annotations
 
 import bisect
+import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -206,6 +208,7 @@ def cost_model(model: Transformer) -> CostModel:
     return COSTS[key]
 
 
+@functools.cache
 def machine() -> str:
     """What the cost cache tells machines apart by: the processor's model (or the GPU's), torch's version."""
     name = platform.processor()
@@ -235,13 +238,14 @@ def stored_cost(model: Transformer) -> CostModel:
     except (OSError, ValueError, KeyError, TypeError):
         pass
     cost = measure_cost(model)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(dict(machine=machine(), key=repr(cost_key(model)), **cost.table())))
         os.replace(tmp, path)
-    except OSError:
-        pass
+    except OSError:  # (a cache that cannot be written: measured again next time)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
     return cost
 
 
