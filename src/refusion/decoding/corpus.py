@@ -5,8 +5,8 @@ A model's greedy answers repeat its habits ("Let's break this down step by step"
 docstring it fills), so a phrase it wrote once in answer to other prompts is a draft of what it
 writes now. The corpus is the recipe's self-generated answers to training prompts (never a test
 split), kept next to the model as LOOKUP_CORPUS (token ids, answers separated by -1). It is indexed
-when loaded: for each suffix length n in CORPUS_NGRAMS, every occurrence of every n-gram (sorted
-hashes, found with searchsorted). A draft follows the longest suffix of the sequence the corpus
+when loaded: for each suffix length n in CORPUS_NGRAMS, every occurrence of every n-gram (sorted by
+hash, found with searchsorted). A draft follows the longest suffix of the sequence the corpus
 holds, by vote, token by token: among that n-gram's occurrences (its latest MAX_VOTES), the token
 that most of them continue with (a tie: the larger id), then among the occurrences that agree so
 far the most frequent next one, until most of them reach their answer's end or fewer than
@@ -38,6 +38,9 @@ MAX_VOTES = 512  # occurrences of an n-gram that vote on its continuation: its l
 MIN_SHARE = 0.5
 _P = np.uint64(1_000_003)  # the n-gram hash's multiplier (arithmetic modulo 2**64)
 _MASK = (1 << 64) - 1
+# the index keeps a hash's top bits only, so it is first multiplied by this odd constant (2**64 over the
+# golden ratio), which spreads every bit of a short n-gram's small hash into them and maps no two apart
+_SPREAD = np.uint64(0x9E3779B97F4A7C15)
 
 
 def _hash(tokens: Sequence[int]) -> int:
@@ -56,39 +59,43 @@ class LookupCorpus:
         if not len(self.tokens) or self.tokens[-1] != -1:  # (every continuation stops at a -1: _vote)
             self.tokens = np.append(self.tokens, -1)
         self.ngrams = tuple(sorted(ngrams, reverse=True))
-        self.keys: dict[int, np.ndarray] = {}  # n -> the hash of every n-gram followed by a token, sorted
-        self.starts: dict[int, np.ndarray] = {}  # n -> where each one's continuation begins (ascending per hash)
-        for n in self.ngrams:
-            self.keys[n], self.starts[n] = self._index(n)
+        # each n-gram occurrence is one uint64: its hash's top bits, then where it starts. One plain sort
+        # then orders them by hash and, within a hash, by place in the corpus, several times faster than
+        # a stable argsort of the hashes (the index is built whenever a model with a corpus is loaded)
+        self.place_bits = max(1, int(len(self.tokens)).bit_length())
+        self.keys: dict[int, np.ndarray] = {}  # n -> sorted (hash high bits | start) of every n-gram followed by a token
+        self._build()
 
-    def _index(self, n: int) -> tuple[np.ndarray, np.ndarray]:
-        t = self.tokens
-        m = len(t) - n  # n-grams starting at 0..m-1, each followed by a token
-        if m <= 0:
-            return np.zeros(0, np.uint64), np.zeros(0, np.int32)
-        h = np.zeros(m, np.uint64)
-        bad = np.zeros(m, bool)
-        for j in range(n):  # (uint64 arithmetic wraps: the hash is modulo 2**64)
-            seg = t[j:j + m]
-            h = h * _P + (seg + 1).astype(np.uint64)
-            bad |= seg < 0
-        ok = np.flatnonzero(~bad & (t[n:n + m] >= 0))
-        order = np.argsort(h[ok], kind="stable")  # (stable: each hash's occurrences stay in corpus order)
-        return h[ok][order], (ok[order] + n).astype(np.int32)
+    def _build(self) -> None:
+        t, b = self.tokens, np.uint64(self.place_bits)
+        h = np.zeros(len(t), np.uint64)  # h[i]: the hash of the n tokens from i, for n = 1, 2, ... in turn
+        bad = np.zeros(len(t), bool)
+        for n in range(1, max(self.ngrams) + 1):
+            m = len(t) - n  # n-grams starting at 0..m-1, each followed by a token
+            if m <= 0:
+                break
+            seg = t[n - 1:n - 1 + m]
+            h, bad = h[:m] * _P + (seg + 1).astype(np.uint64), bad[:m] | (seg < 0)
+            if n in self.ngrams:
+                ok = np.flatnonzero(~bad & (t[n:n + m] >= 0)).astype(np.uint64)
+                self.keys[n] = np.sort((h[ok] * _SPREAD) >> b << b | ok)
+        for n in self.ngrams:
+            self.keys.setdefault(n, np.zeros(0, np.uint64))
 
     def occurrences(self, history: Sequence[int]) -> tuple[np.ndarray, int]:
         """Where the continuations of the longest suffix of `history` the corpus holds begin (its
         latest MAX_VOTES occurrences), and that suffix's length; (empty, 0) where none is held."""
         t = self.tokens
+        low = np.uint64((1 << self.place_bits) - 1)
         for n in self.ngrams:
-            if len(history) < n or not len(self.keys[n]):
+            keys = self.keys[n]
+            if len(history) < n or not len(keys):
                 continue
             suffix = np.asarray(history[-n:], dtype=np.int64)
-            h = np.uint64(_hash(suffix.tolist()))
-            keys = self.keys[n]
-            lo, hi = int(np.searchsorted(keys, h, "left")), int(np.searchsorted(keys, h, "right"))
-            at = self.starts[n][max(lo, hi - MAX_VOTES):hi].astype(np.int64)  # (its latest occurrences)
-            at = at[(t[at[:, None] - n + np.arange(n)] == suffix).all(1)]  # (a hash collision: not this n-gram)
+            h = np.uint64((_hash(suffix.tolist()) * int(_SPREAD) & _MASK) >> self.place_bits << self.place_bits)
+            lo, hi = int(np.searchsorted(keys, h, "left")), int(np.searchsorted(keys, h | low, "right"))
+            at = (keys[max(lo, hi - MAX_VOTES):hi] & low).astype(np.int64)  # (its latest occurrences)
+            at = at[(t[at[:, None] + np.arange(n)] == suffix).all(1)] + n  # (a hash collision: not this n-gram)
             if len(at):
                 return at, n
         return np.zeros(0, np.int64), 0
