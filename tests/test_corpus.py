@@ -167,6 +167,20 @@ def test_the_index_matches_the_definition(monkeypatch, votes):
             assert contested == want, (vocab, history)
 
 
+def test_hash_collisions_are_told_apart(monkeypatch):
+    # the index keeps a hash's top bits only: with no spreading every n-gram lands in one bucket, and
+    # the occurrences must still be told apart by their tokens
+    monkeypatch.setattr(corpus_module, "_SPREAD", np.uint64(0))
+    monkeypatch.setattr(corpus_module, "MAX_VOTES", 10**6)  # (the window is taken before the tokens are compared)
+    rng = np.random.default_rng(3)
+    answers = [rng.integers(0, 5, int(rng.integers(1, 20))).tolist() for _ in range(30)]
+    c = LookupCorpus(flat(answers))
+    assert len(np.unique(c.keys[2] >> np.uint64(c.place_bits))) == 1  # (every 2-gram collides)
+    for _ in range(100):
+        history = rng.integers(0, 6, int(rng.integers(1, 8))).tolist()
+        assert c.propose(history, 4) == brute_force(answers, history, 4, votes=10**6), history
+
+
 def test_a_contested_first_token_is_said_so():
     # after "1": 3 has 2 of the 5 votes (drafted all the same), 2 has 3 of 4, and one voter is never contested
     assert LookupCorpus(flat([[1, 2], [1, 3], [1, 4], [1, 5], [1, 3]])).offer([1], 8) == ([3], 1, True)
