@@ -61,6 +61,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from refusion.bundled import ASSETS, adapter_base, resolve_model
 from refusion.decoding import decode
@@ -124,12 +125,18 @@ def humaneval_examples(source: str, n: int, seed: int) -> list[Example]:
 # ---- decoding -------------------------------------------------------------------------------------
 
 
-def run_ours(model, prompts, decoder, params, batch_size, eos) -> dict:
+def batches(prompts: list, batch_size: int, label: str):
+    """The batches' start indices, with a progress bar on stderr (a full-set row takes tens of minutes)."""
+    return tqdm(range(0, len(prompts), batch_size), desc=label, unit="batch", leave=False, mininterval=10,
+                file=sys.stderr)
+
+
+def run_ours(model, prompts, decoder, params, batch_size, eos, label: str = "") -> dict:
     """Decode in batches; a compiled model's compiling during the run is counted, not timed."""
     stats = model.compiled.stats if model.compiled is not None else None
     graphs, recompiles, compiling = (stats.graphs, stats.recompiles, stats.compile_seconds) if stats else (0, 0, 0.0)
     outputs, forwards, seconds = [], 0, 0.0
-    for i in range(0, len(prompts), batch_size):
+    for i in batches(prompts, batch_size, label):
         t = time.perf_counter()
         res = decode(model, prompts[i:i + batch_size], decoder, eos_ids=eos, **params)
         seconds += time.perf_counter() - t
@@ -143,14 +150,14 @@ def run_ours(model, prompts, decoder, params, batch_size, eos) -> dict:
     return row
 
 
-def run_hf(hf, prompts, max_tokens, batch_size, eos, pad, lookup: int | None) -> dict:
+def run_hf(hf, prompts, max_tokens, batch_size, eos, pad, lookup: int | None, label: str = "") -> dict:
     """transformers' generate() on left-padded batches; forwards counted by a forward hook, once for each
     sequence of the batch (as the project's decoders count a row's passes)."""
     calls = [0]
     hook = hf.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
     outputs, seconds, forwards = [], 0.0, 0
     try:
-        for i in range(0, len(prompts), batch_size):
+        for i in batches(prompts, batch_size, label):
             chunk = prompts[i:i + batch_size]
             P = max(map(len, chunk))
             ids = torch.tensor([[pad] * (P - len(p)) + p for p in chunk])
@@ -339,13 +346,14 @@ def main() -> None:
                 for name in names:
                     if (threads, bs, name, bench) in done or (name == "hf prompt-lookup" and bs > 1):
                         continue  # (transformers' assisted generation runs one sequence at a time)
+                    label = f"threads {threads} batch {bs} {name} {bench}"
                     if name in OURS:
                         which, decoder, params = OURS[name]
                         r = run_ours(models[which], prompts[bench], decoder, dict(params, gen_length=args.max_tokens),
-                                     bs, eos)
+                                     bs, eos, label)
                     else:
                         r = run_hf(hf, prompts[bench], args.max_tokens, bs, eos, pad,
-                                   args.lookup_tokens if name == "hf prompt-lookup" else None)
+                                   args.lookup_tokens if name == "hf prompt-lookup" else None, label)
                     rows.append(dict(threads=threads, batch_size=bs, name=name, bench=bench,
                                      finished_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **r))
                     tokens = sum(map(len, r["outputs"]))
