@@ -27,6 +27,7 @@ from refusion.decoding import costs
 from refusion.decoding.corpus import LookupCorpus
 from refusion.decoding.params import SpeculativeParams
 from refusion.decoding.speculative import SpeculativeBatch
+from refusion.decoding.speculative_policy import FeedPolicy
 from refusion.model.checkpoint import load_model
 from refusion.model.tokenizer import Tokenizer
 from draft_sources import frozen_costs, shared_prefix
@@ -52,7 +53,7 @@ def voted(corpus: LookupCorpus, history: list[int], k: int) -> tuple[list[int], 
     return draft, shares
 
 
-class VotedBatch(SpeculativeBatch):
+class VotedPolicy(FeedPolicy):
     """Records, after each step, the corpus's draft with its shares and the copy on offer (if any)."""
 
     def __init__(self, *a, **k) -> None:
@@ -60,28 +61,29 @@ class VotedBatch(SpeculativeBatch):
         self.corpus.min_share = 0.0  # (the drafts as they were before the cut)
         self.seen: list[tuple[int, list[int], list[float], list[int]]] = []
 
-    def _offer_drafts(self, seqs) -> None:
+    def offer_drafts(self, seqs) -> None:
         for q in seqs:
             if not q.done and q.index is not None:
                 copy, _ = q.index.propose(q.p.draft_length)
                 draft, shares = voted(self.corpus, q.index.tokens, q.p.draft_length)
                 if draft:
                     self.seen.append((len(q.res.tokens), draft, shares, list(copy)))
-        super()._offer_drafts(seqs)
+        super().offer_drafts(seqs)
 
 
 def measure(model, prompts: list[list[int]], max_tokens: int) -> dict:
     reached, right = np.zeros(len(BUCKETS)), np.zeros(len(BUCKETS))
     went = {False: [0, 0, 0], True: [0, 0, 0]}  # copy on offer -> [drafts, corpus accepted, copy accepted]
     for prompt in prompts:
-        batch = VotedBatch(model)
+        batch = SpeculativeBatch(model)
+        batch.policy = VotedPolicy(model)
         batch.add(prompt, SpeculativeParams(gen_length=max_tokens, lookup=True), seed=0)
         result = None
         while len(batch):
             for _, result in batch.step():
                 pass
         out = result.tokens
-        for g, draft, shares, copy in batch.seen:
+        for g, draft, shares, copy in batch.policy.seen:
             j = shared_prefix(draft, out[g:])
             for i, share in enumerate(shares[: j + 1]):  # the tokens reached
                 b = len(BUCKETS) - 1 if share >= 1.0 else int(np.searchsorted(BUCKETS, share, "right")) - 1

@@ -27,7 +27,7 @@ numbers in every run given that file, so two runs differ only by what they chang
 costs follow each step's timing), and then also reports tokens per modelled second: the tokens over
 the frozen table's seconds for every forward's width (prefills included, host work not), a speed
 comparison between two settings that no timing noise moves. Instruments the decoder by subclassing
-SpeculativeBatch (two internal methods); timing-free. Writes JSON and prints tables.
+SpeculativeBatch (its forward) and FeedPolicy (its offers); timing-free. Writes JSON and prints tables.
 
     python benchmarks/draft_sources.py --n-gsm8k 30 --n-humaneval 15 --corpus-fraction 0.25 --out /tmp/quarter.json
 """
@@ -48,6 +48,7 @@ from refusion.decoding.corpus import LookupCorpus
 from refusion.decoding.costs import CostModel
 from refusion.decoding.params import SpeculativeParams
 from refusion.decoding.speculative import SpeculativeBatch
+from refusion.decoding.speculative_policy import FeedPolicy
 from refusion.model.checkpoint import load_model
 from refusion.model.tokenizer import Tokenizer
 from smollm2_speculative import gsm8k_examples, humaneval_examples
@@ -84,31 +85,20 @@ class CorpusWhereNoCopy:
         return self.offer(history, k)[:2]
 
 
-class WatchedBatch(SpeculativeBatch):
-    """A batch that records, per step of its (single) row: the response position, the kind of draft
-    fed and its length; and after the step, every draft on offer and which of them the row holds."""
+class WatchedPolicy(FeedPolicy):
+    """A batch's choices that record, after each step of its (single) row, every draft on offer and
+    which of them the row holds."""
 
-    def __init__(self, *a, corpus_fraction: float = 1.0, corpus_where_no_copy: bool = False, **k) -> None:
-        super().__init__(*a, **k)
+    def __init__(self, model, cost: CostModel | None = None, corpus_fraction: float = 1.0,
+                 corpus_where_no_copy: bool = False) -> None:
+        super().__init__(model, cost)
         self.corpus = corpus_sample(self.corpus, corpus_fraction)
         if corpus_where_no_copy and self.corpus is not None:
             self.corpus = CorpusWhereNoCopy(self.corpus)
-        self.fed: list[tuple[int, int, int]] = []
         self.offers: list[tuple[int, dict[str, list[int]]]] = []
         self.holding: list[str] = []  # after each step's offers: the source of the draft the row holds
-        self.widths: list[int] = []  # every forward's tokens (one row: the width of the ids fed), prefills too
 
-    def _forward(self, lo, hi, prefill, start) -> None:
-        for q in self.running[lo:hi]:
-            self.fed.append((len(q.res.tokens), q.kind, min(len(q.draft), q.width)))
-        hook = self.model.register_forward_pre_hook(lambda m, args, kw: self.widths.append(int(args[0].shape[1])),
-                                                    with_kwargs=True)
-        try:
-            super()._forward(lo, hi, prefill, start)
-        finally:
-            hook.remove()
-
-    def _offer_drafts(self, seqs) -> None:
+    def offer_drafts(self, seqs) -> None:
         for q in seqs:
             if q.done:
                 continue
@@ -124,10 +114,31 @@ class WatchedBatch(SpeculativeBatch):
                     if draft:
                         on["corpus"] = list(draft)
             self.offers.append((len(q.res.tokens), on))
-        super()._offer_drafts(seqs)
+        super().offer_drafts(seqs)
         for q in seqs:
             if not q.done:
                 self.holding.append(source(q.kind) if q.draft else "none")
+
+
+class WatchedBatch(SpeculativeBatch):
+    """A batch that records, per step of its (single) row: the response position, the kind of draft
+    fed and its length; and (its policy, WatchedPolicy) after the step, the drafts on offer."""
+
+    def __init__(self, *a, corpus_fraction: float = 1.0, corpus_where_no_copy: bool = False, **k) -> None:
+        super().__init__(*a, **k)
+        self.policy = WatchedPolicy(self.model, self.policy.cost, corpus_fraction, corpus_where_no_copy)
+        self.fed: list[tuple[int, int, int]] = []
+        self.widths: list[int] = []  # every forward's tokens (one row: the width of the ids fed), prefills too
+
+    def _forward(self, lo, hi, prefill, start) -> None:
+        for q in self.running[lo:hi]:
+            self.fed.append((len(q.res.tokens), q.kind, min(len(q.draft), q.width)))
+        hook = self.model.register_forward_pre_hook(lambda m, args, kw: self.widths.append(int(args[0].shape[1])),
+                                                    with_kwargs=True)
+        try:
+            super()._forward(lo, hi, prefill, start)
+        finally:
+            hook.remove()
 
 
 def shared_prefix(a: list[int], b: list[int]) -> int:
@@ -188,7 +199,7 @@ def measure(model, prompts: list[list[int]], max_tokens: int, cap: int, budget: 
             p["steps"] += 1
             p["fed"] += k
             p["accepted"] += j
-        for i, ((g, on), held) in enumerate(zip(batch.offers, batch.holding)):  # the offers after step i feed step i + 1
+        for i, ((g, on), held) in enumerate(zip(batch.policy.offers, batch.policy.holding)):  # the offers after step i feed step i + 1
             steps += 1
             best["best of all"] += max([accepted(d, out, g, cap) for d in on.values()], default=0)
             best["the draft fed"] += at[i + 2] - at[i + 1] - 1

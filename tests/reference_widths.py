@@ -113,30 +113,29 @@ def expected_accepted(rate: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.where(np.arange(rate.shape[1])[None, :] < lengths[:, None], run, 0.0).sum(1)
 
 
-def choose_widths(batch) -> list[tuple[int, bool]]:
-    """SpeculativeBatch._choose_widths: the (width, bare) it gives each running row, without setting them."""
+def choose_widths(policy, seqs) -> list[tuple[int, bool]]:
+    """FeedPolicy.choose_widths: the (width, bare) it gives each row, without setting them."""
     from refusion.decoding import widths
 
-    seqs = batch.running
     free = np.array([q.p.widths == "cost" for q in seqs])
-    most = widths.PACKED_BATCH_DRAFT if batch.cost.packed and len(seqs) > 1 else widths.MAX_DRAFT
+    most = widths.PACKED_BATCH_DRAFT if policy.cost.packed and len(seqs) > 1 else widths.MAX_DRAFT
     room = np.array([max(0, min(q.p.draft_length, most if f else q.p.draft_length, q.p.gen_length - len(q.res.tokens) - 1))
                      for q, f in zip(seqs, free)])
     bound = np.minimum(room, [q.draft_end() for q in seqs])
     K = int(room.max())  # (rates are read as far as any row could draft, its draft or not)
     kind = np.array([q.kind for q in seqs])
     reached = np.stack([q.acceptance.reached[q.kind, :K] for q in seqs])
-    rate = rates(reached, np.stack([q.acceptance.accepted[q.kind, :K] for q in seqs]), kind, batch.prior)
+    rate = rates(reached, np.stack([q.acceptance.accepted[q.kind, :K] for q in seqs]), kind, policy.prior)
     masks = np.array([-1 if q.p.mask_length is None else q.p.mask_length for q in seqs])
     width = np.array([q.width for q in seqs])
-    unexplored = batch.prior.reached[:, 0] < widths.EXPLORE_POOL
+    unexplored = policy.prior.reached[:, 0] < widths.EXPLORE_POOL
     floor = np.minimum(np.array([q.drafts_tried < widths.EXPLORE or unexplored[q.kind] for q in seqs],
                                 dtype=np.int64), bound)
     lengths = np.array([len(q.draft) for q in seqs])
 
     def choose(bare):  # a bare row: no masks, and no wider than its draft
         short = np.where(bare, np.minimum(bound, lengths), bound)
-        return best_widths(rate, short, np.where(bare, 0, masks), width, free, batch.cost, np.minimum(floor, short))
+        return best_widths(rate, short, np.where(bare, 0, masks), width, free, policy.cost, np.minimum(floor, short))
 
     # a draft of other text goes without masks, unless they pay: their fresh draft (as wide), beyond
     # the held draft's value, times the chance the held draft is accepted whole, per second they add,
@@ -145,18 +144,18 @@ def choose_widths(batch) -> list[tuple[int, bool]]:
     chosen = choose(bare)
     fresh_rate = rates(np.stack([q.acceptance.reached[widths.FRESH, :K] for q in seqs]),
                        np.stack([q.acceptance.accepted[widths.FRESH, :K] for q in seqs]),
-                       np.full(len(seqs), widths.FRESH), batch.prior)
+                       np.full(len(seqs), widths.FRESH), policy.prior)
     held = [float(np.cumprod(rate[i, :w]).sum()) for i, w in enumerate(chosen)]
     fed = [1 + w + (0 if bare[i] else (masks[i] if masks[i] >= 0 else (w + 1 if w else 0))) for i, w in enumerate(chosen)]
     B, total = len(seqs), sum(fed)
-    seconds = float(cost(batch.cost, B, total if batch.cost.packed else B * max(fed)))
+    seconds = float(cost(policy.cost, B, total if policy.cost.packed else B * max(fed)))
     ratio = (B + sum(held)) / seconds
     paid = np.zeros(B, dtype=bool)
     for i, w in enumerate(chosen):
         if bare[i] and w > 0:
             worth = float(np.prod(rate[i, :w])) * max(float(np.cumprod(fresh_rate[i, :w]).sum()) - held[i], 0.0)
-            wider = total + w + 1 if batch.cost.packed else B * max(max(fed), fed[i] + w + 1)
-            paid[i] = worth > ratio * (float(cost(batch.cost, B, wider)) - seconds)
+            wider = total + w + 1 if policy.cost.packed else B * max(max(fed), fed[i] + w + 1)
+            paid[i] = worth > ratio * (float(cost(policy.cost, B, wider)) - seconds)
     if paid.any():
         bare = bare & ~paid
         chosen = choose(bare)
@@ -167,9 +166,9 @@ def choose_widths(batch) -> list[tuple[int, bool]]:
         drafting = np.where(stale, widths.FRESH, kind)
         again = best_widths(rates(np.stack([q.acceptance.reached[k, :K] for q, k in zip(seqs, drafting)]),
                                   np.stack([q.acceptance.accepted[k, :K] for q, k in zip(seqs, drafting)]),
-                                  drafting, batch.prior),
+                                  drafting, policy.prior),
                             np.where(stale, room, bound), np.where(stale, -1, np.where(bare, 0, masks)), chosen,
-                            stale, batch.cost)
+                            stale, policy.cost)
         for i in np.flatnonzero(stale & (again > 0)):
             bare[i], chosen[i] = False, again[i]
     return [(int(w), bool(b)) if f else (q.width, q.bare) for q, f, b, w in zip(seqs, free, bare, chosen)]

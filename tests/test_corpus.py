@@ -17,6 +17,7 @@ from refusion.decoding.corpus import LookupCorpus, corpus_of, read_corpus, write
 from refusion.decoding.lookup import NgramIndex
 from refusion.model.checkpoint import LOOKUP_CORPUS
 from refusion.decoding.speculative import SpeculativeParams, generate_speculative
+from refusion.decoding.speculative_policy import FeedPolicy
 from refusion.model.checkpoint import load_model, save_model
 from refusion.model.config import ModelConfig
 from refusion.model.tokenizer import Tokenizer
@@ -243,7 +244,7 @@ def test_a_corpus_draft_is_counted_by_its_vote(tmp_path, monkeypatch):
     noisy = [[t if rng.random() > 0.6 else int(rng.integers(2, 20)) for t in r.tokens] for r in answers for _ in range(4)]
     write_corpus(tmp_path / "m", [r.tokens for r in answers] + noisy)
     model = load_model(tmp_path / "m")
-    corpus, plain, seen = corpus_of(model), spec.SpeculativeBatch._offer_drafts, set()
+    corpus, plain, seen = corpus_of(model), FeedPolicy.offer_drafts, set()
 
     def offer_drafts(self, seqs):
         plain(self, seqs)
@@ -254,7 +255,7 @@ def test_a_corpus_draft_is_counted_by_its_vote(tmp_path, monkeypatch):
                 assert q.kind == widths.corpus_kind(n, bool(copy), contested) and q.draft == draft
                 seen.add(contested)
 
-    monkeypatch.setattr(spec.SpeculativeBatch, "_offer_drafts", offer_drafts)
+    monkeypatch.setattr(FeedPolicy, "offer_drafts", offer_drafts)
     params = SpeculativeParams(lookup=True, gen_length=40, draft_length=8, adaptive=False)
     out = generate_speculative(model, prompts, params, eos_ids=[])
     assert [r.tokens for r in out] == [r.tokens for r in answers]
@@ -303,13 +304,12 @@ def test_a_corpus_draft_beside_a_copy_is_counted_apart(tmp_path):
     model = load_model(tmp_path / "m")
     batch = spec.SpeculativeBatch(model, eos_ids=[])
     offered = []
-    plain = spec.SpeculativeBatch._offer_drafts
 
     for prompt, has_copy in (([5, 6, 7, 2, 5, 6, 7], True), ([2, 3, 5, 6, 7], False)):
         q = spec.SpeculativeSeq(0, prompt, SpeculativeParams(gen_length=8, lookup=True), MASK, set(), 0, None,
                                 lookup=True)
         q.draft, q.kind = [], widths.FRESH  # (nothing of the masks': the best offer is held)
         q.acceptance.record(widths.corpus_kind(3, has_copy), 4, 4)  # (the corpus's kind goes far for this row)
-        plain(batch, [q])
+        batch.policy.offer_drafts([q])
         offered.append(q.kind)
     assert offered == [widths.corpus_kind(3, True), widths.corpus_kind(3, False)]

@@ -9,6 +9,8 @@ import torch
 
 from refusion.decoding import costs, speculative as spec, widths
 from refusion.decoding.speculative import SpeculativeBatch, SpeculativeParams, generate_speculative
+from refusion.decoding.speculative_policy import branches
+from refusion.decoding.params import MAX_BRANCHES
 from refusion.model.cache import KVCache
 from test_decoding_speculative import MASK, PROMPTS, ar, tiny_model
 
@@ -217,12 +219,12 @@ def test_a_branch_sees_x_the_shared_tokens_and_its_own_tokens_only():
 def test_branches_are_where_the_others_part_one_per_place_and_token():
     S, A = widths.SECOND, widths.ALTERNATIVE
     # (a longer same draft is no branch; a second branch parting at the same place with the same token is dropped)
-    assert spec._branches([1, 2, 3], [([1, 2, 3, 4], S), ([1, 5, 6], S), ([7], A), ([1, 5, 9], A), ([1, 2, 8], A)]) == [
+    assert branches([1, 2, 3], [([1, 2, 3, 4], S), ([1, 5, 6], S), ([7], A), ([1, 5, 9], A), ([1, 2, 8], A)]) == [
         (1, [5, 6], S), (0, [7], A), (2, [8], A)]
-    assert spec._branches([1, 2, 3], [([7, 8], S), ([6], A), ([5], A), ([4], A)], most=3) == [
+    assert branches([1, 2, 3], [([7, 8], S), ([6], A), ([5], A), ([4], A)], most=3) == [
         (0, [7, 8], S), (0, [6], A), (0, [5], A)]
-    assert spec._branches([1, 2], [([1, 2], S), ([1], S)]) == []
-    assert spec._branches([], [([1, 2], S)]) == []
+    assert branches([1, 2], [([1, 2], S), ([1], S)]) == []
+    assert branches([], [([1, 2], S)]) == []
 
 
 @pytest.mark.parametrize("temperature,top_p", [(0.8, None), (1.0, 0.9)])
@@ -249,7 +251,7 @@ def test_the_policy_feeds_a_branch_only_where_it_pays():
         q.draft = [5, 6, 7, 8]
         q.branches = [(1, [9, 10, 11, 12, 13], widths.SECOND), (1, [2, 3], widths.ALTERNATIVE),
                       (4, [1], widths.SECOND)]
-        batch._choose_branches()
+        batch.policy.choose_branches(batch.running)
         return q.branch_widths
 
     assert widths_fed(CHEAP) == [4, 2, 0]  # (no more than draft_length; none at the draft's end)
@@ -268,7 +270,7 @@ def test_a_branch_from_a_fork_already_fed_is_worth_less():
         q.acceptance.record(widths.SECOND, 4, 4)
     q.draft = [5, 6, 7, 8]
     q.branches = [(1, [9, 10, 11], widths.SECOND), (1, [2, 3, 4], widths.SECOND), (2, [1, 2], widths.SECOND)]
-    batch._choose_branches()
+    batch.policy.choose_branches(batch.running)
     assert q.branch_widths[0] > 0 and q.branch_widths[1] == 0 and q.branch_widths[2] > 0
 
 
@@ -293,5 +295,5 @@ def test_fork_is_refused_with_redraft_and_counts_in_the_widest_step_only_when_on
     assert SpeculativeParams(widths="fixed", draft_length=3, mask_length=2).max_width == 1 + 3 + 2
     assert SpeculativeParams(redraft=True).max_width == SpeculativeParams(redraft=True, fork=False).max_width
     assert SpeculativeParams(fork=True, widths="fixed", draft_length=3, mask_length=2).max_width == (
-        1 + 3 + 2 + spec.MAX_BRANCHES * 3)
+        1 + 3 + 2 + MAX_BRANCHES * 3)
 

@@ -94,7 +94,7 @@ def test_the_steps_feed_what_the_policy_priced():
     (q,) = batch.running
     checked = 0
     while len(batch):
-        batch._choose_widths()
+        batch.policy.choose_widths(batch.running)
         k = min(q.width, len(q.draft), q.p.gen_length - len(q.res.tokens) - 1)
         ids, _ = q.next_feed()
         q.res.forwards -= 1

@@ -12,6 +12,7 @@ from refusion.decoding import speculative as spec
 from refusion.decoding.lookup import (COPY_AGREED, COPY_AGREED_1, COPY_AGREED_2, COPY_ONCE, COPY_SPLIT,
                                       COPY_SUPPORTS, LOOKUP_NGRAMS, NgramIndex)
 from refusion.decoding.speculative import SpeculativeParams, generate_speculative
+from refusion.decoding.speculative_policy import FeedPolicy
 from refusion.model.config import ModelConfig
 from refusion.model.transformer import Transformer
 
@@ -162,7 +163,7 @@ def test_a_copy_is_counted_by_how_far_the_text_backs_it(monkeypatch):
     backs differently (agreed, once, split) are all met and counted apart."""
     model = looping_model()
     widths.PRIORS.pop(model, None)
-    plain, seen = spec.SpeculativeBatch._offer_drafts, set()
+    plain, seen = FeedPolicy.offer_drafts, set()
 
     def offer_drafts(self, seqs):
         plain(self, seqs)
@@ -172,7 +173,7 @@ def test_a_copy_is_counted_by_how_far_the_text_backs_it(monkeypatch):
                 assert q.kind == widths.lookup_kind(n, q.index.support(n)) and q.draft == copy
                 seen.add(q.index.support(n))
 
-    monkeypatch.setattr(spec.SpeculativeBatch, "_offer_drafts", offer_drafts)
+    monkeypatch.setattr(FeedPolicy, "offer_drafts", offer_drafts)
     params = SpeculativeParams(lookup=True, gen_length=48, draft_length=8, adaptive=False)
     out = generate_speculative(model, PROMPTS + [[4, 5, 4, 6, 4, 7, 4]], params, eos_ids=[])
     assert [r.tokens for r in out] == [r.tokens for r in generate_ar(model, PROMPTS + [[4, 5, 4, 6, 4, 7, 4]],
@@ -193,13 +194,13 @@ def held_copy(per_token: float, fresh: int, copies: int) -> spec.SpeculativeSeq:
     batch.step()  # the prefill
     q = batch.running[0]
     q.drafts_tried = widths.EXPLORE
-    pool = batch.prior
+    pool = batch.policy.prior
     pool.reached[:, :16] = 1000
     pool.accepted[:, :16] = 0
     pool.accepted[widths.FRESH, :16], pool.accepted[widths.LOOKUP:, :16] = fresh, copies
     pool.kept.clear()
     q.draft, q.kind = [5, 6, 7, 2, 5, 6, 7, 2], widths.lookup_kind(4)
-    batch._choose_widths()
+    batch.policy.choose_widths(batch.running)
     return q
 
 
@@ -219,7 +220,7 @@ def test_masks_go_behind_a_copy_only_where_they_pay(per_token, fresh, bare):
 
 
 def test_masks_pay_by_the_rule_written_out():
-    """_masks_pay's numbers for one row by hand: a copy fed 2 wide (rates 0.5, 0.5; 0.75 expected,
+    """FeedPolicy.masks_pay's numbers for one row by hand: a copy fed 2 wide (rates 0.5, 0.5; 0.75 expected,
     0.25 accepted whole), fresh drafts at 0.9 (1.71 expected at width 2), so the masks are worth
     0.25 * (1.71 - 0.75) = 0.24 tokens; the step: 1 + 0.75 tokens over a forward of 3 tokens. With
     seconds 1 + c * tokens, 3 masks pay where 0.24 > 1.75 / (1 + 3c) * 3c."""
@@ -230,12 +231,12 @@ def test_masks_pay_by_the_rule_written_out():
         batch = spec.SpeculativeBatch(model, eos_ids=[], cost=costs.CostModel.of(lambda rows, t: 1.0 + c * t))
         batch.add(PROMPTS[0], SpeculativeParams(lookup=True, gen_length=32))
         batch.step()
-        pool = batch.prior
+        pool = batch.policy.prior
         pool.reached[:], pool.accepted[:] = 0, 0
         pool.reached[widths.FRESH, :2], pool.accepted[widths.FRESH, :2] = 1e9, 0.9e9  # own counts: none
         pool.kept.clear()
         rate = np.array([[0.5, 0.5]])
-        return bool(batch._masks_pay(batch.running, np.array([True]), np.array([2]), np.array([-1]), np.array([False]),
+        return bool(batch.policy.masks_pay(batch.running, np.array([True]), np.array([2]), np.array([-1]), np.array([False]),
                                     rate, 2)[0])
 
     # 0.24 (1 + 3c) = 5.25c  ->  c = 0.24 / 4.53
@@ -255,14 +256,14 @@ def test_a_copy_not_worth_feeding_is_dropped_for_the_masks_fresh_draft(masks_wor
     batch.step()  # the prefill
     q = batch.running[0]
     q.drafts_tried = widths.EXPLORE  # (past the drafts every sequence feeds whatever they are worth)
-    pool = batch.prior
+    pool = batch.policy.prior
     pool.reached[:, :8], pool.accepted[:, :8] = 1000, 0  # no kind of draft is ever accepted...
     if masks_worth_it:
         pool.accepted[widths.FRESH, :8] = 950  # ...but the masks' fresh ones
     pool.kept.clear()
     copy = [5, 6, 7, 2]
     q.draft, q.kind = list(copy), widths.lookup_kind(1)
-    batch._choose_widths()
+    batch.policy.choose_widths(batch.running)
     if masks_worth_it:
         assert (q.draft, q.kind, q.bare) == ([], widths.FRESH, False) and q.width > 0
         ids, _ = q.next_feed()

@@ -12,6 +12,7 @@ from refusion.decoding import ARParams, costs, generate_ar, widths
 from refusion.decoding.params import COST_DRAFT_LENGTH, MAX_DRAFT
 from refusion.decoding import speculative as spec
 from refusion.decoding.speculative import SpeculativeBatch, SpeculativeParams, generate_speculative
+from refusion.decoding.speculative_policy import FeedPolicy
 from refusion.decoding.costs import CostModel
 from refusion.decoding.widths import Acceptance, best_widths
 from refusion.model.config import ModelConfig
@@ -424,19 +425,19 @@ def decode_checking_every_choice(monkeypatch, cost: CostModel) -> tuple[int, int
     fed bare, held drafts dropped for the masks' fresh ones)."""
     model = tiny(5)
     checked, bare, dropped = [], 0, 0
-    plain = SpeculativeBatch._choose_widths
+    plain = FeedPolicy.choose_widths
 
-    def choose(self):
+    def choose(self, seqs):
         nonlocal bare, dropped
-        want = reference.choose_widths(self)
-        held = [q.kind for q in self.running]
-        plain(self)
-        assert [(q.width, q.bare) for q in self.running] == want
-        checked.append(len(self.running))
-        bare += sum(q.bare for q in self.running)
-        dropped += sum(k >= widths.LOOKUP and q.kind == widths.FRESH for k, q in zip(held, self.running))
+        want = reference.choose_widths(self, seqs)
+        held = [q.kind for q in seqs]
+        plain(self, seqs)
+        assert [(q.width, q.bare) for q in seqs] == want
+        checked.append(len(seqs))
+        bare += sum(q.bare for q in seqs)
+        dropped += sum(k >= widths.LOOKUP and q.kind == widths.FRESH for k, q in zip(held, seqs))
 
-    monkeypatch.setattr(SpeculativeBatch, "_choose_widths", choose)
+    monkeypatch.setattr(FeedPolicy, "choose_widths", choose)
     widths.PRIORS.pop(model, None)
     batch = SpeculativeBatch(model, eos_ids=[1], cost=cost)
     settings = [dict(), dict(lookup=True), dict(draft_length=5), dict(lookup=True, draft_length=12, temperature=0.8),
@@ -520,8 +521,8 @@ def test_a_batch_chooses_every_few_steps_when_rows_join_and_always_alone(monkeyp
     where rows join chooses; a lone row chooses every step. Held or not, the tokens are AR's."""
     model = tiny(6)
     batch = SpeculativeBatch(model, eos_ids=[], cost=CostModel.of(linear()))
-    plain, chose = SpeculativeBatch._choose_widths, []
-    monkeypatch.setattr(SpeculativeBatch, "_choose_widths", lambda self: chose.append(len(batch.running)) or plain(self))
+    plain, chose = FeedPolicy.choose_widths, []
+    monkeypatch.setattr(FeedPolicy, "choose_widths", lambda self, seqs: chose.append(len(seqs)) or plain(self, seqs))
     lengths = [30, 30, 12]
     sids = [batch.add(p, SpeculativeParams(gen_length=n)) for p, n in zip(PROMPTS, lengths)]
     pattern, results = [], {}
@@ -554,7 +555,7 @@ def test_a_held_step_feeds_masks_again_behind_the_masks_own_draft():
     copy_row, mask_row = batch.running
     for q, kind in ((copy_row, widths.lookup_kind(2)), (mask_row, widths.FRESH)):
         q.bare, q.kind, q.width = True, kind, 3
-    batch._hold_widths()
+    batch.policy.hold_widths(batch.running)
     assert copy_row.bare and not mask_row.bare and copy_row.width == mask_row.width == 3
     assert mask_row._masks() == 4
 
@@ -565,14 +566,14 @@ def test_rows_joining_and_leaving_are_sized_with_the_batch_they_are_in():
     batch = SpeculativeBatch(model, eos_ids=[], cost=cost)
     p = SpeculativeParams(gen_length=30)
     sizes = []
-    plain = SpeculativeBatch._choose_widths
+    plain = FeedPolicy.choose_widths
 
-    def choose(self):
-        plain(self)
-        sizes.append(len(self.running))
+    def choose(self, seqs):
+        plain(self, seqs)
+        sizes.append(len(seqs))
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(SpeculativeBatch, "_choose_widths", choose)
+        mp.setattr(FeedPolicy, "choose_widths", choose)
         sids = [batch.add(PROMPTS[0], p)]
         step = 0
         results = {}
@@ -597,13 +598,13 @@ def test_a_cpu_batch_drafts_at_most_the_packed_batch_bound(packed):
     batch.step()
     q = batch.running[0]
     q.draft, q.drafts_tried = [5] * 40, widths.EXPLORE
-    batch._choose_widths()
+    batch.policy.choose_widths(batch.running)
     assert q.width == COST_DRAFT_LENGTH > widths.PACKED_BATCH_DRAFT
     batch.add([6, 7], SpeculativeParams(gen_length=60))
     batch.step()
     for r in batch.running:
         r.draft, r.drafts_tried = [5] * 40, widths.EXPLORE
-    batch._choose_widths()
+    batch.policy.choose_widths(batch.running)
     want = widths.PACKED_BATCH_DRAFT if packed else COST_DRAFT_LENGTH
     assert [r.width for r in batch.running] == [want, want]
 
@@ -618,11 +619,11 @@ def test_a_draft_that_predicts_its_end_bounds_the_width():
     q.draft = [5, 6, 1, 7, 8, 9]
     assert q.draft_end() == 3
     q.drafts_tried = widths.EXPLORE
-    batch._choose_widths()
+    batch.policy.choose_widths(batch.running)
     assert q.width == 3  # a free cost would take all 16
     q.draft = [5, 6, 7, 8, 9]
     assert q.draft_end() == MAX_DRAFT
-    batch._choose_widths()
+    batch.policy.choose_widths(batch.running)
     assert q.width == 16
 
 
@@ -676,7 +677,7 @@ def test_a_decode_counts_what_the_uncalibrated_rates_predicted(monkeypatch):
     model = tiny(5)
     widths.PRIORS.pop(model, None)
     seen = []
-    plain = SpeculativeBatch._predicted
+    plain = FeedPolicy.predicted
 
     def predicted(self, seqs, fed):
         got = plain(self, seqs, fed)
@@ -689,7 +690,7 @@ def test_a_decode_counts_what_the_uncalibrated_rates_predicted(monkeypatch):
             seen.append(got)
         return got
 
-    monkeypatch.setattr(SpeculativeBatch, "_predicted", predicted)
+    monkeypatch.setattr(FeedPolicy, "predicted", predicted)
     generate_speculative(model, PROMPTS, SpeculativeParams(gen_length=24, lookup=True), eos_ids=[1],
                          cost=CostModel.of(linear()))
     assert len(seen) > 5 and widths.prior_for(model).predicted.sum() > 0

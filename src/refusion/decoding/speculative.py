@@ -36,7 +36,7 @@ how far the text's earlier occurrences of the words it matched went on the same 
 draft's by its match length, whether a copy is on offer beside it and whether its first token won
 most of the vote). Where this model's masks do not pay for themselves behind a copy, it is fed with
 no masks behind it (masks draft the next step, which uses their draft only where this one accepts
-the copy whole, and what follows an accepted copy is copied too; _masks_pay weighs that against
+the copy whole, and what follows an accepted copy is copied too; speculative_policy.FeedPolicy.masks_pay weighs that against
 what they add to the forward's cost): a model whose masks draft poorly still gains where its
 answers repeat their context. A copy not worth feeding at all is dropped where the masks' fresh
 draft is worth feeding: the row would otherwise step alone, without masks, and hold the next copy.
@@ -65,7 +65,7 @@ they part with. A branch's tokens sit after the masks, at the positions after it
 the shared tokens and their own branch only (an attention mask). Where the first draft is rejected
 exactly at a branch's fork, the branch is verified in the same forward; the one that goes furthest
 has its accepted tokens committed and their KV moved to the columns after the fork (one copy per
-layer, only then). The cost policy feeds as many of each branch's tokens as pay (_choose_branches):
+layer, only then). The cost policy feeds as many of each branch's tokens as pay (FeedPolicy.choose_branches):
 the chance that it is tested, times how far such branches have gone where they were (their own
 kinds of acceptance, widths.SECOND and widths.ALTERNATIVE), against what they add to the forward.
 
@@ -98,12 +98,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from refusion.decoding import costs, widths
+from refusion.decoding import costs
 from refusion.decoding.common import DecodeResult, packed_index
-from refusion.decoding.corpus import corpus_of
 from refusion.decoding.lookup import lookup_by_default
-from refusion.decoding.params import MAX_BRANCHES, REDRAFT_COST_DRAFT, SpeculativeParams, check_prompts, check_seed
+from refusion.decoding.params import SpeculativeParams, check_prompts, check_seed
 from refusion.decoding.sampling import draw, position_uniforms, sampling_probs
+from refusion.decoding.speculative_policy import FeedPolicy
 from refusion.decoding.speculative_seq import SpeculativeSeq
 from refusion.model.cache import RaggedKVCache
 from refusion.model.config import ModelConfig
@@ -149,11 +149,8 @@ class SpeculativeBatch:
         self.running: list[SpeculativeSeq] = []
         self.pending: list[SpeculativeSeq] = []
         self.next_id = 0
-        self.cost = cost  # measured at the first step that needs it
-        self.prior = widths.prior_for(model)
-        self.corpus = corpus_of(model)  # drafts from the model's own earlier answers, for rows with lookup
+        self.policy = FeedPolicy(model, cost)  # what each row feeds (speculative_policy.py)
         self.sampler = sampler_of(model)  # chains the masks' drafts (model/mask_sampler.py), for rows with sampler
-        self.held = 0  # steps since the widths were last chosen (widths.CHOOSE_EVERY)
 
     def __len__(self) -> int:
         return len(self.running) + len(self.pending)
@@ -205,13 +202,7 @@ class SpeculativeBatch:
         if not self.running:
             return []
         began = time.perf_counter()  # a step's cost includes choosing its widths
-        if len(self.running) == 1 or len(self.running) > old or self.held >= widths.CHOOSE_EVERY - 1:
-            self._choose_widths()
-            self.held = 0
-        else:
-            self._hold_widths()
-            self.held += 1
-        self._choose_branches()
+        self.policy.choose(self.running, rechoose=len(self.running) == 1 or len(self.running) > old)
         for lo, hi, prefill in ((0, old, False), (old, len(self.running), True)):
             if hi > lo:
                 self._forward(lo, hi, prefill, began)
@@ -242,180 +233,6 @@ class SpeculativeBatch:
             self.cache.move_row(last, i, self.running[last].c)
             self.running[i] = self.running[last]
         self.running.pop()
-
-    def _choose_widths(self) -> None:
-        """The cost policy's widths for this step's rows (widths.best_widths); the others keep theirs."""
-        seqs = self.running
-        free = [q.p.widths == "cost" for q in seqs]
-        if not any(free):
-            return
-        if self.cost is None:
-            self.cost = costs.cost_model(self.model)
-        # a row drafts at most draft_length tokens (PACKED_BATCH_DRAFT beside others on a CPU), and one
-        # fewer than the positions it has left
-        most = widths.PACKED_BATCH_DRAFT if self.cost.packed and len(seqs) > 1 else widths.MAX_DRAFT
-        room = [max(0, min(q.p.draft_length, (min(most, REDRAFT_COST_DRAFT) if q.p.redraft else most) if f
-                           else q.p.draft_length, q.p.gen_length - len(q.res.tokens) - 1))
-                for q, f in zip(seqs, free)]
-        bound = [min(r, q.draft_end()) for q, r in zip(seqs, room)]
-        K = max(room)
-        kind = [q.kind for q in seqs]
-        rate = self._rates(seqs, kind, K)
-        masks = np.array([-1 if q.p.mask_length is None else q.p.mask_length for q in seqs])
-        redraft = np.array([q.p.redraft for q in seqs])
-        # a sequence tries a few drafts of its own before the policy may stop it drafting, and a draft
-        # of a kind the model has not fed lately is tried (its estimate is only ever corrected by
-        # drafts fed; which draft a row holds is still chosen by value: _offer_drafts)
-        unexplored = self.prior.unexplored()
-        bound = np.array(bound)
-        floor = np.array([min(int(q.drafts_tried < widths.EXPLORE or unexplored[q.kind]), b) for q, b in zip(seqs, bound)])
-        free_a, width = np.array(free), np.array([q.width for q in seqs])
-        # a row holding a draft of other text (a copy, the corpus's, a plan) feeds it without masks behind
-        # it, unless the masks pay for themselves (_masks_pay)
-        bare = free_a & (masks < 0) & (np.array(kind) >= widths.LOOKUP)
-        lengths = np.array([len(q.draft) for q in seqs])
-
-        def choose(bare: np.ndarray) -> np.ndarray:  # a bare row feeds no masks, and no more than its draft
-            short = np.where(bare, np.minimum(bound, lengths), bound)
-            return widths.best_widths(rate, short, np.where(bare, 0, masks), width, free_a, self.cost,
-                                      np.minimum(floor, short), redraft & ~bare)
-
-        chosen = choose(bare)
-        if bare.any():
-            paid = self._masks_pay(seqs, bare, chosen, masks, redraft, rate, K)
-            if paid.any():
-                bare &= ~paid
-                chosen = choose(bare)
-        masks = np.where(bare, 0, masks)
-        bare = bare.tolist()
-        # a row whose draft of other text (a copy, the corpus's, a plan) is not worth feeding at all
-        # drops it where the masks' fresh draft is worth feeding: else the next step holds another
-        # such draft, and the masks never draft again while the offers keep coming
-        stale = np.array([f and w == 0 and k >= widths.LOOKUP and q.p.mask_length is None and r > 0
-                          for q, f, w, k, r in zip(seqs, free, chosen.tolist(), kind, room)])
-        if stale.any():
-            fresh = np.where(stale, widths.FRESH, kind)
-            again = widths.best_widths(self._rates(seqs, fresh.tolist(), K), np.where(stale, room, bound),
-                                       np.where(stale, -1, masks), chosen, stale, self.cost, redraft=redraft & stale)
-            for i in np.flatnonzero(stale & (again > 0)):
-                seqs[i].draft, seqs[i].kind, bare[i], chosen[i] = [], widths.FRESH, False, again[i]
-        for q, f, b, w in zip(seqs, free, bare, chosen.tolist()):
-            if f:
-                q.width, q.bare = w, b
-
-    def _rates(self, seqs: list[SpeculativeSeq], kind: list[int], n: int, calibrated: bool = True) -> np.ndarray:
-        """[B, n]: each row's acceptance rate per draft position for a draft of the kind given."""
-        reached = np.array([q.acceptance.reached[k, :n] for q, k in zip(seqs, kind)])
-        accepted = np.array([q.acceptance.accepted[k, :n] for q, k in zip(seqs, kind)])
-        return widths.rates(reached, accepted, np.array(kind), self.prior, calibrated)
-
-    def _predicted(self, seqs: list[SpeculativeSeq], fed: np.ndarray) -> np.ndarray:
-        """[B]: the accepted draft tokens each row's uncalibrated rates predict of the draft it feeds
-        now (fed [B] tokens long), for the calibration of the rates (widths.Acceptance.calibration)."""
-        n = int(fed.max(initial=0))
-        if n == 0:
-            return np.zeros(len(seqs))
-        return widths.expected_accepted(self._rates(seqs, [q.kind for q in seqs], n, calibrated=False), fed)
-
-    def _hold_widths(self) -> None:
-        """A step between choices keeps every row's width; a row fed bare for a copy feeds masks again
-        once the draft it holds is the masks' own."""
-        for q in self.running:
-            if q.bare and q.kind < widths.LOOKUP:
-                q.bare = False
-
-    def _choose_branches(self) -> None:
-        """How many tokens of each of its branches each forking row feeds this step (fork), branch by
-        branch in the row's order: the most expected tokens beyond the first draft's, less what they
-        add to the forward's cost at the step's tokens per second, where that is positive. A branch is
-        tested only where the first draft is accepted up to its fork and rejected there (the chance of
-        that, by the first draft's rates) and no branch fed before it from the same fork was right on
-        its first token; it is then accepted as far as this row's and model's branches of its kind
-        were lately where they were tested (widths.SECOND, widths.ALTERNATIVE)."""
-        for q in self.running:
-            q.branch_widths = [0] * len(q.branches)
-        if not any(q.branches for q in self.running):  # (only a row that forks holds any)
-            return
-        seqs = [q for q in self.running if q.x is not None]  # (a prefill never forks)
-        left = [q.p.gen_length - len(q.res.tokens) for q in seqs]
-        k = np.array([q._fed_draft(n) for q, n in zip(seqs, left)])
-        R = max(len(q.branches) if q.fork else 0 for q in seqs)
-        if R == 0 or not k.any():
-            return
-        if self.cost is None:
-            self.cost = costs.cost_model(self.model)
-        B, K = len(seqs), int(k.max())
-        L = max(min(len(t), q.p.draft_length) for q in seqs for _, t, _ in q.branches)
-        rate = self._rates(seqs, [q.kind for q in seqs], K)
-        value = widths.expected_accepted(rate, k)
-        upto = np.concatenate([np.ones((B, 1)), np.cumprod(rate, axis=1)], 1)  # [B, K + 1]: reaches position i
-        rows = np.arange(B)
-        went = {kind: self._rates(seqs, [kind] * B, L) for kind in (widths.SECOND, widths.ALTERNATIVE)}
-        gone = {kind: np.cumsum(np.cumprod(r, axis=1), axis=1) for kind, r in went.items()}  # [B, L]
-        untested = np.ones((B, K + 1))  # per fork: no branch fed from it so far was right on its first token
-        fed = np.array([1 + kk + min(q._masks(), n - kk) for q, kk, n in zip(seqs, k.tolist(), left)])
-        n = np.arange(1, L + 1)[None, :]
-        seconds = None
-        for r in range(R):
-            branch = [q.branches[r] if q.fork and r < len(q.branches) else (K, [], widths.SECOND) for q in seqs]
-            at = np.array([min(b[0], K) for b in branch])
-            room = np.array([min(len(t), q.p.draft_length, m - 1 - f) for (f, t, _), q, m in zip(branch, seqs, left)])
-            ask = (room > 0) & (at < k)
-            if not ask.any():
-                continue
-            kinds = [b[2] for b in branch]
-            cum = np.stack([gone[kind][i] for i, kind in enumerate(kinds)])
-            # accepted up to the fork and rejected there, and no branch before it right there
-            tested = upto[rows, at] * (1 - rate[rows, np.minimum(at, K - 1)]) * untested[rows, at]
-            gain = np.where(n <= room[:, None], tested[:, None] * cum, -np.inf)
-            total = int(fed.sum())
-            if self.cost.packed:
-                grid = self.cost.grid(B, total + L + 1)
-                more = grid[total + n] - grid[total]  # [1, L]
-                base = float(grid[total])
-            else:  # padded to the widest row
-                base = float(self.cost(B, [B * int(fed.max())])[0])
-                more = self.cost(B, (B * np.maximum(fed[:, None] + n, fed.max())).ravel()).reshape(B, L) - base
-            if seconds is None:  # the step's tokens per second without branches: what a token added must beat
-                seconds = base
-                ratio = (B + float(value.sum())) / seconds
-            net = np.where(ask[:, None], gain - ratio * more, -np.inf)
-            best = net.argmax(1)
-            for i in np.flatnonzero(net[rows, best] > 0):
-                w = int(best[i]) + 1
-                seqs[i].branch_widths[r] = w
-                fed[i] += w
-                untested[i, at[i]] *= 1 - went[kinds[i]][i, 0]
-
-    def _masks_pay(self, seqs: list[SpeculativeSeq], bare: np.ndarray, chosen: np.ndarray, masks: np.ndarray,
-                   redraft: np.ndarray, rate: np.ndarray, n: int) -> np.ndarray:
-        """[B]: the rows to feed bare (a draft of other text, no masks behind it) at the widths chosen
-        whose masks would pay for themselves. Masks draft the next step, and their draft counts only
-        where this step accepts the draft it feeds whole: they are worth that chance times what their
-        fresh draft (as wide) is expected to commit beyond another draft of the same text (what
-        follows an accepted copy is copied too). They pay where that, per second they add to the
-        forward, beats the step's expected tokens per second. (The width policy values a row as if
-        its draft filled its width, masks fed now drafting the next step, which they do behind a
-        draft accepted whole only.)"""
-        B = len(seqs)
-        ask = bare & (chosen > 0)
-        if not ask.any() or n == 0:
-            return np.zeros(B, dtype=bool)
-        value = widths.expected_accepted(rate, chosen)  # (a bare row's width is within its draft)
-        whole = np.where(chosen > 0, np.cumprod(rate, axis=1)[np.arange(B), np.maximum(chosen - 1, 0)], 1.0)
-        fresh = widths.expected_accepted(self._rates(seqs, [widths.FRESH] * B, n), chosen)
-        worth = whole * np.maximum(fresh - value, 0.0)
-        fed = widths.fed_tokens_of(chosen, np.where(bare, 0, masks), redraft & ~bare)
-        m = np.where(ask, widths.fed_tokens_of(chosen, masks, redraft) - fed, 0)  # what the masks would add
-        total = int(fed.sum())
-        if self.cost.packed:
-            grid = self.cost.grid(B, total + int(m.max()) + 1)
-            seconds, more = float(grid[total]), grid[total + m] - grid[total]
-        else:  # padded to the widest row: masks cost what they widen the forward by
-            seconds = float(self.cost(B, [B * int(fed.max())])[0])
-            more = self.cost(B, B * np.maximum(fed + m, fed.max())) - seconds
-        ratio = (B + float(value.sum())) / seconds
-        return ask & (worth > ratio * more)
 
     def _forward(self, lo: int, hi: int, prefill: bool, start: float) -> None:
         seqs = self.running[lo:hi]
@@ -455,7 +272,7 @@ class SpeculativeBatch:
         else:
             mask = cols <= col_t[:, :, None]
         real = packed_index(fed_w, W, self.device)  # ragged rows: only real tokens
-        predicted = None if prefill else self._predicted(seqs, meta[1])
+        predicted = None if prefill else self.policy.predicted(seqs, meta[1])
         chained = self._chained_masks(seqs, meta[0], need)
         out = self.model(ids_t, pos_t, attn_mask=mask[:, None], cache=cache, num_logits=need, real=real,
                          states=chained is not None)
@@ -477,7 +294,7 @@ class SpeculativeBatch:
                 if j == at:  # tested: the first draft was rejected at its fork
                     r, kind = int(host[b, 2 + i]), q.branches[which][2]
                     q.acceptance.record(kind, r, n)
-                    self.prior.record(kind, r, n)
+                    self.policy.prior.record(kind, r, n)
                     if r and (won is None or r > won[1]):
                         won = (i, r)
             if won is not None:  # its accepted tokens' KV go to the columns after the fork
@@ -491,12 +308,13 @@ class SpeculativeBatch:
             else:
                 end = a + q.fed_branches[0][0] if q.fed_branches else need
                 q.advance(j, int(host[b, 1]), host[b, h + masks_from: h + end].tolist())
-        self._offer_drafts(seqs)
+        self.policy.offer_drafts(seqs)
         if not prefill:
-            self.prior.record_many(kinds, host[:, 0], meta[1], predicted)
-            if self.cost is not None:  # what this step took, its host work included
-                fed = int(fed_w.sum()) if self.cost.packed else B * W
-                self.cost.note(B, fed, time.perf_counter() - start, B * W - fed)
+            self.policy.prior.record_many(kinds, host[:, 0], meta[1], predicted)
+            cost = self.policy.cost
+            if cost is not None:  # what this step took, its host work included
+                fed = int(fed_w.sum()) if cost.packed else B * W
+                cost.note(B, fed, time.perf_counter() - start, B * W - fed)
 
     def _chained_masks(self, seqs: list[SpeculativeSeq], anchor: np.ndarray, need: int
                        ) -> tuple[Tensor, int] | None:
@@ -564,56 +382,6 @@ class SpeculativeBatch:
         upto_t, own_t = torch.from_numpy(np.stack([upto, own])).to(self.device)
         at = col_t[:, :, None]
         return (cols <= upto_t[:, :, None]) | ((cols >= own_t[:, :, None]) & (cols <= at))
-
-    def _offer_drafts(self, seqs: list[SpeculativeSeq]) -> None:
-        """Offer each row the drafts it has besides the masks': with lookup (SpeculativeParams.lookup),
-        a copy of its earlier text (lookup.py) and a continuation from the model's lookup corpus
-        (corpus.py); with a plan (add(plan=...)), the plan's tokens from here. A row's next draft is
-        whichever of the masks' draft and these has the longest expected accepted prefix (the row's
-        own acceptance of each kind, shrunk towards the model's pooled one). A forking row keeps the
-        others, and the copy's and the corpus's other ways on, as its branches (_branches)."""
-        offers = []
-        others: dict[int, list[list[int]]] = {}  # a forking row's alternatives (ALTERNATIVE branches)
-        for q in seqs:
-            if q.done:
-                continue
-            if q.index is not None:
-                copy, n = q.index.propose(q.p.draft_length)
-                if copy:
-                    offers.append((q, copy, widths.lookup_kind(n, q.index.support(n))))
-                    if q.fork:
-                        others[id(q)] = q.index.alternatives(q.p.draft_length, MAX_BRANCHES)
-                if self.corpus is not None:
-                    draft, n, contested = self.corpus.offer(q.index.tokens, q.p.draft_length)
-                    if draft:
-                        offers.append((q, draft, widths.corpus_kind(n, bool(copy), contested)))
-                        if q.fork:
-                            runner_up = self.corpus.runner_up(q.index.tokens, draft, q.p.draft_length)
-                            others.setdefault(id(q), []).extend([runner_up] if runner_up else [])
-            if q.plan is not None:
-                g = len(q.res.tokens)  # the response position the draft starts at
-                if g < len(q.plan):
-                    offers.append((q, q.plan[g:], widths.PLAN))
-        if not offers:
-            return
-        n = max(q.p.draft_length for q, _, _ in offers)
-        pick = [[q.kind, kind] for q, _, kind in offers]
-        reached = np.concatenate([q.acceptance.reached[p, :n] for (q, _, _), p in zip(offers, pick)])
-        accepted = np.concatenate([q.acceptance.accepted[p, :n] for (q, _, _), p in zip(offers, pick)])
-        lengths = np.array([(min(len(q.draft), q.draft_end()), min(len(draft), q.p.draft_length))
-                            for q, draft, _ in offers]).ravel()
-        rate = widths.rates(reached, accepted, np.array(pick).ravel(), self.prior)
-        value = widths.expected_accepted(rate, lengths).reshape(-1, 2)
-        # per row, its drafts by expected value: the one it holds first, then the offers in order
-        held: dict[int, list] = {}
-        for (q, draft, kind), (masks, offered) in zip(offers, value):
-            held.setdefault(id(q), [q, (masks, False, q.draft, q.kind)]).append((offered, kind == widths.PLAN, draft, kind))
-        for q, *drafts in held.values():
-            drafts.sort(key=lambda d: d[:2], reverse=True)  # (stable; a plan wins a tie: it was asked for)
-            _, _, q.draft, q.kind = drafts[0]
-            if q.fork:
-                q.branches = _branches(q.draft, [(d[2], widths.SECOND) for d in drafts[1:]]
-                                       + [(d, widths.ALTERNATIVE) for d in others.get(id(q), [])])
 
     def _judge(self, seqs: list[SpeculativeSeq], logits: Tensor, ids: Tensor, own: Tensor, anchor: Tensor,
                k: Tensor, seed: Tensor, g: Tensor, branches: Tensor | None = None, L: int = 0
@@ -688,26 +456,6 @@ class SpeculativeBatch:
         last = (first.gather(1, which[:, None]).squeeze(1) + best - 1).clamp(min=0)
         extra = torch.where(best > 0, want.gather(1, last[:, None]).squeeze(1), extra)
         return j, extra, drafts, went
-
-
-def _branches(draft: list[int], others: list[tuple[list[int], int]], most: int = MAX_BRANCHES
-              ) -> list[tuple[int, list[int], int]]:
-    """The branches a row feeds beside `draft`: each of `others` (a draft and its kind, the better
-    ones first) that parts from it within both, as (how many tokens the two share, its tokens after
-    those, its kind), one per place and token they part with (the first met), up to `most`."""
-    out, seen = [], set()
-    for other, kind in others:
-        s = 0
-        for a, b in zip(draft, other):
-            if a != b:
-                break
-            s += 1
-        if s < min(len(draft), len(other)) and (s, other[s]) not in seen:
-            seen.add((s, other[s]))
-            out.append((s, other[s:], kind))
-            if len(out) == most:
-                break
-    return out
 
 
 @torch.inference_mode()

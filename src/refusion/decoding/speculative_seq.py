@@ -47,13 +47,13 @@ class SpeculativeSeq:
         self.plan = plan  # a draft answer, by response position (SpeculativeBatch.add)
         if plan and self.causal_first:  # the prefill can verify it: the prompt's last token predicts its first
             self.draft, self.kind = list(plan), widths.PLAN
-        self.bare = False  # this step feeds its draft without masks behind it (a copy: _choose_widths)
+        self.bare = False  # this step feeds its draft without masks behind it (a copy: FeedPolicy.choose_widths)
         # redraft: this step's blocks of masks behind x and each draft token but the last, each seeing
         # the draft up to its own place only: feed index of the first, and each one's length (0: none)
         self.redraft_from = self.redraft_len = 0
-        # fork: other drafts of the same positions (_offer_drafts, best first), each kept from where it parts
+        # fork: other drafts of the same positions (FeedPolicy.offer_drafts, best first), each kept from where it parts
         # from the draft: (that fork, its tokens from there, its kind); this step feeds branch_widths[i]
-        # tokens of branch i (_choose_branches) after the masks: per branch fed, (feed index of its first
+        # tokens of branch i (FeedPolicy.choose_branches) after the masks: per branch fed, (feed index of its first
         # token, fork, tokens fed, index in branches)
         self.branches: list[tuple[int, list[int], int]] = []
         self.branch_widths: list[int] = []
