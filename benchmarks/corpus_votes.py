@@ -75,8 +75,7 @@ def measure(model, prompts: list[list[int]], max_tokens: int) -> dict:
     reached, right = np.zeros(len(BUCKETS)), np.zeros(len(BUCKETS))
     went = {False: [0, 0, 0], True: [0, 0, 0]}  # copy on offer -> [drafts, corpus accepted, copy accepted]
     for prompt in prompts:
-        batch = SpeculativeBatch(model)
-        batch.policy = VotedPolicy(model)
+        batch = SpeculativeBatch(model, policy=VotedPolicy(model))
         batch.add(prompt, SpeculativeParams(gen_length=max_tokens, lookup=True), seed=0)
         result = None
         while len(batch):

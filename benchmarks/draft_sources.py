@@ -124,9 +124,9 @@ class WatchedBatch(SpeculativeBatch):
     """A batch that records, per step of its (single) row: the response position, the kind of draft
     fed and its length; and (its policy, WatchedPolicy) after the step, the drafts on offer."""
 
-    def __init__(self, *a, corpus_fraction: float = 1.0, corpus_where_no_copy: bool = False, **k) -> None:
-        super().__init__(*a, **k)
-        self.policy = WatchedPolicy(self.model, self.policy.cost, corpus_fraction, corpus_where_no_copy)
+    def __init__(self, model, corpus_fraction: float = 1.0, corpus_where_no_copy: bool = False, **k) -> None:
+        policy = WatchedPolicy(model, k.get("cost"), corpus_fraction, corpus_where_no_copy)
+        super().__init__(model, policy=policy, **k)
         self.fed: list[tuple[int, int, int]] = []
         self.widths: list[int] = []  # every forward's tokens (one row: the width of the ids fed), prefills too
 
@@ -171,9 +171,11 @@ def two_branches(held: list[int], others: list[list[int]], output: list[int], at
 
 def measure(model, prompts: list[list[int]], max_tokens: int, cap: int, budget: int = 8,
             corpus_fraction: float = 1.0, corpus_where_no_copy: bool = False, sampler: bool = True,
-            fork: bool = False, cost: CostModel | None = None) -> dict:
+            fork: bool = False, cost: CostModel | None = None, price: CostModel | None = None,
+            width_price: float = 1.0) -> dict:
     """The counts on `prompts`; cost: the frozen table the decode's choices read (--frozen-costs),
-    which then prices every forward (modelled_seconds, modelled_tps)."""
+    which then prices every forward (modelled_seconds, modelled_tps) unless `price` (--price-costs)
+    is given."""
     per = defaultdict(lambda: dict(steps=0, fed=0, accepted=0))
     tokens = forwards = steps = 0
     outputs = []
@@ -183,7 +185,8 @@ def measure(model, prompts: list[list[int]], max_tokens: int, cap: int, budget: 
     fed_widths = []
     for prompt in prompts:
         batch = WatchedBatch(model, corpus_fraction=corpus_fraction, corpus_where_no_copy=corpus_where_no_copy)
-        batch.add(prompt, SpeculativeParams(gen_length=max_tokens, lookup=True, sampler=sampler, fork=fork), seed=0)
+        batch.add(prompt, SpeculativeParams(gen_length=max_tokens, lookup=True, sampler=sampler, fork=fork,
+                                              width_price=width_price), seed=0)
         result = None
         while len(batch):
             for _, result in batch.step():
@@ -217,7 +220,8 @@ def measure(model, prompts: list[list[int]], max_tokens: int, cap: int, budget: 
         for k in alt:
             if k != "steps":
                 alt[k] /= alt["steps"]
-    modelled = float(cost(1, fed_widths).sum()) if cost is not None else None
+    price = price if price is not None else cost
+    modelled = float(price(1, fed_widths).sum()) if price is not None else None
     return dict(tokens=tokens, forwards=forwards, tpf=tokens / forwards, kinds=dict(per), outputs=outputs,
                 accepted_per_step={k: v / max(steps, 1) for k, v in best.items()}, steps=steps,
                 alternatives=alternatives, branches=dict(budget=budget, accepted_per_step=per_step),
@@ -253,9 +257,14 @@ def main() -> None:
     ap.add_argument("--fork", action=argparse.BooleanOptionalAction, default=False,
                     help="decode with (--fork) or without (--no-fork) branches beside the first draft where they "
                          "pay (SpeculativeParams.fork; default: without, the decoder's default)")
+    ap.add_argument("--width-price", type=float, default=1.0,
+                    help="SpeculativeParams.width_price: the share of width's measured cost the policy counts")
     ap.add_argument("--frozen-costs", metavar="JSON",
                     help="the forward costs from this file (measured into it if it does not exist), kept "
                          "unchanged: runs given the same file compare exactly")
+    ap.add_argument("--price-costs", metavar="JSON",
+                    help="price the modelled seconds with this cost table instead of --frozen-costs' (the choices "
+                         "still read --frozen-costs): what a policy given other costs than the machine's would cost")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0, help="of the sample of prompts (smollm2_speculative.py's --seed)")
     ap.add_argument("--out", default="benchmarks/results/draft_sources.json")
@@ -271,6 +280,11 @@ def main() -> None:
     cost = None
     if args.frozen_costs:
         cost = costs.COSTS[costs.cost_key(model)] = frozen_costs(model, Path(args.frozen_costs))
+    price = None
+    if args.price_costs:
+        if not cost:
+            ap.error("--price-costs prices what --frozen-costs chose: give both")
+        price = CostModel.from_table(json.loads(Path(args.price_costs).read_text()), frozen=True)
     benches = {"gsm8k": gsm8k_examples(args.gsm8k, args.n_gsm8k, args.seed) if args.n_gsm8k else [],
                "humaneval": humaneval_examples(args.humaneval, args.n_humaneval, args.seed) if args.n_humaneval else []}
     results = {}
@@ -281,7 +295,8 @@ def main() -> None:
             continue
         r = results[bench] = measure(model, [tok.chat_prompt_ids(e.prompt) for e in exs], args.max_tokens, args.cap,
                                      args.budget, args.corpus_fraction, args.corpus_where_no_copy,
-                                     sampler=not args.no_sampler, fork=args.fork, cost=cost)
+                                     sampler=not args.no_sampler, fork=args.fork, cost=cost, price=price,
+                                     width_price=args.width_price)
         total = sum(v["steps"] for v in r["kinds"].values())
         for kind, v in sorted(r["kinds"].items(), key=lambda kv: -kv[1]["steps"]):
             print(f"| {bench} | {kind} | {v['steps']} | {v['steps'] / total:.0%} | {v['fed'] / v['steps']:.2f} | "

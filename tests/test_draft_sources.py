@@ -111,3 +111,23 @@ def test_modelled_seconds_price_every_forward_by_the_frozen_table(monkeypatch):
         else:
             assert r["modelled_seconds"] == r["forwards"] and r["modelled_tps"] == pytest.approx(r["tpf"])
     assert draft_sources.measure(model, PROMPTS[:1], 8, cap=8)["modelled_seconds"] is None
+
+
+def test_a_price_table_prices_what_the_frozen_table_chose(monkeypatch):
+    """--price-costs: the widths follow the table the decode reads (one second a forward, so wide
+    forwards look free), and the modelled seconds are the other table's (a second a token fed)."""
+    model = looping_model()
+    flat = costs.CostModel.of(lambda rows, tokens: 1.0)
+    per_token = costs.CostModel.of(lambda rows, tokens: float(tokens))
+    monkeypatch.setattr(costs, "cost_model", lambda m: flat)
+    runs = []
+    for price in (None, per_token):
+        widths.PRIORS.pop(model, None)
+        fed = []
+        hook = model.register_forward_pre_hook(lambda m, args, kw: fed.append(args[0].numel()), with_kwargs=True)
+        runs.append((draft_sources.measure(model, PROMPTS, 40, cap=8, cost=flat, price=price), fed))
+        hook.remove()
+    (plain, fed_plain), (priced, fed_priced) = runs
+    assert fed_priced == fed_plain and priced["outputs"] == plain["outputs"]  # the same choices
+    assert plain["modelled_seconds"] == plain["forwards"]
+    assert priced["modelled_seconds"] == sum(fed_priced) > priced["forwards"]

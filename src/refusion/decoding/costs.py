@@ -182,6 +182,26 @@ class CostModel:
         self.grids.clear()
 
 
+class WidthPriced:
+    """A cost table read with only `share` of what a forward's tokens beyond one per row add
+    (SpeculativeParams.width_price): the cost policy, which weighs expected tokens against these
+    seconds, then feeds wider forwards and more branches. Its choices are myopic (one step's tokens
+    per second), and what a wider step feeds (masks, branches) also drafts the steps after it; a
+    share below 1 stands for that. It reads `cost` afresh each time, so the live refresh shows."""
+
+    def __init__(self, cost: CostModel, share: float) -> None:
+        self.cost, self.share = cost, share
+        self.packed, self.pad, self.floor = cost.packed, share * cost.pad, cost.floor
+
+    def __call__(self, rows: int, tokens) -> np.ndarray:
+        base = float(self.cost(rows, [rows])[0])  # every row feeds at least one token
+        return base + self.share * (self.cost(rows, tokens) - base)
+
+    def grid(self, rows: int, n: int) -> np.ndarray:
+        g = self.cost.grid(rows, max(n, rows + 1))
+        return g[rows] + self.share * (g - g[rows])
+
+
 def _shares(f: float) -> tuple[float, float]:
     """How much of an observation each of the two cells (row counts' tables, or token counts)
     around it takes: their interpolation weights, or all of it each past the ends, where both

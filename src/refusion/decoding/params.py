@@ -124,6 +124,10 @@ class SpeculativeParams:
                                       "adaptive = +2 after a fully accepted draft, -1 after a rejection; "
                                       "fixed = always draft_length")
     adaptive: bool = option(True, "off: fixed widths, the same as --widths fixed", flag="--fixed-widths")
+    width_price: float = option(1.0, "with --widths cost: the share of a wider forward's measured extra cost the "
+                                     "policy counts, in (0, 1]; below 1 it feeds wider drafts, more masks and "
+                                     "branches, for more tokens per forward (a batch counts the lowest share its "
+                                     "rows ask; exact either way)")
     temperature: float = temperature_option()
     top_k: int | None = top_k_option()
     top_p: float | None = top_p_option()
@@ -185,6 +189,13 @@ class SpeculativeParams:
             raise ValueError(f"mask_length {self.mask_length} exceeds {MAX_DRAFT}, the most masks a step may feed; "
                              "lower mask_length (default: the draft width + 1)")
         check_sampling(self.temperature, self.top_k, self.top_p)
+        if isinstance(self.width_price, bool) or not isinstance(self.width_price, (int, float)) \
+                or not 0 < self.width_price <= 1:
+            raise ValueError(f"width_price must be a number in (0, 1] (the share of width's measured cost the "
+                             f"cost policy counts), got {self.width_price!r}")
+        if self.width_price != 1 and self.widths != "cost":
+            raise ValueError(f"width_price prices the cost policy's widths: it needs widths cost, not "
+                             f"{self.widths!r}")
         for name in ("lookup", "fresh_after_miss"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, bool):

@@ -132,8 +132,10 @@ class SpeculativeBatch:
     """
 
     def __init__(self, model: Transformer, eos_ids: list[int] | None = None, max_rows: int | None = None,
-                 max_row_tokens: int | None = None, cost: costs.CostModel | None = None) -> None:
-        """cost: what a forward costs, for the cost policy (default: measured, costs.cost_model)."""
+                 max_row_tokens: int | None = None, cost: costs.CostModel | None = None,
+                 policy: FeedPolicy | None = None) -> None:
+        """cost: what a forward costs, for the cost policy (default: measured, costs.cost_model);
+        policy: what each row feeds (default: FeedPolicy(model, cost))."""
         cfg = model.config
         # the cache grows geometrically but never past these (a server's limits on rows and columns)
         self.max_rows, self.max_row_tokens = max_rows, max_row_tokens
@@ -149,7 +151,7 @@ class SpeculativeBatch:
         self.running: list[SpeculativeSeq] = []
         self.pending: list[SpeculativeSeq] = []
         self.next_id = 0
-        self.policy = FeedPolicy(model, cost)  # what each row feeds (speculative_policy.py)
+        self.policy = policy if policy is not None else FeedPolicy(model, cost)  # (speculative_policy.py)
         self.sampler = sampler_of(model)  # chains the masks' drafts (model/mask_sampler.py), for rows with sampler
 
     def __len__(self) -> int:

@@ -37,11 +37,13 @@ class FeedPolicy:
         self.corpus = corpus_of(model)  # drafts from the model's own earlier answers, for rows with lookup
         self.held = 0  # steps since the widths were last chosen (widths.CHOOSE_EVERY)
 
-    def costs(self) -> costs.CostModel:
-        """The cost table, measured on first use."""
+    def cost_table(self, seqs: list[SpeculativeSeq] = ()) -> costs.CostModel | costs.WidthPriced:
+        """The cost table (measured on first use), as these rows price width: at the lowest share of
+        its measured cost any of them asks (SpeculativeParams.width_price)."""
         if self.cost is None:
             self.cost = costs.cost_model(self.model)
-        return self.cost
+        share = min((q.p.width_price for q in seqs), default=1.0)
+        return self.cost if share == 1 else costs.WidthPriced(self.cost, share)
 
     def choose(self, running: list[SpeculativeSeq], rechoose: bool) -> None:
         """Before a step: each row's width and masks (chosen afresh where `rechoose` or every
@@ -59,7 +61,7 @@ class FeedPolicy:
         free = [q.p.widths == "cost" for q in seqs]
         if not any(free):
             return
-        cost = self.costs()
+        cost = self.cost_table(seqs)
         # a row drafts at most draft_length tokens (PACKED_BATCH_DRAFT beside others on a CPU), and one
         # fewer than the positions it has left
         most = widths.PACKED_BATCH_DRAFT if cost.packed and len(seqs) > 1 else widths.MAX_DRAFT
@@ -151,7 +153,7 @@ class FeedPolicy:
         R = max(len(q.branches) if q.fork else 0 for q in seqs)
         if R == 0 or not k.any():
             return
-        cost = self.costs()
+        cost = self.cost_table(seqs)
         B, K = len(seqs), int(k.max())
         L = max(min(len(t), q.p.draft_length) for q in seqs for _, t, _ in q.branches)
         rate = self.rates(seqs, [q.kind for q in seqs], K)
@@ -209,7 +211,7 @@ class FeedPolicy:
         ask = bare & (chosen > 0)
         if not ask.any() or n == 0:
             return np.zeros(B, dtype=bool)
-        cost = self.costs()
+        cost = self.cost_table(seqs)
         value = widths.expected_accepted(rate, chosen)  # (a bare row's width is within its draft)
         whole = np.where(chosen > 0, np.cumprod(rate, axis=1)[np.arange(B), np.maximum(chosen - 1, 0)], 1.0)
         fresh = widths.expected_accepted(self.rates(seqs, [widths.FRESH] * B, n), chosen)
