@@ -55,6 +55,12 @@ most PACKED_BATCH_DRAFT tokens per row (benchmarks/choose_every.py, README "Widt
 A row whose draft predicts its own EOS drafts no further than it: tokens past an answer's end
 are never committed, and counting them made wide drafts look cheap near every answer's end.
 
+Being myopic, the choice undervalues width: what a wider step feeds beyond its draft (masks,
+branches) and the longer runs it accepts keep drafting the steps after it. SpeculativeParams.width_price
+counts only a share of what each token beyond one per row adds to a forward (costs.WidthPriced):
+below 1 the policy feeds wider steps, for more tokens per forward at about the same tokens per second
+where width is cheap (README, "SmolLM2 with drafts").
+
 Widths never change an output: greedy output is AR's whatever the widths, and sampled tokens are
 position-keyed draws (sampling.py). They do change the counters (forwards, tokens fed), which under
 the cost policy follow measured timings: use widths fixed or adaptive where counters must repeat.
