@@ -58,8 +58,8 @@ are never committed, and counting them made wide drafts look cheap near every an
 Being myopic, the choice undervalues width: what a wider step feeds beyond its draft (masks,
 branches) and the longer runs it accepts keep drafting the steps after it. SpeculativeParams.width_price
 counts only a share of what each token beyond one per row adds to a forward (costs.WidthPriced):
-below 1 the policy feeds wider steps, for more tokens per forward at about the same tokens per second
-where width is cheap (README, "SmolLM2 with drafts").
+below 1 the policy feeds wider steps, for more tokens per forward; on a CPU at some cost in speed
+(README, "SmolLM2 with drafts": measured there, the one-step choice was the faster one).
 
 Widths never change an output: greedy output is AR's whatever the widths, and sampled tokens are
 position-keyed draws (sampling.py). They do change the counters (forwards, tokens fed), which under
