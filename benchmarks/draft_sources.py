@@ -282,7 +282,7 @@ def main() -> None:
         cost = costs.COSTS[costs.cost_key(model)] = frozen_costs(model, Path(args.frozen_costs))
     price = None
     if args.price_costs:
-        if not cost:
+        if cost is None:
             ap.error("--price-costs prices what --frozen-costs chose: give both")
         price = CostModel.from_table(json.loads(Path(args.price_costs).read_text()), frozen=True)
     benches = {"gsm8k": gsm8k_examples(args.gsm8k, args.n_gsm8k, args.seed) if args.n_gsm8k else [],

@@ -18,6 +18,8 @@ template applied), greedy, each setting decodes every prompt at each thread coun
     speculative +lookup +fork,   the default with branches beside the first draft where they pay (`--fork`: the
     speculative +lookup no fork  other drafts on offer and their other ways on), and without them (the default;
                                  files written while branches were the default name that one so)
+    speculative +lookup +fork    branches and width counted at a share S of its measured cost (`--fork
+      price S (0.15, 0.25, 0.5)  --width-price S`): wider steps, for more tokens per forward
     speculative +redraft,        the two above with redraft blocks (`--redraft`: after a rejection the next
     speculative +lookup +redraft draft comes from masks that saw the accepted tokens only)
     speculative +lookup 2 masks, the default with a fixed number of masks behind every draft (`--mask-length`)
@@ -85,6 +87,8 @@ OURS = {  # name -> (which model, decoder, params without gen_length)
     # (branches, and width counted at 0.15 of its measured cost: wider steps for more tokens per forward)
     "speculative +lookup +fork price 0.15": ("adapted", "speculative", {"lookup": True, "fork": True,
                                                                          "width_price": 0.15}),
+    "speculative +lookup +fork price 0.25": ("adapted", "speculative", {"lookup": True, "fork": True,
+                                                                         "width_price": 0.25}),
     "speculative +lookup +fork price 0.5": ("adapted", "speculative", {"lookup": True, "fork": True,
                                                                         "width_price": 0.5}),
     "speculative +redraft": ("adapted", "speculative", {"lookup": False, "redraft": True}),

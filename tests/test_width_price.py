@@ -33,6 +33,31 @@ def test_the_price_counts_that_share_of_every_token_beyond_one_per_row_by_hand()
     assert costs.WidthPriced(table, 1.0)(1, [7]).tolist() == pytest.approx(table(1, [7]).tolist())
 
 
+def test_a_priced_grid_is_kept_until_its_table_moves():
+    table = costs.CostModel.from_table(costs.CostModel.of(cpu_like).table())  # (live: observe() moves it)
+    half = costs.WidthPriced(table, 0.5)
+    g = half.grid(1, 20)
+    assert half.grid(1, 20) is g and half.grid(1, 5) is g
+    table.observe(1, 10, 2 * float(table(1, [10])[0]))  # a step took twice its estimate: the cells from 10 rise
+    moved = half.grid(1, 20)
+    assert moved is not g and moved[12] > g[12]
+    t = table.grid(1, 20)
+    assert moved.tolist() == pytest.approx((t[1] + 0.5 * (t - t[1])).tolist())
+
+
+def test_the_policy_keeps_its_priced_table_per_share():
+    model = tiny_model(0)
+    table = costs.CostModel.of(cpu_like)
+    policy = FeedPolicy(model, table)
+    batch = SpeculativeBatch(model, eos_ids=[], cost=table)
+    batch.add(PROMPTS[0], SpeculativeParams(gen_length=8, width_price=0.5))
+    batch.add(PROMPTS[1], SpeculativeParams(gen_length=8, width_price=0.25))
+    batch.step()
+    first = policy.cost_table(batch.running)
+    assert first.share == 0.25 and policy.cost_table(batch.running) is first
+    assert policy.cost_table(batch.running[:1]).share == 0.5 and policy.cost_table(batch.running) is first
+
+
 def discounted(share: float):
     def seconds(rows: int, tokens: int) -> float:
         base = cpu_like(rows, rows)

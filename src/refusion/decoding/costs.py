@@ -192,6 +192,7 @@ class WidthPriced:
     def __init__(self, cost: CostModel, share: float) -> None:
         self.cost, self.share = cost, share
         self.packed, self.pad, self.floor = cost.packed, share * cost.pad, cost.floor
+        self.grids: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # rows -> (cost's grid, priced), kept as it is
 
     def __call__(self, rows: int, tokens) -> np.ndarray:
         base = float(self.cost(rows, [rows])[0])  # every row feeds at least one token
@@ -199,7 +200,10 @@ class WidthPriced:
 
     def grid(self, rows: int, n: int) -> np.ndarray:
         g = self.cost.grid(rows, max(n, rows + 1))
-        return g[rows] + self.share * (g - g[rows])
+        kept = self.grids.get(rows)
+        if kept is None or kept[0] is not g:  # (the cost's grid is a new array whenever its table moved)
+            kept = self.grids[rows] = (g, g[rows] + self.share * (g - g[rows]))
+        return kept[1]
 
 
 def _shares(f: float) -> tuple[float, float]:

@@ -36,6 +36,7 @@ class FeedPolicy:
         self.prior = widths.prior_for(model)  # acceptance pooled over the model's recent sequences
         self.corpus = corpus_of(model)  # drafts from the model's own earlier answers, for rows with lookup
         self.held = 0  # steps since the widths were last chosen (widths.CHOOSE_EVERY)
+        self.priced: dict[float, costs.WidthPriced] = {}  # share -> the cost table so priced (width_price)
 
     def cost_table(self, seqs: list[SpeculativeSeq] = ()) -> costs.CostModel | costs.WidthPriced:
         """The cost table (measured on first use), as these rows price width: at the lowest share of
@@ -43,7 +44,12 @@ class FeedPolicy:
         if self.cost is None:
             self.cost = costs.cost_model(self.model)
         share = min((q.p.width_price for q in seqs), default=1.0)
-        return self.cost if share == 1 else costs.WidthPriced(self.cost, share)
+        if share == 1:
+            return self.cost
+        priced = self.priced.get(share)
+        if priced is None or priced.cost is not self.cost:  # (kept: its grids are read every step)
+            priced = self.priced[share] = costs.WidthPriced(self.cost, share)
+        return priced
 
     def choose(self, running: list[SpeculativeSeq], rechoose: bool) -> None:
         """Before a step: each row's width and masks (chosen afresh where `rechoose` or every
