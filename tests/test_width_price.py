@@ -47,12 +47,11 @@ def test_a_priced_grid_is_kept_until_its_table_moves():
 
 def test_the_policy_keeps_its_priced_table_per_share():
     model = tiny_model(0)
-    table = costs.CostModel.of(cpu_like)
-    policy = FeedPolicy(model, table)
-    batch = SpeculativeBatch(model, eos_ids=[], cost=table)
+    batch = SpeculativeBatch(model, eos_ids=[], cost=costs.CostModel.of(cpu_like))
     batch.add(PROMPTS[0], SpeculativeParams(gen_length=8, width_price=0.5))
     batch.add(PROMPTS[1], SpeculativeParams(gen_length=8, width_price=0.25))
     batch.step()
+    policy: FeedPolicy = batch.policy
     first = policy.cost_table(batch.running)
     assert first.share == 0.25 and policy.cost_table(batch.running) is first
     assert policy.cost_table(batch.running[:1]).share == 0.5 and policy.cost_table(batch.running) is first

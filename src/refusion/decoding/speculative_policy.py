@@ -46,10 +46,9 @@ class FeedPolicy:
         share = min((q.p.width_price for q in seqs), default=1.0)
         if share == 1:
             return self.cost
-        priced = self.priced.get(share)
-        if priced is None or priced.cost is not self.cost:  # (kept: its grids are read every step)
-            priced = self.priced[share] = costs.WidthPriced(self.cost, share)
-        return priced
+        if share not in self.priced:  # (kept: its grids are read every step; self.cost is set once)
+            self.priced[share] = costs.WidthPriced(self.cost, share)
+        return self.priced[share]
 
     def choose(self, running: list[SpeculativeSeq], rechoose: bool) -> None:
         """Before a step: each row's width and masks (chosen afresh where `rechoose` or every
