@@ -84,13 +84,10 @@ OURS = {  # name -> (which model, decoder, params without gen_length)
     "speculative +lookup no sampler": ("adapted", "speculative", {"lookup": True, "sampler": False}),
     "speculative +lookup +fork": ("adapted", "speculative", {"lookup": True, "fork": True}),
     "speculative +lookup no fork": ("adapted", "speculative", {"lookup": True, "fork": False}),
-    # (branches, and width counted at 0.15 of its measured cost: wider steps for more tokens per forward)
-    "speculative +lookup +fork price 0.15": ("adapted", "speculative", {"lookup": True, "fork": True,
-                                                                         "width_price": 0.15}),
-    "speculative +lookup +fork price 0.25": ("adapted", "speculative", {"lookup": True, "fork": True,
-                                                                         "width_price": 0.25}),
-    "speculative +lookup +fork price 0.5": ("adapted", "speculative", {"lookup": True, "fork": True,
-                                                                        "width_price": 0.5}),
+    # (branches, and width counted at a share of its measured cost: wider steps for more tokens per forward)
+    **{f"speculative +lookup +fork price {share}": ("adapted", "speculative",
+                                                    {"lookup": True, "fork": True, "width_price": share})
+       for share in (0.15, 0.25, 0.5)},
     "speculative +redraft": ("adapted", "speculative", {"lookup": False, "redraft": True}),
     "speculative +lookup +redraft": ("adapted", "speculative", {"lookup": True, "redraft": True}),
     # (masks behind every draft, as many whatever its width: against the default's masks where they pay)
