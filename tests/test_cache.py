@@ -129,6 +129,19 @@ def test_ragged_cache_grows_and_moves_rows_keeping_entries():
     assert torch.equal(kk[1, :, 0], new[1, :, 0])
 
 
+def test_a_ragged_write_told_its_first_column_stores_what_the_scatter_stores():
+    """`first` (a one-row step's columns are one run): a block copy, the same entries as the scatter."""
+    k, v = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4)
+    caches = []
+    for first in (None, 5):
+        c = RaggedKVCache(num_layers=1, kv_heads=2, head_dim=4, dtype=torch.float32, device="cpu", rows=3, capacity=9)
+        kk, vv = c.at(torch.tensor([[5, 6, 7]]), keys=8, row0=1, first=first).update(0, k, v)
+        assert kk.shape == (1, 2, 8, 4) and torch.equal(kk[0, :, 5:8], k[0]) and torch.equal(vv[0, :, 5:8], v[0])
+        caches.append(c)
+    assert torch.equal(caches[0].k[0], caches[1].k[0]) and torch.equal(caches[0].v[0], caches[1].v[0])
+    assert not caches[1].k[0][[0, 2]].any()  # (the other rows untouched)
+
+
 def test_ragged_cache_growth_stops_at_its_limits_but_never_below_what_is_asked():
     c = RaggedKVCache(num_layers=1, kv_heads=1, head_dim=2, dtype=torch.float32, device="cpu", rows=3,
                       capacity=300, max_capacity=450)

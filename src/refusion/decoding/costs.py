@@ -316,7 +316,7 @@ def _timed_forward(model: Transformer, cache: RaggedKVCache, rows: int, width: i
     mask = torch.arange(ctx + width, device=dev)[None, None, :] <= cols[:, :, None]
     real = packed_index(ragged, width, dev) if ragged else None
     start = time.perf_counter()
-    logits = model(ids, cols, attn_mask=mask[:, None], cache=cache.at(cols, keys=ctx + width), num_logits=width,
-                   real=real)
+    write = cache.at(cols, keys=ctx + width, first=ctx if rows == 1 else None)  # (as a decode step writes)
+    logits = model(ids, cols, attn_mask=mask[:, None], cache=write, num_logits=width, real=real)
     logits.float().argmax(-1).cpu()  # the step's host transfer, which waits for the device
     return time.perf_counter() - start

@@ -266,7 +266,8 @@ class SpeculativeBatch:
         anchor_t, k_t, seed_t, g_t, prompt_t = dev[3 * B * W: 3 * B * W + 5 * B].view(5, B)
         branch_t = dev[3 * B * W + 5 * B:].view(3, S, B).transpose(1, 2).contiguous()  # [3, B, S]
         used = max(q.c for q in seqs) + W
-        cache = self.cache.at(col_t, keys=used, row0=lo)
+        # (one row's columns are one run, c, c + 1, ...: a block copy into the cache, not a scatter)
+        cache = self.cache.at(col_t, keys=used, row0=lo, first=int(packed[2, 0, 0]) if B == 1 else None)
         # a query sees every kept column of its row and its own row's fed tokens up to itself
         cols = torch.arange(used, device=self.device)[None, None, :]
         if S or any(q.redraft_len for q in seqs):

@@ -71,17 +71,25 @@ class CacheWrite:
       view) or an index tensor (a gather).
     cols: [B, T], the column each fed token's key and value go to.
     keys: attention reads columns [0, keys); which of them a query sees is the mask's business.
+    first: where the caller knows that the rows `read` (a slice) write columns first, first + 1, ...
+      (cols[b] = first + arange(T) for every b), a copy into that block replaces the scatter.
     """
 
     def __init__(self, k: list[Tensor], v: list[Tensor], rows: Tensor, read: slice | Tensor | None, cols: Tensor,
-                 keys: int) -> None:
+                 keys: int, first: int | None = None) -> None:
         self.k, self.v = k, v
         self.rows, self.read, self.cols, self.keys = rows, read, cols, keys
+        self.first = first if isinstance(read, slice) else None
 
     def update(self, layer: int, k_new: Tensor, v_new: Tensor) -> tuple[Tensor, Tensor]:
         kb, vb = self.k[layer], self.v[layer]
-        kb[self.rows, :, self.cols] = k_new.transpose(1, 2).to(kb.dtype)
-        vb[self.rows, :, self.cols] = v_new.transpose(1, 2).to(vb.dtype)
+        if self.first is not None:  # (a block copy: a one-row decode step's columns are one run)
+            cols = slice(self.first, self.first + k_new.shape[2])
+            kb[self.read, :, cols] = k_new
+            vb[self.read, :, cols] = v_new
+        else:
+            kb[self.rows, :, self.cols] = k_new.transpose(1, 2).to(kb.dtype)
+            vb[self.rows, :, self.cols] = v_new.transpose(1, 2).to(vb.dtype)
         k, v = kb[:, :, : self.keys], vb[:, :, : self.keys]
         if self.read is None:
             return k, v
@@ -240,12 +248,13 @@ class RaggedKVCache:
     def capacity(self) -> int:
         return self.k[0].shape[2]
 
-    def at(self, cols: Tensor, keys: int, row0: int = 0) -> CacheWrite:
+    def at(self, cols: Tensor, keys: int, row0: int = 0, first: int | None = None) -> CacheWrite:
         """The next forward's place: batch row b is cache row row0 + b, its tokens go to columns
-        cols[b] ([B, T]), and attention reads columns [0, keys)."""
+        cols[b] ([B, T]), and attention reads columns [0, keys). first: where the caller knows every
+        row's columns are first, first + 1, ... (CacheWrite)."""
         B = cols.shape[0]
         rows = torch.arange(row0, row0 + B, device=self.device)[:, None]
-        return CacheWrite(self.k, self.v, rows, slice(row0, row0 + B), cols, keys)
+        return CacheWrite(self.k, self.v, rows, slice(row0, row0 + B), cols, keys, first)
 
     def reserve(self, rows: int, capacity: int, max_rows: int | None = None, max_capacity: int | None = None) -> None:
         """Grow (never shrink) to at least `rows` x `capacity`, keeping every entry; the growth stops at
