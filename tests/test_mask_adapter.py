@@ -97,6 +97,41 @@ def test_a_feed_without_masks_runs_no_adapter_product_when_decoding(monkeypatch)
     assert all(g is not None and not g.any() for g in grads)
 
 
+def test_a_run_of_masks_a_scattered_set_and_a_trainers_graph_compute_the_same_masks():
+    """Decoding takes the adapters' products on views where a row's masks are one run (a slice from
+    Transformer.embed), on gathered rows where they are not, and a trainer's graph its own way: the
+    masks' logits agree, the clean tokens' are the base's bit for bit in all three."""
+    base = base_model()
+    model = adapted(base)
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(2, MASK, (1, 9), generator=g)
+    run, scattered = ids.clone(), ids.clone()
+    run[0, 4:7] = MASK
+    scattered[0, [2, 4, 7]] = MASK
+    pos = torch.arange(9)[None]
+    with torch.no_grad():
+        assert isinstance(model.embed(run.view(-1))[1], slice)
+        assert torch.equal(model.embed(scattered.view(-1))[1], torch.tensor([2, 4, 7]))
+    for feed in (run, scattered):
+        with torch.no_grad():
+            got, want = model(feed, pos), base(feed, pos)
+        trained = model(feed, pos).detach()  # (autograd on: the trainer's path)
+        masks = feed == MASK
+        clean = masks.cumsum(1) == 0  # (causal: a token after a mask attends to it)
+        assert torch.equal(got[clean], want[clean]) and torch.equal(trained[clean], want[clean])
+        torch.testing.assert_close(got, trained, rtol=1e-5, atol=1e-4)
+        assert (got[masks] - want[masks]).abs().max() > 0.1
+    # the products' weights follow an update of the adapter (made again, not kept stale)
+    with torch.no_grad():
+        before = model(run, pos)
+        for n, p in adapter_parameters(model):
+            if n.endswith("_B"):
+                p.mul_(0.5)
+        after = model(run, pos)
+    assert not torch.allclose(before[run == MASK], after[run == MASK])
+    torch.testing.assert_close(after, model(run, pos).detach(), rtol=1e-5, atol=1e-4)
+
+
 def test_a_fresh_mask_path_changes_nothing():
     base = base_model()
     m = Transformer(ModelConfig(**CFG))

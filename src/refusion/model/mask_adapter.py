@@ -99,20 +99,41 @@ class MaskAdapter(nn.Module):
                 else:
                     p.zero_()
 
-    def add(self, y: Tensor, name: str, x: Tensor, rows: Tensor) -> Tensor:
+    def add(self, y: Tensor, name: str, x: Tensor, rows: Tensor | slice) -> Tensor:
         """y (a projection's output, [N, out]) with the update of the mask rows `rows` added; x is
-        that projection's input [N, in]. Other rows are returned untouched. Outside autograd y itself
-        is updated (callers pass a projection's fresh output)."""
+        that projection's input [N, in]. rows: their indices, or outside autograd a slice where they
+        are contiguous (Transformer.embed). Other rows are returned untouched. Outside autograd y
+        itself is updated (callers pass a projection's fresh output)."""
+        grad = torch.is_grad_enabled()
+        if not grad and not torch.compiler.is_compiling():  # (a graph keeps no Python-side weights)
+            at, bt = self.product_weights(name, x.dtype)
+            if isinstance(rows, slice):  # (views, not a gather and a scatter: a decode step's masks are one run)
+                y[rows].addmm_(torch.mm(x[rows], at), bt)
+                return y
+            return y.index_add_(0, rows, torch.mm(torch.mm(x.index_select(0, rows), at), bt))
         p = self._parameters
         a, b = p[f"{name}_A"], p[f"{name}_B"]
         if a.dtype != x.dtype:
             a, b = a.to(x.dtype), b.to(x.dtype)
-        # (F.linear rather than h @ a.t(), and in place when no graph is kept: a decode step runs this
-        # four times per adapted block on a few rows, so its operator count is what it costs)
         delta = F.linear(F.linear(x.index_select(0, rows), a), b)
-        if torch.is_grad_enabled():
-            return y.index_add(0, rows, delta, alpha=self.scale)
-        return y.index_add_(0, rows, delta, alpha=self.scale)
+        return y.index_add(0, rows, delta, alpha=self.scale) if grad else y.index_add_(0, rows, delta, alpha=self.scale)
+
+    def product_weights(self, name: str, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """A transposed and B transposed times the scale, contiguous, in `dtype`: what a decode step
+        multiplies by (two plain products per projection; the adapters run four times per block on a
+        row or a few, so their operator count is what they cost). Made again whenever A or B has
+        changed since (another tensor or an in-place write, as packed.packed_weight tells)."""
+        p = self._parameters
+        a, b = p[f"{name}_A"], p[f"{name}_B"]
+        key = (a.data_ptr(), -1 if a.is_inference() else a._version, b.data_ptr(),
+               -1 if b.is_inference() else b._version, dtype)
+        made = self.__dict__.setdefault("_product_weights", {})
+        got = made.get(name)
+        if got is None or got[0] != key:
+            with torch.no_grad():
+                got = made[name] = (key, a.detach().t().to(dtype).contiguous(),
+                                    (b.detach() * self.scale).t().to(dtype).contiguous())
+        return got[1], got[2]
 
 
 def adapter_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:

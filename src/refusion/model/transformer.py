@@ -204,7 +204,7 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, is_causal: bool,
                 cache: Cache | None, layer: int, shape: tuple[int, int], real: Tensor | None,
-                qk_norm: Tensor | None = None, mask_rows: Tensor | None = None) -> Tensor:
+                qk_norm: Tensor | None = None, mask_rows: Tensor | slice | None = None) -> Tensor:
         """x: [N, hidden], the fed tokens flattened (every one of the B x T = `shape`, or only the
         `real` ones); cos, sin: [N, 1, head_dim], their RoPE angles; qk_norm: this layer's q and k
         norm weights per head (Transformer.qk_norm_weights), where the model has them; mask_rows:
@@ -227,7 +227,7 @@ class Block(nn.Module):
 
     def attention(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, is_causal: bool,
                   cache: Cache | None, layer: int, shape: tuple[int, int], real: Tensor | None,
-                  qk_norm: Tensor | None, ad: MaskAdapter | None = None, mask_rows: Tensor | None = None) -> Tensor:
+                  qk_norm: Tensor | None, ad: MaskAdapter | None = None, mask_rows: Tensor | slice | None = None) -> Tensor:
         """Self-attention of the normed tokens x [N, hidden]; returns [N, hidden]."""
         attn = self._modules["self_attn"]
         a = attn._modules
@@ -376,19 +376,28 @@ class Transformer(nn.Module):
         x = self.run_blocks(x, pos, attn_mask, cache, (B, T), real, mask_rows)
         return self.logits(x, (B, T), num_logits, real, states)
 
-    def embed(self, ids: Tensor) -> tuple[Tensor, Tensor | None]:
+    def embed(self, ids: Tensor) -> tuple[Tensor, Tensor | slice | None]:
         """The input embeddings [N, hidden] of the flat token ids [N], and which rows are mask tokens
-        taking the mask path (None for a model without one, or, outside autograd, a feed without masks)."""
+        taking the mask path: their indices, or outside autograd on a CPU a slice where they are one
+        run (None for a model without one, or, outside autograd, a feed without masks)."""
         x = self.embed_tokens(ids)
         if self.mask_embedding is None:
             return x, None
         mask_rows = (ids == self.config.mask_token_id).nonzero().squeeze(1)
-        if not len(mask_rows) and not torch.is_grad_enabled():
-            return x, None  # (decoding: no adapter products on zero rows; a trainer's graph keeps them)
-        return x.index_copy(0, mask_rows, self.mask_embedding.to(x.dtype).expand(len(mask_rows), -1)), mask_rows
+        n = len(mask_rows)
+        if torch.is_grad_enabled():  # (a trainer's graph keeps the adapters' products, on zero rows too)
+            return x.index_copy(0, mask_rows, self.mask_embedding.to(x.dtype).expand(n, -1)), mask_rows
+        if not n:
+            return x, None  # (decoding: no adapter products on zero rows)
+        x.index_copy_(0, mask_rows, self.mask_embedding.to(x.dtype).expand(n, -1))
+        if ids.is_cpu:  # (reading two indices would wait for an accelerator)
+            lo, hi = int(mask_rows[0]), int(mask_rows[-1]) + 1
+            if hi - lo == n:  # one run of masks (a decode step's, one row): the adapters take views
+                return x, slice(lo, hi)
+        return x, mask_rows
 
     def run_blocks(self, x: Tensor, pos: Tensor, attn_mask: Tensor | None, cache: Cache | None,
-                   shape: tuple[int, int], real: Tensor | None = None, mask_rows: Tensor | None = None,
+                   shape: tuple[int, int], real: Tensor | None = None, mask_rows: Tensor | slice | None = None,
                    start: int = 0, stop: int | None = None) -> Tensor:
         """Blocks start..stop-1 on the hidden states x [N, hidden] of the tokens at positions pos [N]
         (the `shape` = (B, T) grid, or its `real` tokens); attn_mask and cache as in forward. A
