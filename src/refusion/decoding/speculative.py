@@ -107,6 +107,7 @@ from refusion.decoding.speculative_policy import FeedPolicy
 from refusion.decoding.speculative_seq import SpeculativeSeq
 from refusion.model.cache import RaggedKVCache
 from refusion.model.config import ModelConfig
+from refusion.model.greedy import greedy
 from refusion.model.mask_sampler import sampler_of
 from refusion.model.transformer import Transformer
 
@@ -399,7 +400,7 @@ class SpeculativeBatch:
         L the longest); a branch's first token is predicted by the column of the draft's token at the
         fork and each other by the column before it."""
         B, N, _ = logits.shape
-        amax = logits.argmax(-1)
+        amax = greedy(logits)
         want = drafts = amax  # the token each column's prediction commits: greedy, or the position-keyed draw
         nxt = ids[:, 1:]  # the token fed after column t, which column t's logits predict
         col = torch.arange(N, device=logits.device)[None, :]
