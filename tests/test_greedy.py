@@ -1,9 +1,9 @@
-"""model/greedy.py: the blocked search gives torch's argmax's tokens."""
+"""decoding/sampling.py's greedy: the blocked search gives torch's argmax's tokens."""
 
 import pytest
 import torch
 
-from refusion.model.greedy import BLOCK, greedy
+from refusion.decoding.sampling import GREEDY_BLOCK as BLOCK, greedy
 
 
 @pytest.mark.parametrize("V", [3 * BLOCK, 3 * BLOCK + 1, 5 * BLOCK - 7, 2 * BLOCK + 10])

@@ -1,5 +1,5 @@
 """Sampling for every decoder: temperature, top-k / top-p filtering, multinomial draws, Gumbel-max,
-and the position-keyed draws of `ar` and `speculative`.
+the position-keyed draws of `ar` and `speculative`, and a greedy argmax fast on a CPU.
 
 Seeded outputs are part of the decoders' contract (benchmarks/check_outputs.py), so every function
 here makes exactly the random draws its callers always made: same generator, calls, shapes, dtypes.
@@ -99,3 +99,26 @@ def gumbel_argmax(logits: Tensor, temperature: float, generator: torch.Generator
     same tokens whatever else is in the batch."""
     u = torch.rand(logits.shape, generator=generator, device=logits.device).clamp(1e-20, 1 - 1e-7)
     return (logits / temperature - torch.log(-torch.log(u))).argmax(-1)
+
+
+GREEDY_BLOCK = 1024  # greedy searches the vocabulary in blocks of this many logits
+GREEDY_BLOCKED_ROWS = 8  # from this many rows on (below, torch's argmax is as fast)
+
+
+def greedy(logits: Tensor) -> Tensor:
+    """logits.argmax(-1): the same tokens (the first of tied maxima; a NaN counts as the largest).
+    On a CPU argmax over the last dimension runs about one element at a time while amax is
+    vectorised: for many rows of a large vocabulary (a verifying step's), each block's maximum is
+    found by amax and only the first block holding the row's maximum is searched."""
+    V = logits.shape[-1]
+    n = V // GREEDY_BLOCK
+    if not logits.is_cpu or n < 2 or logits.numel() < GREEDY_BLOCKED_ROWS * V:
+        return logits.argmax(-1)
+    peaks = logits[..., : n * GREEDY_BLOCK].unflatten(-1, (n, GREEDY_BLOCK)).amax(-1)
+    if V > n * GREEDY_BLOCK:  # a short last block
+        peaks = torch.cat([peaks, logits[..., n * GREEDY_BLOCK:].amax(-1, keepdim=True)], -1)
+    # the first block holding the maximum, its columns clamped to the vocabulary: a short last
+    # block repeats its last column after that column itself, which a first-of-ties search finds first
+    first = peaks.argmax(-1, keepdim=True) * GREEDY_BLOCK
+    cols = (first + torch.arange(GREEDY_BLOCK, device=logits.device)).clamp_(max=V - 1)
+    return cols.gather(-1, logits.gather(-1, cols).argmax(-1, keepdim=True)).squeeze(-1)

@@ -102,12 +102,11 @@ from refusion.decoding import costs
 from refusion.decoding.common import DecodeResult, packed_index
 from refusion.decoding.lookup import lookup_by_default
 from refusion.decoding.params import SpeculativeParams, check_prompts, check_seed
-from refusion.decoding.sampling import draw, position_uniforms, sampling_probs
+from refusion.decoding.sampling import draw, greedy, position_uniforms, sampling_probs
 from refusion.decoding.speculative_policy import FeedPolicy
 from refusion.decoding.speculative_seq import SpeculativeSeq
 from refusion.model.cache import RaggedKVCache
 from refusion.model.config import ModelConfig
-from refusion.model.greedy import greedy
 from refusion.model.mask_sampler import sampler_of
 from refusion.model.transformer import Transformer
 

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from refusion.model.config import ConfigError, ModelConfig
+from refusion.model.packed import written
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "mask_adapter.json", "mask_adapter.safetensors"
 KEYS = {"rank", "alpha", "layers"}
@@ -122,11 +123,10 @@ class MaskAdapter(nn.Module):
         """A transposed and B transposed times the scale, contiguous, in `dtype`: what a decode step
         multiplies by (two plain products per projection; the adapters run four times per block on a
         row or a few, so their operator count is what they cost). Made again whenever A or B has
-        changed since (another tensor or an in-place write, as packed.packed_weight tells)."""
+        changed since (packed.written: another tensor or an in-place write)."""
         p = self._parameters
         a, b = p[f"{name}_A"], p[f"{name}_B"]
-        key = (a.data_ptr(), -1 if a.is_inference() else a._version, b.data_ptr(),
-               -1 if b.is_inference() else b._version, dtype)
+        key = (written(a), written(b), dtype)
         made = self.__dict__.setdefault("_product_weights", {})
         got = made.get(name)
         if got is None or got[0] != key:

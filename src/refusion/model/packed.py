@@ -69,6 +69,12 @@ def one_row_differs(packed: Tensor, in_features: int) -> bool:
     return not torch.equal(_product(x[:1], packed, None)[0], _product(x, packed, None)[0])
 
 
+def written(t: Tensor) -> tuple[int, int]:
+    """What tells a tensor's contents apart from before, for a copy made of it: its storage and its
+    in-place write counter (-1 for an inference tensor, which has none)."""
+    return t.data_ptr(), -1 if t.is_inference() else t._version
+
+
 def packed_weight(m: nn.Linear) -> tuple[Tensor, bool]:
     """m's weight in oneDNN's layout, packed on first use and again whenever the weight has changed
     since (another tensor, or the same one written in place: its version counter), and whether a
@@ -76,7 +82,7 @@ def packed_weight(m: nn.Linear) -> tuple[Tensor, bool]:
     tensor (made under torch.inference_mode) has no version counter: it is packed once per storage,
     and writing it in place afterwards, itself only possible under inference_mode, goes unseen."""
     w = m._parameters["weight"]
-    key = (w.data_ptr(), -1 if w.is_inference() else w._version, w.shape)
+    key = (*written(w), w.shape)
     got = m.__dict__.get("_onednn_weight")
     if got is None or got[0] != key:
         p = pack(w)
