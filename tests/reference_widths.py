@@ -22,19 +22,17 @@ def cost(model: CostModel, rows: int, tokens) -> np.ndarray:
 
 
 def observe(model: CostModel, rows: int, tokens: int, seconds: float) -> None:
-    """CostModel.observe, with the estimate from cost() above, cell by cell (not as first written:
-    that moved the two cells around `tokens` only and raised the cells past them to no less)."""
+    """CostModel.observe, with the estimate from cost() above, cell by cell: every cell of the two
+    row tables around `rows` by that table's share (not as first written: that moved the two cells
+    around `tokens` only and raised the cells past them to no less; then, for a while, the cell at
+    or below `tokens` by its share and every cell past it fully)."""
     if model.frozen or not seconds > 0:
         return
     ratio = float(np.clip(seconds / float(cost(model, rows, tokens)), 0.5, 2.0))
     i, f = _bracket(model.rows, rows)
     for r, wr in zip((i, i + 1), _shares(f)) if len(model.rows) > 1 else ((0, 1.0),):
-        j, g = _bracket(model.tokens[r], tokens)
         for c in range(len(model.seconds[r])):
-            share = _shares(g)[0] if c == j else 1.0 if c > j else 0.0
-            model.seconds[r][c] *= ratio ** (REFRESH_RATE * wr * share)
-        for c in range(len(model.seconds[r]) - 2, -1, -1):
-            model.seconds[r][c] = min(model.seconds[r][c], model.seconds[r][c + 1])
+            model.seconds[r][c] *= ratio ** (REFRESH_RATE * wr)
 
 
 def _at_least(counts: np.ndarray, n: int) -> np.ndarray:

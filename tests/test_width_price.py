@@ -38,7 +38,7 @@ def test_a_priced_grid_is_kept_until_its_table_moves():
     half = costs.WidthPriced(table, 0.5)
     g = half.grid(1, 20)
     assert half.grid(1, 20) is g and half.grid(1, 5) is g
-    table.observe(1, 10, 2 * float(table(1, [10])[0]))  # a step took twice its estimate: the cells from 10 rise
+    table.observe(1, 10, 2 * float(table(1, [10])[0]))  # a step took twice its estimate: the table rises
     moved = half.grid(1, 20)
     assert moved is not g and moved[12] > g[12]
     t = table.grid(1, 20)

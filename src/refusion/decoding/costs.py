@@ -10,10 +10,12 @@ tokens), each the fastest of three, smoothed into a nondecreasing convex curve (
 spikes taken out), interpolated linearly and extrapolated past the grid. It is then kept up to date
 from the decode's own step timings: every decode forward already ends in a host transfer, so timing
 it adds no sync, and each step moves the table a little towards what the step took (its host work
-included; REFRESH_EVERY steps' timings at a time): the cell at its width and every cell past it
-alike. A decode times only the few widths it uses; moving only their cells (and raising any cell
-past them to no less) flattened the curve past them on a machine slower than at calibration or at a
-longer context, so that wider steps looked nearly free. A CPU's ragged batch computes only its real
+included; REFRESH_EVERY steps' timings at a time): the whole table of its row count, every width
+alike. The refresh corrects the level; the calibration gives the shape. A decode times only the few
+widths it uses, and moving cells by width bent the shape either way: moving only the cells around
+them flattened the curve past them (wider steps looked nearly free); moving every cell past them
+too made those cells take every step's noise and no step's correction once the policy stopped
+feeding them, and they climbed to twice their cost over a long run. A CPU's ragged batch computes only its real
 tokens in its products, but attention and the cache still see rows x the widest row: the cost of
 each padding slot is measured too (one forward with one wide row and the others one token wide) and
 added to the table's. `CostModel.of` makes a fixed table from a function
@@ -161,9 +163,12 @@ class CostModel:
     def observe(self, rows: int, tokens: int, seconds: float, padding: int = 0) -> None:
         """A decode forward computing `tokens` tokens and `padding` padding slots took `seconds`:
         scale the tables of the row counts around `rows` towards it, each by its share of the
-        interpolation (a step's noise moves them by a few percent at most): the cell at or below
-        `tokens` by its share, every cell above it fully (a wider forward costs at least as much
-        more), and a cell below left as it is unless it now exceeds one above it."""
+        interpolation (a step's noise moves them by a few percent at most), every cell of a table
+        alike: the refresh corrects the table's level (a busier machine, the decode's host work, a
+        longer context than the calibration's), the calibration keeps its shape. Moving cells by
+        the widths a decode happens to feed bent the shape: the cells past them took every step's
+        noise and never a step's correction (the policy stopped feeding widths priced too high),
+        and climbed to twice their cost over a long run, which fed SmolLM2 wider, slower steps."""
         if self.frozen or not seconds > 0:
             return
         g = self.grids.get(rows)
@@ -172,13 +177,8 @@ class CostModel:
         ratio = min(max(seconds / estimate, 0.5), 2.0)
         i, f = _bracket(self.rows, rows)
         for r, wr in zip((i, i + 1), _shares(f)) if len(self.rows) > 1 else ((0, 1.0),):
-            if wr == 0:
-                continue  # (no share: its cells would be multiplied by 1)
-            s = self.seconds[r]
-            j, h = _bracket(self.tokens[r], float(tokens))
-            s[j] *= ratio ** (REFRESH_RATE * wr * _shares(h)[0])
-            s[j + 1:] *= ratio ** (REFRESH_RATE * wr)
-            s[:] = np.minimum.accumulate(s[::-1])[::-1]  # (a cell no dearer than any to its right)
+            if wr != 0:  # (no share: its cells would be multiplied by 1)
+                self.seconds[r] *= ratio ** (REFRESH_RATE * wr)
         self.grids.clear()
 
 
