@@ -9,7 +9,8 @@ after one warm-up decode, every setting on the adapted model (base ar too: its c
 what the base computes). Per setting: TPF, TPS, seconds per step, the share of it inside the model's
 forward (the rest is the decoder's host work), the tokens each decode forward fed (prefills left
 out), and what the cost table the policy read says those forwards cost (modelled ms / step): where
-it is close to the forward's own time, the policy's choices were priced right. --frozen-costs has
+it is close to the forward's own time, the policy's choices were priced right; the JSON keeps the
+table as it was after the warm-up and after the last prompt (a live table moves). --frozen-costs has
 the policy read that table, frozen, instead of the machine's measured one. Time only on an idle
 machine. Writes JSON (--out) and prints a markdown table.
 """
@@ -76,6 +77,7 @@ def main() -> None:
         _, decoder, params = OURS[name]
         params = dict(params, gen_length=args.max_tokens)
         decode(model, prompts[:1], decoder, eos_ids=eos, **params)  # warm-up (and the cost table, measured)
+        warm_table = costs.cost_model(model).table() if decoder == "speculative" else None
         timer = ForwardTimer(model)
         tokens = forwards = 0
         seconds = 0.0
@@ -93,7 +95,8 @@ def main() -> None:
                          forward_seconds=sum(s for _, s in timer.events),
                          fed_per_step=sum(fed) / max(len(fed), 1),
                          decode_forward_ms=1000 * sum(s for _, s in decode_events) / max(len(fed), 1),
-                         modelled_ms=1000 * float(table(1, fed).sum()) / len(fed) if table is not None and fed else None))
+                         modelled_ms=1000 * float(table(1, fed).sum()) / len(fed) if table is not None and fed else None,
+                         table_after_warm_up=warm_table, table_after=table.table() if table is not None else None))
         print(f"{name}: TPF {tokens / forwards:.2f} TPS {tokens / seconds:.1f}", flush=True)
     ar = next((r for r in rows if r["name"] == "base ar"), None)
     print("\n| setting | TPF | TPS | TPS / AR | ms / step | in forward | fed / step | forward ms / step "

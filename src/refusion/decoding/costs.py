@@ -15,7 +15,7 @@ alike. The refresh corrects the level; the calibration gives the shape. A decode
 widths it uses, and moving cells by width bent the shape either way: moving only the cells around
 them flattened the curve past them (wider steps looked nearly free); moving every cell past them
 too made those cells take every step's noise and no step's correction once the policy stopped
-feeding them, and they climbed to twice their cost over a long run. A CPU's ragged batch computes only its real
+feeding them, so that they climbed without bound over a long run. A CPU's ragged batch computes only its real
 tokens in its products, but attention and the cache still see rows x the widest row: the cost of
 each padding slot is measured too (one forward with one wide row and the others one token wide) and
 added to the table's. `CostModel.of` makes a fixed table from a function
@@ -164,11 +164,7 @@ class CostModel:
         """A decode forward computing `tokens` tokens and `padding` padding slots took `seconds`:
         scale the tables of the row counts around `rows` towards it, each by its share of the
         interpolation (a step's noise moves them by a few percent at most), every cell of a table
-        alike: the refresh corrects the table's level (a busier machine, the decode's host work, a
-        longer context than the calibration's), the calibration keeps its shape. Moving cells by
-        the widths a decode happens to feed bent the shape: the cells past them took every step's
-        noise and never a step's correction (the policy stopped feeding widths priced too high),
-        and climbed to twice their cost over a long run, which fed SmolLM2 wider, slower steps."""
+        alike: the level follows the decode, the shape stays the calibration's (module docstring)."""
         if self.frozen or not seconds > 0:
             return
         g = self.grids.get(rows)
