@@ -91,6 +91,7 @@ def test_a_slower_machine_moves_every_width_alike_and_the_calibrated_shape_stays
         live.observe(1, 16, 0.5 * f(1, 16))
     for t in (1, 4, 12, 16, 64):
         assert float(live(1, [t])[0]) == pytest.approx(0.5 * f(1, t), rel=1e-3), t
+    assert (np.diff(live.seconds[0]) >= 0).all()
 
 
 def test_noisy_steps_of_a_few_widths_leave_the_widths_never_fed_in_proportion():
@@ -103,7 +104,7 @@ def test_noisy_steps_of_a_few_widths_leave_the_widths_never_fed_in_proportion():
     live = CostModel.of(linear())
     live.frozen = False
     before = [s.copy() for s in live.seconds]
-    for step in range(5000):
+    for _ in range(5000):
         t = int(rng.integers(1, 9))
         live.observe(1, t, float(live(1, [t])[0]) * float(rng.lognormal(0.05, 0.15)))
     for s, b in zip(live.seconds, before):
