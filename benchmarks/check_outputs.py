@@ -10,7 +10,7 @@ bundled model's task families, alone and in batches of 8; tokens, positions, ste
 tokens fed are recorded per prompt. --check exits 1 on any difference and names the first ones.
 Not a unit test (it takes a few minutes); run it after any change to the model or a decoder.
 
---compile decodes through the compiled forward (refusion.compiled), which is not bit-identical to
+--compile decodes through the compiled forward (refusion.model.compiled), which is not bit-identical to
 eager: --check then counts, per setting, the prompts whose output differs from the (eager) record.
 """
 

@@ -16,10 +16,10 @@ import torch
 
 warnings.simplefilter("ignore", DeprecationWarning)
 # the flat layout's paths, which both layouts import, so that one script counts either tree
-from refusion.checkpoint import load_model  # noqa: E402
+from refusion.model.checkpoint import load_model  # noqa: E402
 from refusion.decoding import decode  # noqa: E402
 from refusion.tasks import get_task  # noqa: E402
-from refusion.tokenizer import Tokenizer  # noqa: E402
+from refusion.model.tokenizer import Tokenizer  # noqa: E402
 
 torch.set_num_threads(1)
 what, path, n = sys.argv[1], sys.argv[2], int(sys.argv[3])

@@ -20,7 +20,7 @@ under torch.profiler for the operator table; the plain run gives the step table:
   TPS / batch 1 the batch's aggregate tokens / s over the same decoder's at batch 1 (target for
                 plan-and-infill and AR at batch 8: >= 3)
 
---compile runs the model through torch.compile'd graphs (refusion.compiled); each batch size is
+--compile runs the model through torch.compile'd graphs (refusion.model.compiled); each batch size is
 decoded once more before it is timed, so that compiling stays out of the clock (graphs compiled
 during a timed run would be printed).
 
@@ -124,7 +124,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--only", help="comma-separated decoder names (default: all)")
     ap.add_argument("--top", type=int, default=12, help="operators listed per decoder")
-    ap.add_argument("--compile", action="store_true", help="the model through torch.compile'd graphs (refusion.compiled)")
+    ap.add_argument("--compile", action="store_true", help="the model through torch.compile'd graphs (refusion.model.compiled)")
     ap.add_argument("--out")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

@@ -13,7 +13,7 @@ ms per forward, and whether the outputs and forward counts agree (they can diffe
 transformers' arithmetic flips a near-tie). `port on ours` is the same port driving this project's
 model (eager): it separates what the decoder saves from what the model saves.
 
---compile: ours runs through compiled graphs (refusion.compiled; not bit-identical to eager). Every
+--compile: ours runs through compiled graphs (refusion.model.compiled; not bit-identical to eager). Every
 prompt is decoded once before timing, so each shape bucket is compiled before the clock starts; the
 compile time and graph count are reported separately, and so are any compilations during the timed
 runs (there should be none).

@@ -1,13 +1,17 @@
 """The package's shape (ARCHITECTURE.md): every import points down a floor or stays in its package,
-and no modules import each other in a circle. Imports inside functions count too."""
+and no modules import each other in a circle. Imports inside functions count too. Importing
+`refusion` loads no torch; its top-level names load on first use."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
+
 SRC = Path(__file__).parents[1] / "src"
-# a package may import from packages on lower floors and from its own (lm_eval_adapter: the old
-# `python -m` path of evaluation.lm_eval, until 0.3)
-FLOORS = {"runtime": 0, "_moved": 0, "lm_eval_adapter": 4, "model": 1, "bundled": 2, "decoding": 2, "tasks": 2, "training": 3,
+# a package may import from packages on lower floors and from its own
+FLOORS = {"runtime": 0, "model": 1, "bundled": 2, "decoding": 2, "tasks": 2, "training": 3,
           "evaluation": 3, "serve": 4, "cli": 5}
 
 
@@ -68,3 +72,18 @@ def test_no_circle_of_imports():
         if m not in state:
             visit(m, [m])
     assert not circles, "circles of imports:\n" + "\n".join(" -> ".join(c) for c in circles)
+
+
+def test_top_level_names_load_lazily_without_torch_at_import():
+    code = ("import sys, refusion; assert 'torch' not in sys.modules; "
+            "from refusion.model.checkpoint import load_model; assert refusion.load_model is load_model; "
+            "from refusion.decoding import decode; assert refusion.decode is decode; print('ok')")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr
+
+
+def test_unknown_top_level_name_is_an_attribute_error():
+    import refusion
+
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        refusion.nope

@@ -1,4 +1,4 @@
-"""The compiled forward (refusion.compiled): close to eager for every cache, no recompiles as widths vary,
+"""The compiled forward (refusion.model.compiled): close to eager for every cache, no recompiles as widths vary,
 eager wherever it does not apply. Compiling takes seconds per graph, so the cases share a few graphs."""
 
 import functools

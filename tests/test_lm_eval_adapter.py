@@ -200,9 +200,3 @@ def test_the_pth_hook_registers_the_model_in_a_fresh_interpreter(tmp_path):
                        cwd=tmp_path)
     assert r.returncode == 0 and "refusion.evaluation.lm_eval.ReFusionLM" in r.stdout, r.stderr[-2000:]
 
-
-def test_the_old_module_path_still_runs_the_adapter():
-    """`python -m refusion.lm_eval_adapter` (the flat layout's path, in users' scripts) until 0.3."""
-    r = subprocess.run([sys.executable, "-m", "refusion.lm_eval_adapter", "--help"], capture_output=True, text=True,
-                       timeout=300, env=subprocess_env())
-    assert r.returncode == 0 and "--model" in r.stdout, r.stderr[-2000:]

@@ -20,10 +20,6 @@ from __future__ import annotations
 
 import importlib
 
-from refusion import _moved
-
-_moved.install()
-
 _API = {"load_model": "refusion.model.checkpoint", "save_model": "refusion.model.checkpoint",
         "Tokenizer": "refusion.model.tokenizer", "ModelConfig": "refusion.model.config",
         "Transformer": "refusion.model.transformer", "decode": "refusion.decoding",

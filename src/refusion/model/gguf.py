@@ -208,5 +208,5 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: torch.dtype =
 
 
 def import_smollm2(out_dir: str | Path, dtype: torch.dtype = torch.float32, overwrite: bool = False) -> Path:
-    """SmolLM2-135M-Instruct (the Q4_1 GGUF from refusion.fetch) as a Hugging Face directory."""
+    """SmolLM2-135M-Instruct (the Q4_1 GGUF from refusion.model.fetch) as a Hugging Face directory."""
     return import_gguf(smollm2_gguf_file(), out_dir, dtype=dtype, overwrite=overwrite)

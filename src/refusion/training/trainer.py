@@ -33,7 +33,6 @@ import torch.distributed as dist
 
 from refusion.training.checkpointing import export_model, final_dir, save_checkpoint
 from refusion.training.config import TrainConfig, load_train_config, to_toml  # noqa: F401 (the API in one place)
-from refusion.training.optimizer import lr_at  # noqa: F401 (refusion.train.lr_at, the old path)
 from refusion.training.config_changes import CONFIG_FILE, check_allow_changed
 from refusion.training.mask_features import prepare_features
 from refusion.training.run_dir import checkpoints, locked, tensorboard, truncate_metrics
