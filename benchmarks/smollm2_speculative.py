@@ -76,8 +76,12 @@ from refusion.tasks.code import complete_function_prompt
 from refusion.tasks.common import extract_code, extract_final_number, numbers_equal, subset
 from refusion.tasks.maths import gsm8k_prompt
 
+# every setting below names its drafting policy whole, so that the adapter's decoding.json (which
+# `decode` starts from) changes none of them; "speculative (model's settings)" is what it chooses
+_POLICY = {"fork": False, "width_price": 1.0}
 OURS = {  # name -> (which model, decoder, params without gen_length)
     "base ar": ("base", "ar", {}),
+    "speculative (model's settings)": ("adapted", "speculative", {}),
     "speculative": ("adapted", "speculative", {"lookup": False}),
     "speculative +lookup": ("adapted", "speculative", {"lookup": True}),
     # (the masks' argmax drafts, without the adapter's sampler where it has one: model/mask_sampler.py)
@@ -99,6 +103,8 @@ OURS = {  # name -> (which model, decoder, params without gen_length)
     "speculative compiled": ("adapted compiled", "speculative", {"lookup": False}),
     "speculative +lookup compiled": ("adapted compiled", "speculative", {"lookup": True}),
 }
+OURS = {name: (which, decoder, {**_POLICY, **params} if decoder == "speculative" and params else params)
+        for name, (which, decoder, params) in OURS.items()}
 HF = ("hf greedy", "hf prompt-lookup")
 
 
@@ -271,6 +277,9 @@ def main() -> None:
                          "each mask drafts its argmax (write to another --out than the run with it)")
     ap.add_argument("--seed", type=int, default=0, help="of the sample of prompts")
     ap.add_argument("--out", default="benchmarks/results/smollm2_speculative.json")
+    ap.add_argument("--write-settings", action="store_true",
+                    help="write the fastest speculative setting whose every output is the base's (batch 1, the first "
+                         "thread count, the slowest benchmark's speed / AR) as the adapter's decoding.json")
     args = ap.parse_args()
     if args.max_tokens % 8:
         ap.error("--max-tokens must be a multiple of 8 (plan-and-infill's slot size)")
@@ -396,6 +405,32 @@ def main() -> None:
           f"{(costs['adapter_file_bytes'] or 0) / mib:.1f} MiB; peak RSS (load + decode one prompt): base "
           f"{rss['base ar'] / mib:.0f} MiB, adapted {rss['speculative'] / mib:.0f} MiB")
     print(f"wrote {out}")
+    if args.write_settings:
+        write_settings(adapter_dir, summary, thread_counts[0])
+
+
+def write_settings(adapter_dir: Path | None, summary: list[dict], threads: int) -> None:
+    """The adapter's decoding.json: the speculative setting with the best speed / AR on its slowest
+    benchmark among those that kept every answer, at batch 1."""
+    from refusion.decoding import model_settings
+
+    if adapter_dir is None:
+        sys.exit("--write-settings needs --model to be a mask adapter (a directory or a shipped name)")
+    rows = [s for s in summary if s["threads"] == threads and s["batch_size"] == 1 and s["tps_vs_ar"]
+            and OURS.get(s["name"], ("", ""))[1] == "speculative" and not s["name"].endswith(" compiled")
+            and s["name"] != "speculative (model's settings)"]
+    by_name: dict[str, list[dict]] = {}
+    for s in rows:
+        by_name.setdefault(s["name"], []).append(s)
+    kept = {n: rs for n, rs in by_name.items() if all(s["identical"] == s["n"] for s in rs)}
+    if not kept:
+        sys.exit("no speculative setting kept every answer: decoding.json not written")
+    best = max(kept, key=lambda n: min(s["tps_vs_ar"] for s in kept[n]))
+    figures = ", ".join(f"{s['bench']} TPF {s['tpf']:.2f} at {s['tps_vs_ar']:.2f}x AR" for s in kept[best])
+    settings = model_settings.ModelSettings(
+        "speculative", OURS[best][2], measured_by="python " + " ".join(sys.argv),
+        note=f"{best!r}: {figures} (batch 1, {threads} thread(s), every output the base's)")
+    print(f"wrote {model_settings.write(adapter_dir, settings)}: {settings.note}")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ install), the default is SmolLM2-135M-Instruct.
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -28,6 +29,7 @@ ASSETS = Path(__file__).parent / "assets"
 BUNDLED = ASSETS / "refusion-tiny"
 SMOLLM2 = "smollm2"
 ADAPTER_CONFIG = "mask_adapter.json"  # (model/mask_adapter.py's name, without importing torch here)
+DECODING_SETTINGS = "decoding.json"  # (decoding/model_settings.py's FILE: bundled.py sits below decoding/)
 
 
 def adapter_names() -> list[str]:
@@ -115,6 +117,7 @@ def adapted_model_dir(adapter: Path) -> Path:
         h.update((adapter / f).read_bytes())
     out = cache_dir() / "models" / "adapted" / h.hexdigest()[:16] / _name(adapter.resolve())
     if (out / "config.json").exists():
+        _sync_settings(adapter, out)
         return out
     print(f"refusion: attaching the mask adapter {adapter} to {base} -> {out} (once) ...", file=sys.stderr)
     model, tok = load_model(base), Tokenizer.from_dir(base)
@@ -130,7 +133,23 @@ def adapted_model_dir(adapter: Path) -> Path:
     for f in (LOOKUP_CORPUS, MASK_SAMPLER):
         if f in kept:
             shutil.copyfile(adapter / f, out / f)
+    _sync_settings(adapter, out)
     return out
+
+
+def _sync_settings(adapter: Path, out: Path) -> None:
+    """The adapter's decoding settings (decoding.json) as the adapted model's, kept current: they are
+    not part of the directory's hash, so that measuring them again rebuilds nothing."""
+    src, dst = adapter / DECODING_SETTINGS, out / DECODING_SETTINGS
+    if not src.is_file():
+        dst.unlink(missing_ok=True)
+        return
+    data = src.read_bytes()
+    if dst.is_file() and dst.read_bytes() == data:
+        return
+    tmp = dst.with_name(f".{DECODING_SETTINGS}.{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, dst)
 
 
 def _name(adapter: Path) -> str:

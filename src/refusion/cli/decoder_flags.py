@@ -1,7 +1,10 @@
 """--decoder and every registered decoder's parameters as flags, shared by `generate` and `eval`.
 
-The flags are the union of the registered decoders' parameters (decoding.registry.options), one
-flag per field name, grouped by the decoders that take them; their defaults are the Params'.
+The flags are the union of the registered decoders' public parameters (decoding.registry.options),
+one flag per field name, grouped by the decoders that take them; their defaults are the Params'.
+A model's decoding.json (decoding/model_settings.py) comes between: a flag given wins over it, a
+flag not given leaves the model's setting. The Python-only parameters (hidden options) and the
+flags removed in 0.2 are still recognised, so that using one ends in a line naming what replaces it.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ def add_decoder_flags(g: argparse.ArgumentParser) -> None:
                    help="default: the one the model's training objective fits: speculative for a ReFusion model, "
                         "mdm-threshold for an MDM one, ar for a model without a mask token")
     add_parameter_flags(g)
+    add_removed_flags(g)
     g.add_argument("--seed", type=seed_int, default=0, help="for sampling (and, in eval, the sample of examples)")
 
 
@@ -40,6 +44,41 @@ def add_parameter_flags(g: argparse.ArgumentParser) -> None:
         if key not in groups:
             groups[key] = g.add_argument_group(_group_title(key))
         _add_flag(groups[key], first[field], decoders)
+
+
+# flags that were public before 0.2 and are not a hidden option's: what replaces them
+RENAMED = {"--fixed-widths": "decode(..., widths=\"fixed\") from Python",
+           "--no-sampler": "decode(..., sampler=False) from Python"}
+GUARD_FLAGS = ("--join-check", "--causal-infill", "--recheck-rows")  # one public mode now: --checks
+
+
+def removed_flag_message(flag: str) -> str | None:
+    """The one line a flag that is no longer public ends in (None for any other flag)."""
+    if flag in GUARD_FLAGS:
+        return f"{flag} is now part of --checks (join check, causal infill and row recheck together)"
+    if flag in RENAMED:
+        return (f"{flag} is no longer a flag: the drafting policy is Python-only ({RENAMED[flag]}), and a model's "
+                "decoding.json sets the policy measured best for it")
+    hidden = {o.flag: o for name in registry.names() for o in registry.options(name, hidden=True) if o.hidden}
+    if flag in hidden:
+        o = hidden[flag]
+        return (f"{flag} is no longer a flag: {o.name} is a Python-only setting (decode(..., {o.name}=...)), and a "
+                "model's decoding.json sets what was measured best for it")
+    return None
+
+
+class _Removed(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(removed_flag_message(option_string))
+
+
+def add_removed_flags(g: argparse.ArgumentParser) -> None:
+    """The flags removed from the public surface, hidden from --help, each failing with what replaces it."""
+    public = {o.flag for name in registry.names() for o in registry.options(name)}
+    hidden = {o.flag for name in registry.names() for o in registry.options(name, hidden=True) if o.hidden}
+    for flag in sorted((hidden - public) | set(RENAMED) | set(GUARD_FLAGS)):
+        g.add_argument(flag, nargs="?", action=_Removed, dest="removed_" + flag.lstrip("-").replace("-", "_"),
+                       default=None, help=argparse.SUPPRESS)
 
 
 def _add_flag(g, o: registry.Option, decoders: list[str]) -> None:
@@ -73,13 +112,13 @@ def _group_title(decoders: tuple[str, ...]) -> str:
 
 
 def decoder_params(args: argparse.Namespace, decoder: str) -> dict:
-    """Every parameter of `decoder`, from its flag or its default, as keyword arguments of
-    refusion.decoding.decode.
+    """The parameters of `decoder` the user gave flags for, as keyword arguments of
+    refusion.decoding.decode (the rest come from the model's decoding.json or the defaults).
 
     A decoder flag the user set that `decoder` does not take is an error, not silently ignored.
     """
     takes = registry.options(decoder)
-    p = {o.name: getattr(args, o.name) if getattr(args, o.name, None) is not None else o.default for o in takes}
+    p = {o.name: getattr(args, o.name) for o in takes if getattr(args, o.name, None) is not None}
     flags = {o.name: o.flag for name in registry.names() for o in registry.options(name)}
     unused = [flags[f] for f in flags if f not in p and getattr(args, f, None) is not None]
     if unused:
@@ -88,11 +127,15 @@ def decoder_params(args: argparse.Namespace, decoder: str) -> dict:
     return p
 
 
-def choose_decoder(args: argparse.Namespace, config) -> str:
-    from refusion.decoding import default_decoder, mismatch
+def choose_decoder(args: argparse.Namespace, config, model_dir) -> tuple[str, dict]:
+    """The decoder and its parameters: the flags given over the model's decoding.json, over the
+    defaults (decoding/model_settings.py); a warning when the decoder does not fit the model."""
+    from refusion.decoding import mismatch, model_settings
 
-    decoder = args.decoder or default_decoder(config)
+    settings = model_settings.read(model_dir)
+    decoder, _ = model_settings.resolve(settings, config, args.decoder, {})
+    decoder, params = model_settings.resolve(settings, config, decoder, decoder_params(args, decoder))
     note = mismatch(config, decoder)
     if note:
         warn(note)
-    return decoder
+    return decoder, params

@@ -7,7 +7,7 @@ import shlex
 from pathlib import Path
 
 from refusion.cli.args import MODEL_HELP, add_runtime_flags, positive_int, resolve_model_dir, utf8_text
-from refusion.cli.decoder_flags import add_decoder_flags, add_parameter_flags, choose_decoder, decoder_params
+from refusion.cli.decoder_flags import add_decoder_flags, add_parameter_flags, add_removed_flags, choose_decoder
 from refusion.decoding import registry
 
 
@@ -61,8 +61,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     config = load_config(model_dir)
     cfgs = []
     for setting in _settings(args):
-        decoder = choose_decoder(setting, config)
-        params = decoder_params(setting, decoder)
+        decoder, params = choose_decoder(setting, config, model_dir)
         make_params(decoder, config, **params)
         cfgs.append(EvalConfig(decoder=decoder, params=params, n=args.n, split=args.split, batch_size=args.batch_size,
                                seed=args.seed, system=args.system, tag=setting.tag).validate())
@@ -87,6 +86,7 @@ def _settings(args: argparse.Namespace) -> list[argparse.Namespace]:
     p.add_argument("decoder", choices=registry.names())
     p.add_argument("--tag", type=utf8_text)
     add_parameter_flags(p)
+    add_removed_flags(p)
     settings = []
     for text in args.setting:
         try:

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from refusion.cli.args import MODEL_HELP, add_runtime_flags, resolve_model_dir, utf8_text
-from refusion.cli.decoder_flags import add_decoder_flags, choose_decoder, decoder_params
+from refusion.cli.decoder_flags import add_decoder_flags, choose_decoder
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -80,8 +80,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     config = load_config(model_dir)
     tok = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").exists() else None
     prompt = _prompt(args, tok, model_dir)
-    decoder = choose_decoder(args, config)
-    params = decoder_params(args, decoder)
+    decoder, params = choose_decoder(args, config, model_dir)
     gen_length = make_params(decoder, config, **params).gen_length
     check_prompts(config, [prompt], gen_length)
     model = load_model(model_dir, dtype=args.dtype, device=device, compile=args.compile)

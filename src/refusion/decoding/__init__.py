@@ -20,6 +20,7 @@ import importlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from refusion.decoding import model_settings
 from refusion.decoding import params as _builtin  # noqa: F401  (registers the built-in decoders)
 from refusion.decoding.params import ARParams, MDMParams, ReFusionParams, SpeculativeParams, check_seed
 from refusion.decoding.registry import Decoder, default_decoder, get, make_params, mismatch, register, unregister
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
     from refusion.model.transformer import Transformer
 
 
-def decode(model: Transformer, prompts: list[list[int]], decoder: str = "speculative",
+def decode(model: Transformer, prompts: list[list[int]], decoder: str | None = None,
            eos_ids: list[int] | None = None, seed: int | None = None,
            on_commit: Callable[[int, list[int], list[int]], None] | None = None,
            **params) -> list[DecodeResult]:
@@ -43,7 +44,12 @@ def decode(model: Transformer, prompts: list[list[int]], decoder: str = "specula
     those commits are reported too, and are not part of the result. The result is always what
     the commits give when sorted by position and cut after the first EOS, so a streaming client
     should do the same.
+
+    decoder None: the model's own (its decoding.json, else the one its training objective fits).
+    A model loaded with `load_model` starts from the settings in its decoding.json
+    (decoding/model_settings.py); the parameters given here win over them.
     """
+    decoder, params = model_settings.resolve(model_settings.of_model(model), model.config, decoder, params)
     p = make_params(decoder, model.config, **params)
     check_seed(seed)
     return get(decoder).runner()(model, prompts, p, eos_ids=eos_ids, seed=seed, on_commit=on_commit)

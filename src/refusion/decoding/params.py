@@ -116,59 +116,57 @@ class SpeculativeParams:
     """self-speculative: greedy output identical to ar, several tokens per forward"""
 
     gen_length: int = gen_length_option()
-    draft_length: int | None = option(None, f"most draft tokens verified per forward (default: {COST_DRAFT_LENGTH} "
-                                            f"with --widths cost, else {DRAFT_LENGTH}; 0: plain AR)")
-    mask_length: int | None = option(None, "masks fed per forward to draft ahead (default: draft width + 1)")
-    widths: str | None = option(None, "how each step sizes the drafts: cost (default) = the widths that maximise "
-                                      "expected tokens per second of measured forward cost, within draft_length; "
-                                      "adaptive = +2 after a fully accepted draft, -1 after a rejection; "
-                                      "fixed = always draft_length")
-    adaptive: bool = option(True, "off: fixed widths, the same as --widths fixed", flag="--fixed-widths")
-    width_price: float = option(1.0, "with --widths cost: the share of a wider forward's measured extra cost the "
-                                     "policy counts, in (0, 1]; below 1 it feeds wider drafts, more masks and "
-                                     "branches, for more tokens per forward (a batch counts the lowest share its "
-                                     "rows ask; exact either way)")
     temperature: float = temperature_option()
     top_k: int | None = top_k_option()
     top_p: float | None = top_p_option()
-    sampled_drafts: bool = option(False, "sampling: each mask drafts a draw from its distribution with the uniform "
-                                         "its position's output is drawn with, not its argmax (exact either way; "
-                                         "fewer tokens per forward on the models measured)")
+    draft_length: int | None = option(None, f"the draft budget: most draft tokens verified per forward (default "
+                                            f"{COST_DRAFT_LENGTH}; the cost policy drafts narrower where wider does "
+                                            f"not pay; 0: plain AR)")
+    accept_prob: float | None = option(None, "lossy: also accept a draft token whose probability is at least this "
+                                             "(default: exact; greedy: only values < 0.5 matter)")
+    # ---- the drafting policy: Python-only (decode(..., fork=True)); a model's decoding.json may set them
+    widths: str | None = option(None, "how each step sizes the drafts: cost (default) = the widths that maximise "
+                                      "expected tokens per second of measured forward cost, within draft_length; "
+                                      "adaptive = +2 after a fully accepted draft, -1 after a rejection; "
+                                      "fixed = always draft_length", hidden=True)
+    mask_length: int | None = option(None, "masks fed per forward to draft ahead (default: draft width + 1)",
+                                     hidden=True)
+    width_price: float = option(1.0, "with widths cost: the share of a wider forward's measured extra cost the "
+                                     "policy counts, in (0, 1]; below 1 it feeds wider drafts, more masks and "
+                                     "branches, for more tokens per forward (a batch counts the lowest share its "
+                                     "rows ask; exact either way)", hidden=True)
     lookup: bool | None = option(None, "also draft by prompt lookup: copy what followed the latest earlier occurrence "
                                         "of the last few tokens (prompt or answer); each step feeds whichever draft, "
                                         "lookup or masks, is expected to be accepted further (exact either way). "
                                         "Default: on for a model with a mask adapter (its masks draft from a frozen "
-                                        "base, and copies go further), off otherwise")
-    accept_prob: float | None = option(None, "lossy: also accept a draft token whose probability is at least this "
-                                             "(default: exact; greedy: only values < 0.5 matter)")
-    redraft: bool = option(False, "also feed, behind each draft token, masks that see the draft only up to it, so "
-                                  "that after a partly accepted draft the next one is drafted from the accepted "
-                                  "tokens (wider forwards, which the cost policy prices; exact either way)")
+                                        "base, and copies go further), off otherwise", hidden=True)
     fork: bool = option(False, "also feed, beside the draft, the other drafts on offer (the masks', the copy's, the "
                                "corpus') and the copy's and the corpus' other ways on, each from the token where it "
                                "parts from the draft and seeing only its own branch: a step accepts whichever goes "
-                               "furthest (the cost policy feeds each where it pays; exact either way). More tokens "
-                               "per forward, but on a CPU wider forwards: measured slower than without on SmolLM2")
+                               "furthest (the cost policy feeds each where it pays; exact either way)", hidden=True)
     sampler: bool = option(True, "chain each mask's draft on the token drafted before it with the model's mask "
                                  "sampler, where it has one (mask_sampler.safetensors beside its weights); off: "
-                                 "each mask's argmax (exact either way)", flag="--no-sampler")
+                                 "each mask's argmax (exact either way)", hidden=True)
     fresh_after_miss: bool | None = option(None, "after a rejected draft token, drop the rest of the draft, so that "
                                                  "the next step's masks draft from the committed tokens alone (off: "
                                                  "the rest of the draft, then the masks' tokens drafted behind the "
                                                  "rejected one; exact either way). Default: on for a model with a "
                                                  "mask adapter, whose masks rarely guess past a token they did not "
-                                                 "see, off otherwise")
+                                                 "see, off otherwise", hidden=True)
+    sampled_drafts: bool = option(False, "sampling: each mask drafts a draw from its distribution with the uniform "
+                                         "its position's output is drawn with, not its argmax (exact either way; "
+                                         "fewer tokens per forward on the models measured)", hidden=True)
+    redraft: bool = option(False, "also feed, behind each draft token, masks that see the draft only up to it, so "
+                                  "that after a partly accepted draft the next one is drafted from the accepted "
+                                  "tokens (wider forwards, which the cost policy prices; exact either way)",
+                           hidden=True)
 
     def __post_init__(self) -> None:
-        # widths and draft_length default by each other (and adaptive=False, the older spelling of
-        # widths fixed); both are settled here, so every reader sees concrete values
+        # draft_length defaults by the width policy; settled here, so every reader sees concrete values
         if self.widths is not None and self.widths not in WIDTH_POLICIES:
             raise ValueError(f"widths must be one of {', '.join(WIDTH_POLICIES)}, got {self.widths!r}")
-        if not self.adaptive and self.widths not in (None, "fixed"):
-            raise ValueError(f"adaptive=False (--fixed-widths) means widths fixed, not {self.widths!r}")
-        widths = self.widths or ("cost" if self.adaptive else "fixed")
+        widths = self.widths or "cost"
         object.__setattr__(self, "widths", widths)
-        object.__setattr__(self, "adaptive", widths != "fixed")
         if self.draft_length is None:
             object.__setattr__(self, "draft_length", COST_DRAFT_LENGTH if widths == "cost" else DRAFT_LENGTH)
         self.validate()
@@ -233,32 +231,44 @@ register(Decoder("speculative", SpeculativeParams, "refusion.decoding.speculativ
 # ---- plan-and-infill ------------------------------------------------------------------------------
 
 
+GUARDS = ("join_check", "causal_infill", "recheck_rows")  # what ReFusionParams.checks turns on
+
+
 @dataclass(frozen=True)
 class ReFusionParams:
     """plan-and-infill"""
 
     gen_length: int = gen_length_option()
     slot_size: int = option(8, "tokens per slot")
-    serial_blocks: int = option(1, "blocks decoded one after another")
     slot_threshold: float = option(0.9, "plan: draft confidence to take a slot")
     token_threshold: float = option(0.4, "verify: probability to accept a token")
     temperature: float = temperature_option()
-    recompute_kv: bool = option(False, "recompute infilled slots' KV in one causal pass (ablation)")
+    checks: bool = option(False, "greedy only: check where slots drafted in parallel meet the text before them, "
+                                 "and re-plan the ones that do not follow it (join_check, causal_infill and "
+                                 "recheck_rows together; more accurate on every model measured, docs/decoding.md)")
     left_to_right: bool = option(False, "always choose the leftmost undecoded slot (the refusion-l2r baseline)")
+    # ---- Python-only (decode(..., join_check=True)); a model's decoding.json may set them
+    serial_blocks: int = option(1, "blocks decoded one after another", hidden=True)
+    recompute_kv: bool = option(False, "recompute infilled slots' KV in one causal pass (ablation)", hidden=True)
     join_check: bool = option(False, "check slot joins: a slot after a committed response token starts with that "
                                      "token's causal prediction; one committed right after another slot must too, "
-                                     "or is re-planned (greedy only)")
+                                     "or is re-planned (greedy only)", hidden=True)
     causal_infill: bool = option(False, "infill: the token each round takes without a check (the first one not yet "
                                         "accepted) becomes the causal prediction from the token before it, as "
-                                        "speculative's extra token; the mask's draft only when they agree (greedy only)")
+                                        "speculative's extra token; the mask's draft only when they agree (greedy only)",
+                                  hidden=True)
     recheck_rows: bool = option(False, "after a parallel infill, feed its rows again in one causal pass, each after "
                                        "the chosen slots before it (as --recompute-kv), and commit them only up to "
                                        "the first row with a token that pass gives token_threshold or less and does "
-                                       "not predict; the rows after it are re-planned")
+                                       "not predict; the rows after it are re-planned", hidden=True)
     verify: bool = option(False, "verify the plan-and-infill answer as a draft of the speculative decoder: the "
-                                 "output is then AR decoding's, token for token, and the forwards of both count")
+                                 "output is then AR decoding's, token for token, and the forwards of both count",
+                           hidden=True)
 
     def __post_init__(self) -> None:
+        if self.checks:
+            for name in GUARDS:
+                object.__setattr__(self, name, True)
         self.validate()
 
     def validate(self) -> None:
@@ -276,6 +286,8 @@ class ReFusionParams:
         for name in ("slot_threshold", "token_threshold"):
             check_probability(name, getattr(self, name))
         check_sampling(self.temperature)
+        if self.checks and self.temperature > 0:
+            raise ValueError("checks compare drafts with the greedy causal prediction: they need temperature 0")
         for name in ("join_check", "causal_infill"):
             if getattr(self, name) and self.temperature > 0:
                 raise ValueError(f"{name} compares drafts with the greedy causal prediction: it needs temperature 0")
@@ -337,7 +349,7 @@ class MDMParams:
     steps: int | None = option(None, "total denoising steps (default: gen-length, one token per step)")
     threshold: float | None = option(None, "commit every mask above this confidence, at least one per step")
     temperature: float = temperature_option()
-    prefix_cache: bool = option(False, "reuse the prompt's and finished blocks' KV")
+    prefix_cache: bool = option(False, "reuse the prompt's and finished blocks' KV", hidden=True)
 
     def __post_init__(self) -> None:
         self.validate()

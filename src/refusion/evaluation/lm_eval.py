@@ -33,7 +33,7 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from refusion.decoding import decode, default_decoder, registry
+from refusion.decoding import decode, model_settings, registry
 from refusion.decoding.params import check_seed
 from refusion.model.checkpoint import load_model
 from refusion.model.tokenizer import Tokenizer
@@ -173,9 +173,11 @@ class ReFusionLM(LM):
             device = "cpu"
         self.model = load_model(self.path, dtype=dtype, device=device)
         self.tok = Tokenizer.from_dir(self.path)
-        self.decoder = decoder or default_decoder(self.model.config)
-        # what the decoder takes, less what each request sets (gen_length, temperature)
-        self.fields = {o.name for o in registry.options(self.decoder, hidden=True)}
+        # the model's decoding.json names the decoder and its settings unless model_args do
+        self.decoder = model_settings.resolve(model_settings.of_model(self.model), self.model.config, decoder, {})[0]
+        # what the decoder takes, less what each request sets (gen_length, temperature); the
+        # Python-only policy comes from the model's decoding.json, not from model_args
+        self.fields = {o.name for o in registry.options(self.decoder)}
         allowed = sorted(self.fields - {"gen_length", "temperature"})
         bad = sorted(set(decoder_params) - set(allowed))
         if bad:

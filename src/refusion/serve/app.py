@@ -35,7 +35,7 @@ from refusion.runtime import malloc_trim
 from refusion.serve import budget
 from refusion.serve.engine import Engine, Job, QueueFull
 from refusion.serve.metrics import Metrics
-from refusion.decoding import default_decoder, registry
+from refusion.decoding import model_settings, registry
 from refusion.serve.params import DecoderChoice, choose
 from refusion.serve.schemas import (OPENAI_SET, ChatRequest, CompletionRequest, RequestError, loads, parse_chat,
                                     parse_completion)
@@ -77,6 +77,11 @@ class Server:
                                model.compiled.stats if model.compiled is not None else None)
         self.engine.on_step = self.metrics.on_step
         self.created = int(time.time())
+
+    @property
+    def default_decoder(self) -> str:
+        """The decoder a request that names none gets: the model's decoding.json's, else its objective's."""
+        return model_settings.resolve(model_settings.of_model(self.model), self.model.config, None, {})[0]
 
     # ---- the ASGI app -------------------------------------------------------------------------
 
@@ -152,7 +157,7 @@ class Server:
                 "max_model_len": self.context, "max_tokens_cap": self._cap(),
                 "max_request_tokens": self.max_request_tokens,
                 "decoders": list(registry.available(self.model.config)),
-                "default_decoder": default_decoder(self.model.config)}
+                "default_decoder": self.default_decoder}
         return JSONResponse({"object": "list", "data": [card]})
 
     async def decoders(self, request: Request) -> Response:
@@ -165,7 +170,9 @@ class Server:
                              "default": o.default, "help": o.help}
                             for o in registry.options(name) if o.name not in OPENAI_SET]}
                 for name, d in ((n, registry.get(n)) for n in registry.names())]
-        return JSONResponse({"object": "list", "default": default_decoder(self.model.config), "data": data})
+        settings = model_settings.of_model(self.model)
+        return JSONResponse({"object": "list", "default": self.default_decoder, "data": data,
+                             "model_settings": settings.to_dict() if settings is not None else None})
 
     # ---- generation ---------------------------------------------------------------------------
 
@@ -251,7 +258,7 @@ class Server:
             raise RequestError(400, f"this model's maximum context length is {self.context} tokens; the prompt has "
                                     f"{len(prompt)} and max_tokens asks for {max_tokens}", "prompt",
                                code="context_length_exceeded")
-        choice = choose(req, self.model.config, max_tokens)
+        choice = choose(req, self.model.config, max_tokens, model_settings.of_model(self.model))
         if choice.gen_length != max_tokens and len(prompt) + choice.gen_length > self.context:
             raise RequestError(400, f"this model's maximum context length is {self.context} tokens; decoder "
                                     f"{choice.decoder!r} decodes max_tokens {max_tokens} in whole blocks, "

@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from refusion.decoding import SpeculativeParams, default_decoder, make_params, registry
+from refusion.decoding import SpeculativeParams, make_params, model_settings, registry
 from refusion.model.config import ModelConfig
 from refusion.serve.schemas import OPENAI_SET, GenerationRequest, RequestError
 
@@ -50,9 +50,11 @@ class DecoderChoice:
         return self.max_tokens if self.max_tokens is not None else self.gen_length
 
 
-def choose(req: GenerationRequest, config: ModelConfig, max_tokens: int) -> DecoderChoice:
-    """The decoder and validated parameters for a request whose max_tokens is already settled."""
-    decoder = req.decoder or default_decoder(config)
+def choose(req: GenerationRequest, config: ModelConfig, max_tokens: int,
+           settings: model_settings.ModelSettings | None = None) -> DecoderChoice:
+    """The decoder and validated parameters for a request whose max_tokens is already settled: the
+    request's fields over the model's decoding.json (`settings`) over the decoder's defaults."""
+    decoder, _ = model_settings.resolve(settings, config, req.decoder, {})
     if decoder not in registry.names():
         raise RequestError(400, f"unknown decoder {decoder!r}; choose one of {', '.join(registry.names())}",
                            "decoder")
@@ -70,7 +72,7 @@ def choose(req: GenerationRequest, config: ModelConfig, max_tokens: int) -> Deco
         raise RequestError(400, f"decoder {decoder!r} does not sample with top_p", "top_p")
     for k, v in extra.items():
         _check_type(k, v, allowed[k].type)
-    params: dict[str, Any] = {"gen_length": max_tokens, **extra}
+    _, params = model_settings.resolve(settings, config, decoder, {"gen_length": max_tokens, **extra})
     if req.temperature is not None:
         params["temperature"] = req.temperature
     if req.top_p is not None and req.top_p < 1.0 and "top_p" in allowed:  # 1.0 is OpenAI's default: a no-op

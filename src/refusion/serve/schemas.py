@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from refusion.decoding import registry
+from refusion.decoding.params import GUARDS
 
 # Decoder parameters set from the OpenAI fields (max_tokens, temperature, top_p), not extra fields.
 OPENAI_SET = ("gen_length", "temperature", "top_p")
@@ -126,6 +127,17 @@ def decoder_fields() -> tuple[str, ...]:
     return tuple(out)
 
 
+def _python_only(name: str) -> str | None:
+    """What a request field that was public before 0.2 is now (None for any other name)."""
+    if name in GUARDS:
+        return f"{name} is now part of checks (true: join check, causal infill and row recheck together)"
+    hidden = {o.name for d in registry.names() for o in registry.options(d, hidden=True) if o.hidden}
+    if name in hidden or name == "adaptive":
+        return (f"{name} is not a request field: the drafting policy is a Python-only setting, and the model's "
+                "decoding.json sets the one measured best for it (GET /v1/decoders lists the fields)")
+    return None
+
+
 # ---- pieces ---------------------------------------------------------------------------------
 
 
@@ -139,7 +151,7 @@ def _known(d: dict, fields: tuple[str, ...]) -> None:
     allowed = set(fields) | set(decoder_fields()) | set(_IGNORED) | set(_UNSUPPORTED_UNLESS_DEFAULT)
     for k in d:
         if k not in allowed:
-            raise RequestError(400, f"unrecognized request argument: {k!r}", k)
+            raise RequestError(400, _python_only(k) or f"unrecognized request argument: {k!r}", k)
     for k, defaults in _UNSUPPORTED_UNLESS_DEFAULT.items():
         if k in d and not any(d[k] == v and type(d[k]) is type(v) for v in defaults) and d[k] is not None:
             raise RequestError(400, f"{k} is not supported by this server (leave it out)", k)
