@@ -31,8 +31,9 @@ if typing.TYPE_CHECKING:
 def option(default: Any, help: str, *, flag: str | None = None, hidden: bool = False) -> Any:
     """A Params field. help: one line for --help, the server's decoders endpoint and the page.
     flag: the CLI flag when it is not --field-name (a boolean's flag sets the opposite of its
-    default, e.g. adaptive=True is turned off by --fixed-widths). hidden: a Python-only parameter,
-    with no flag, request field or page control (decode() and lm-eval's model_args still take it)."""
+    default). hidden: a Python-only parameter (a research knob of the decoder's policy), with no
+    flag, request field, page control or lm-eval setting: decode() and a model's decoding.json
+    take it."""
     return field(default=default, metadata={"help": help, "flag": flag, "hidden": hidden})
 
 
