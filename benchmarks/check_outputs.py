@@ -1,9 +1,11 @@
 """Speed work must not change a single output token: record every decoder's outputs, or compare with a record.
 
-    python benchmarks/check_outputs.py --write benchmarks/results/outputs_refusion-tiny.json   # before
-    python benchmarks/check_outputs.py --check benchmarks/results/outputs_refusion-tiny.json   # after
-    python benchmarks/check_outputs.py --model tests/fixtures/refusion-words --tasks sort,add,repeat \
-        --gen-length 64 --check benchmarks/results/outputs_refusion-words.json
+    python benchmarks/check_outputs.py --check                                         # the bundled model
+    python benchmarks/check_outputs.py --model tests/fixtures/refusion-words --check   # the words fixture
+    python benchmarks/check_outputs.py --write        # re-record (only for a change meant to alter outputs)
+
+The records are benchmarks/expected/outputs_<model directory name>.json (--check/--write PATH for
+another file); --check decodes with the record's own --tasks, --n and --gen-length unless given.
 
 Every decoder setting of benchmarks/decode.py plus sampled variants decodes held-out prompts of the
 bundled model's task families, alone and in batches of 8; tokens, positions, steps, forwards and
@@ -30,6 +32,8 @@ from refusion.decoding import decode
 from refusion.tasks import get_task
 from refusion.model.tokenizer import Tokenizer
 
+EXPECTED = Path(__file__).resolve().parent / "expected"  # the recorded outputs --check compares with
+
 
 def settings(L: int) -> list[tuple[str, str, dict]]:
     rf = dict(gen_length=L, slot_size=8, serial_blocks=1, slot_threshold=0.9, token_threshold=0.4)
@@ -39,7 +43,7 @@ def settings(L: int) -> list[tuple[str, str, dict]]:
         # adaptive widths (the record's): the default cost policy's steps follow timings, so only the
         # tests check its tokens (AR's)
         ("speculative", "speculative", dict(gen_length=L, widths="adaptive")),
-        ("speculative fixed 16", "speculative", dict(gen_length=L, draft_length=16, adaptive=False)),
+        ("speculative fixed 16", "speculative", dict(gen_length=L, draft_length=16, widths="fixed")),
         ("speculative accept-prob 0.3", "speculative", dict(gen_length=L, accept_prob=0.3, widths="adaptive")),
         ("speculative sampled", "speculative", dict(gen_length=L, temperature=0.8, top_k=20, widths="adaptive")),
         ("refusion s8 0.9/0.4", "refusion", rf),
@@ -70,14 +74,26 @@ def record(model, prompts: list[list[int]], L: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(BUNDLED))
-    ap.add_argument("--tasks", default="sort,add,repeat,code")  # the bundled model's families
-    ap.add_argument("--n", type=int, default=4, help="prompts per task")
-    ap.add_argument("--gen-length", type=int, default=96)
+    ap.add_argument("--tasks", help="task families (default: the record's; writing: sort,add,repeat,code, "
+                                    "the bundled model's)")
+    ap.add_argument("--n", type=int, help="prompts per task (default: the record's; writing: 4)")
+    ap.add_argument("--gen-length", type=int, help="default: the record's; writing: 96")
     ap.add_argument("--compile", action="store_true", help="decode through the compiled forward")
     g = ap.add_mutually_exclusive_group(required=True)
-    g.add_argument("--write", help="record the outputs to this JSON file")
-    g.add_argument("--check", help="compare the outputs with this JSON record")
+    g.add_argument("--write", nargs="?", const="", metavar="RECORD",
+                   help="record the outputs to this JSON file (default: benchmarks/expected/outputs_<model>.json)")
+    g.add_argument("--check", nargs="?", const="", metavar="RECORD",
+                   help="compare the outputs with this JSON record (default: benchmarks/expected/outputs_<model>.json)")
     args = ap.parse_args()
+    default_record = str(EXPECTED / f"outputs_{Path(args.model).resolve().name}.json")
+    if args.write == "":
+        args.write = default_record
+    if args.check == "":
+        args.check = default_record
+    recorded = json.loads(Path(args.check).read_text()) if args.check else None
+    for key, default in (("tasks", "sort,add,repeat,code"), ("n", 4), ("gen_length", 96)):
+        if getattr(args, key) is None:
+            setattr(args, key, recorded["args"][key] if recorded else default)
     torch.set_num_threads(1)
     model, tok = load_model(args.model), Tokenizer.from_dir(args.model)
     stats = enable_compile(model).stats if args.compile else None
@@ -91,7 +107,7 @@ def main() -> None:
         Path(args.write).write_text(json.dumps(dict(args=vars(args), outputs=got)))
         print(f"wrote {args.write}")
         return
-    want = json.loads(Path(args.check).read_text())["outputs"]
+    want = recorded["outputs"]
     bad = [(k, i, field) for k in want for i, (a, b) in enumerate(zip(want[k], got.get(k, [])))
            for field in a if a[field] != b[field]]
     missing = [k for k in want if k not in got or len(got[k]) != len(want[k])]
