@@ -3,7 +3,7 @@
     python benchmarks/reference_speed.py                                   # the bundled model
     python benchmarks/reference_speed.py --model PATH --tasks sort,add,repeat
 
-The reference is the literal batch-1 port of the spec's step list (tests/reference_refusion.py: one
+The reference is the literal batch-1 port of the spec's step list (tests/helpers/reference_refusion.py: one
 sequence, a cache cropped / expanded / selected / merged row by row, a full softmax and a host
 sync per token decision) driving transformers' own Qwen3ForCausalLM with transformers' own
 DynamicCache, as the official implementation does. Ours is decode(..., "refusion") with the same
@@ -43,8 +43,8 @@ from refusion.decoding import decode
 from refusion.tasks import get_task
 from refusion.model.tokenizer import Tokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from reference_refusion import reference_refusion  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: the tests package
+from tests.helpers.reference_refusion import reference_refusion  # noqa: E402
 
 
 class HFCache:

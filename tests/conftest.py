@@ -54,7 +54,7 @@ def refusion_layout_dir(tmp_path_factory):
 def fixed_forward_cost(monkeypatch):
     """The speculative decoder's default width policy sizes its drafts by measured forward timings
     (decoding/widths.py); every test runs it on one fixed cost table instead, so that no test's
-    widths depend on how busy the machine is (tests/test_widths.py measures). A CPU's shape: a
+    widths depend on how busy the machine is (tests/decoding/test_widths.py measures). A CPU's shape: a
     cost per forward, per row and per token computed, in about the bundled model's proportions."""
     cost = costs.CostModel.of(lambda rows, tokens: 1e-3 * (1 + 0.1 * rows + 0.03 * tokens))
     monkeypatch.setattr(costs, "cost_model", lambda model: cost)

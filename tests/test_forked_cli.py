@@ -1,11 +1,11 @@
-"""tests/forked_cli.py, the fork server test_study.py runs the study script through: a command
+"""tests/helpers/forked_cli.py, the fork server test_study.py runs the study script through: a command
 given to it runs with the caller's arguments, directory, environment, stdout, stderr and exit code."""
 
 import json
 import os
 import subprocess
 
-from forked_cli import ForkServer
+from tests.helpers.forked_cli import ForkServer
 
 SCRIPT = """
 cd "$1"

@@ -14,7 +14,7 @@ from refusion.decoding.corpus import read_corpus
 from refusion.model.checkpoint import LOOKUP_CORPUS
 from refusion.model.mask_sampler import MASK_SAMPLER
 
-from tiny_gguf import write_byte_level_gguf
+from tests.helpers.tiny_gguf import write_byte_level_gguf
 
 ROOT = Path(__file__).parents[1]
 QUESTIONS = ["Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "

@@ -16,7 +16,7 @@ from refusion.training.corpus import corpus_records, stdlib_files, stdlib_record
 from refusion.training.data import training_records
 from refusion.training.trainer import TrainConfig
 
-from forked_cli import ForkServer
+from tests.helpers.forked_cli import ForkServer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,7 +64,7 @@ QUICK_STAGES = ["base", "ar", "refusion", "mdm", "refusion-boundary", "refusion-
 @pytest.fixture
 def refusion_command():
     """`python -m refusion.cli` for a script of many short commands: each command a fork of one
-    interpreter that has imported torch and refusion once (tests/forked_cli.py), with the script's
+    interpreter that has imported torch and refusion once (tests/helpers/forked_cli.py), with the script's
     thread settings."""
     with ForkServer({**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}) as server:
         yield server.command

@@ -1,0 +1,166 @@
+"""The server's pieces without a server: request parsing, decoder choice, text assembly."""
+
+import pytest
+
+pytest.importorskip("starlette")
+
+from refusion.bundled import BUNDLED  # noqa: E402
+from refusion.serve.params import choose  # noqa: E402
+from refusion.serve.schemas import RequestError, loads, parse_chat, parse_completion  # noqa: E402
+from refusion.serve.text import TextAssembler  # noqa: E402
+from refusion.model.tokenizer import Tokenizer  # noqa: E402
+from tests.helpers.serving import CFG, NO_MASK  # noqa: E402
+
+
+def status(fn, *a):
+    with pytest.raises(RequestError) as e:
+        fn(*a)
+    return e.value.status, e.value.message
+
+
+@pytest.mark.parametrize("body,fragment", [
+    (b"{", "not valid JSON"),
+    (b"\xff\xfe{}", "not valid UTF-8"),
+    (b"[" * 100000 + b"]" * 100000, "nested too deeply"),
+    (b'{"prompt": NaN}', "not valid JSON"),
+])
+def test_loads_refuses_what_is_not_json(body, fragment):
+    code, msg = status(loads, body)
+    assert code == 400 and fragment in msg
+
+
+@pytest.mark.parametrize("body,fragment", [
+    ([], "must be a JSON object"),
+    ({}, "missing required field: prompt"),
+    ({"prompt": ""}, "prompt is empty"),
+    ({"prompt": []}, "prompt is empty"),
+    ({"prompt": ["a", "b"]}, "one prompt per request"),
+    ({"prompt": 5}, "prompt must be a string"),
+    ({"prompt": "hi", "max_tokens": "10"}, "max_tokens must be an integer"),
+    ({"prompt": "hi", "max_tokens": True}, "max_tokens must be an integer"),
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens must be >= 1"),
+    ({"prompt": "hi", "temperature": "hot"}, "temperature must be a number"),
+    ({"prompt": "hi", "temperature": 10**400}, "temperature must lie in"),
+    ({"prompt": "hi", "top_p": 0}, "top_p must be greater than 0"),
+    ({"prompt": "hi", "n": 2}, "n must be 1"),
+    ({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "at most 4"),
+    ({"prompt": "hi", "stop": [""]}, "must not be empty"),
+    ({"prompt": "hi", "stop": 3}, "stop must be a string"),
+    ({"prompt": "hi", "logprobs": 3}, "logprobs is not supported"),
+    ({"prompt": "hi", "echo": True}, "echo is not supported"),
+    ({"prompt": "hi", "slot_sise": 8}, "unrecognized request argument: 'slot_sise'"),
+    ({"prompt": "\ud800"}, "lone surrogate"),
+    ({"prompt": "hi", "seed": 2**70}, "seed must be in"),
+    ({"prompt": "hi", "stream_options": {"include_usage": True}}, "needs stream: true"),
+])
+def test_completion_bodies_refused_with_a_reason(body, fragment):
+    code, msg = status(parse_completion, body)
+    assert code == 400 and fragment in msg, msg
+
+
+@pytest.mark.parametrize("body,fragment", [
+    ({}, "missing required field: messages"),
+    ({"messages": []}, "non-empty list"),
+    ({"messages": ["hi"]}, "messages[0] must be an object"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "role must be"),
+    ({"messages": [{"role": "user", "content": 3}]}, "content must be a string"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "must be a text part"),
+    ({"messages": [{"role": "user", "content": ""}]}, "no content"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "max_completion_tokens": 3}, "not both"),
+])
+def test_chat_bodies_refused_with_a_reason(body, fragment):
+    code, msg = status(parse_chat, body)
+    assert code == 400 and fragment in msg, msg
+
+
+def test_accepted_bodies():
+    r = parse_completion({"prompt": [[1, 2, 3]], "max_tokens": 8, "temperature": 0, "stop": "\n", "seed": 3,
+                          "user": "me", "logprobs": None, "decoder": "refusion", "slot_size": 4})
+    assert (r.prompt, r.max_tokens, r.temperature, r.stop, r.seed) == ([1, 2, 3], 8, 0.0, ["\n"], 3)
+    assert (r.decoder, r.decoder_params) == ("refusion", {"slot_size": 4})
+    c = parse_chat({"messages": [{"role": "developer", "content": [{"type": "text", "text": "a"}]},
+                                 {"role": "user", "content": "b"}], "max_completion_tokens": 5})
+    assert c.messages == [{"role": "system", "content": "a"}, {"role": "user", "content": "b"}] and c.max_tokens == 5
+
+
+@pytest.mark.parametrize("fields,fragment", [
+    ({"decoder": "beam"}, "unknown decoder 'beam'"),
+    ({"decoder": "mdm", "slot_size": 8}, "decoder 'mdm' does not take slot_size"),
+    ({"decoder": "refusion", "slot_size": 0}, "slot_size must be an integer >= 1"),
+    ({"decoder": "mdm", "steps": 100}, "steps 100 exceeds max_tokens 64"),
+    ({"decoder": "refusion", "slot_size": 8.5}, "slot_size must be an integer"),
+    ({"decoder": "refusion", "recompute_kv": 1}, "recompute_kv must be a boolean"),
+    ({"decoder": "refusion", "top_p": 0.5}, "does not sample with top_p"),
+    ({"decoder": "mdm", "threshold": 0.5}, "use 'mdm-threshold'"),
+    ({"decoder": "mdm", "steps": 5}, "steps 5 must be a positive multiple"),
+    ({"decoder": "ar", "top_k": 0}, "top_k must be an integer >= 1"),
+])
+def test_decoder_parameters_validated_like_the_cli(fields, fragment):
+    body = {"prompt": "hi", "max_tokens": 64, **fields}
+    code, msg = status(choose, parse_completion(body), CFG, 64)
+    assert code == 400 and fragment in msg, msg
+
+
+@pytest.mark.parametrize("fields,max_tokens,gen_length", [
+    ({"decoder": "refusion", "slot_size": 7}, 64, 70),
+    ({"decoder": "refusion", "slot_size": 8, "serial_blocks": 2}, 40, 48),
+    ({"decoder": "refusion-l2r"}, 64, 64),
+    ({"decoder": "mdm", "block_length": 32}, 50, 64),
+    ({"decoder": "mdm-threshold", "block_length": 16}, 1, 16),
+    ({"decoder": "speculative"}, 50, 50),
+    ({"decoder": "ar"}, 7, 7),
+])
+def test_max_tokens_rounded_up_to_whole_blocks(fields, max_tokens, gen_length):
+    c = choose(parse_completion({"prompt": "x", **fields}), CFG, max_tokens)
+    assert (c.gen_length, c.cut) == (gen_length, max_tokens)
+
+
+def test_decoder_refusals_speak_of_max_tokens():
+    # mdm decodes max_tokens 50 as two blocks of 32: the message says so, and names the field
+    with pytest.raises(RequestError) as e:
+        choose(parse_completion({"prompt": "x", "decoder": "mdm", "steps": 100}), CFG, 50)
+    assert e.value.message == ("steps 100 exceeds max_tokens 50, rounded up to whole blocks, 64: every step must "
+                               "commit a token")
+    assert e.value.param == "steps"
+
+
+def test_decoder_choice():
+    c = choose(parse_completion({"prompt": "x", "decoder": "mdm-threshold"}), CFG, 64)
+    assert c.params == {"gen_length": 64} and c.spec is None  # decode() fills in the threshold
+    c = choose(parse_completion({"prompt": "x", "temperature": 0.5, "top_p": 0.9, "top_k": 5}), NO_MASK, 32)
+    assert c.decoder == "ar" and c.params == {"gen_length": 32, "temperature": 0.5, "top_p": 0.9, "top_k": 5}
+    assert choose(parse_completion({"prompt": "x"}), CFG, 16).decoder == "speculative"
+    # top_p 1 is OpenAI's default and a no-op: accepted at temperature 0, where top_p < 1 is refused
+    assert "top_p" not in choose(parse_completion({"prompt": "x", "top_p": 1}), CFG, 16).params
+    code, msg = status(choose, parse_completion({"prompt": "x", "top_p": 0.5}), CFG, 16)
+    assert "set temperature > 0" in msg
+    code, msg = status(choose, parse_completion({"prompt": "x", "decoder": "refusion"}), NO_MASK, 16)
+    assert "needs a model with a mask token" in msg
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer.from_dir(BUNDLED)
+
+
+def test_text_is_released_in_position_order(tok):
+    ids = tok.encode("def f(x):\n    return x + 1")
+    eos = tok.eos_id
+    a = TextAssembler(tok, 10, [eos], [])
+    # commit the second half first: nothing can be shown until the prefix is complete
+    half = len(ids) // 2
+    assert a.add(list(range(10 + half, 10 + len(ids))), ids[half:]) == ""
+    first = a.add(list(range(10, 10 + half)), ids[:half])
+    assert first == tok.decode(ids)
+    assert a.add([10 + len(ids)], [eos]) == "" and a.ended and a.finish() == ""
+
+
+def test_stop_strings_cut_and_hold_back(tok):
+    ids = tok.encode("Answer: 42\nmore text")
+    a = TextAssembler(tok, 0, [tok.eos_id], ["\nmore"])
+    out = ""
+    for i, t in enumerate(ids):  # one token at a time: a partial "\nmo" must be held back
+        out += a.add([i], [t])
+        assert "\n" not in out
+    assert a.stopped and out == "Answer: 42"
+    assert tok.decode(ids[:a.tokens_at_stop]).startswith("Answer: 42\nmore")
