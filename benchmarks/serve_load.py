@@ -16,7 +16,7 @@
    connection gets nothing, by construction; the slow reader must get its correct answer), every
    good one its correct answer, the server must not crash or log an unhandled error, and its
    resident memory must come back to the idle level measured after the load phase.
-4. A screenshot of the web page (headless Chromium, if installed) to results/serve_page.png.
+4. A screenshot of the web page (headless Chromium, if installed) to benchmarks/results/serve_page.png.
 
 Writes JSON (--out) and prints markdown tables.
 """
@@ -391,7 +391,7 @@ def main() -> None:
     ap.add_argument("--tasks", help="prompt families (default: those the model's recipe.toml trains on, "
                                     "else the synthetic ones)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/serve_load.json"))
-    ap.add_argument("--screenshot", default=str(ROOT / "results/serve_page.png"))
+    ap.add_argument("--screenshot", default=str(ROOT / "benchmarks/results/serve_page.png"))
     args = ap.parse_args()
 
     model_dir = Path(args.model) if args.model else BUNDLED

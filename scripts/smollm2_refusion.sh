@@ -13,7 +13,7 @@
 #   data    RUNS/data.jsonl: GSM8K train questions (GSM8K_TRAIN, a GSM8K-format train.jsonl) and functions
 #           of the Python standard library (HumanEval's form), N_PROMPTS of each, answered by the base's
 #           own greedy decoding up to MAX_TOKENS tokens (refusion self-generate). It starts from KEPT_DATA
-#           (default results/smollm2-refusion/data.jsonl.gz: this stage's output, kept from an earlier run)
+#           (default configs/smollm2-refusion-data.jsonl.gz: this stage's output, kept from an earlier run)
 #           where that exists and RUNS/data.jsonl does not, and answers only what it lacks: KEPT_DATA=none
 #           answers every prompt afresh (about an hour; the same greedy answers, up to a rare argmax tie
 #           that batch composition can flip)
@@ -91,7 +91,7 @@ for s in $STAGES; do
     data)
       [[ -f $GSM8K_TRAIN ]] || die "GSM8K_TRAIN=$GSM8K_TRAIN: no such file (GSM8K's train split, one JSON" \
         "object with a \"question\" per line)"
-      KEPT_DATA=${KEPT_DATA:-results/smollm2-refusion/data.jsonl.gz}
+      KEPT_DATA=${KEPT_DATA:-configs/smollm2-refusion-data.jsonl.gz}
       if [[ $QUICK == 0 && $KEPT_DATA != none && -f $KEPT_DATA && ! -f $RUNS/data.jsonl ]]; then
         gunzip -c "$KEPT_DATA" > "$RUNS/data.jsonl.tmp" && mv "$RUNS/data.jsonl.tmp" "$RUNS/data.jsonl"
         echo "smollm2_refusion: starting from the kept data $KEPT_DATA ($(wc -l < "$RUNS/data.jsonl") records)"
