@@ -162,11 +162,11 @@ ar_decoders() { ev "$1" "$2" ar; }
 refusion_decoders() {
   ev "$1" "$2" speculative ar "refusion --slot-size 8 --slot-threshold 0.9 --token-threshold 0.4" \
     "refusion --slot-size 8 --slot-threshold 0.7 --token-threshold 0.2 --tag fast" \
-    "refusion --slot-size 8 --slot-threshold 0.9 --token-threshold 0.4 --join-check --causal-infill --recheck-rows --tag checked"
+    "refusion --slot-size 8 --slot-threshold 0.9 --token-threshold 0.4 --checks --tag checked"
 }
 quick_decoders() { ev "$1" "$2" speculative; }  # --quick's variants: the stage runs, one decoder
 mdm_decoders() {
-  ev "$1" "$2" "mdm --block-length 32 --steps $GEN" "mdm-threshold --block-length 32 --threshold 0.9 --prefix-cache"
+  ev "$1" "$2" "mdm --block-length 32 --steps $GEN" "mdm-threshold --block-length 32 --threshold 0.9"
 }
 
 for s in $STAGES; do

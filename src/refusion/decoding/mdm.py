@@ -8,8 +8,12 @@ of the block whose confidence exceeds a threshold, at least one.
 There is no exact KV cache for the masked region. With `prefix_cache`, the keys and values of the
 prompt and the finished blocks are reused (exact for a causal model, approximate for a
 bidirectional one, as in Fast-dLLM): at a block's first step only the previous block onwards is
-fed, after that only the current block onwards. Attention is bidirectional when the model was
-trained with the MDM objective (config `bidirectional`), causal otherwise.
+fed, after that only the current block onwards. By default it is on where it is exact (a causal
+model: the same tokens for fewer tokens fed) and off otherwise. Attention is bidirectional when the
+model was trained with the MDM objective (config `bidirectional`), causal otherwise.
+
+Ties in confidence (common where the softmax saturates at 1) go to the leftmost position: torch's
+topk breaks them differently on different CPUs, which made the output depend on the machine.
 """
 
 from __future__ import annotations
@@ -65,7 +69,8 @@ def generate_mdm(model: Transformer, prompts: list[list[int]], params: MDMParams
     fed = torch.zeros(B, dtype=torch.long, device=device)
     n_blocks = L // p.block_length
     steps_per_block = (p.steps or L) // n_blocks
-    cache = model.new_cache() if p.prefix_cache else None
+    prefix_cache = p.prefix_cache if p.prefix_cache is not None else not cfg.bidirectional
+    cache = model.new_cache() if prefix_cache else None
     for blk in range(n_blocks):
         lo, hi = P + blk * p.block_length, P + (blk + 1) * p.block_length
         counts = _per_step_counts(p.block_length, steps_per_block)
@@ -102,7 +107,7 @@ def generate_mdm(model: Transformer, prompts: list[list[int]], params: MDMParams
             conf = conf.masked_fill(~masked, -1.0)
             if p.threshold is None:
                 k = counts[i]
-                top = conf.topk(k, dim=1).indices
+                top = conf.sort(dim=1, descending=True, stable=True).indices[:, :k]  # ties: leftmost
                 pick = torch.zeros_like(masked).scatter(1, top, True) & masked
             else:
                 best = torch.zeros_like(masked).scatter(1, conf.argmax(1, keepdim=True), True)

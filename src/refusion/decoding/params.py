@@ -349,7 +349,8 @@ class MDMParams:
     steps: int | None = option(None, "total denoising steps (default: gen-length, one token per step)")
     threshold: float | None = option(None, "commit every mask above this confidence, at least one per step")
     temperature: float = temperature_option()
-    prefix_cache: bool = option(False, "reuse the prompt's and finished blocks' KV", hidden=True)
+    prefix_cache: bool | None = option(None, "reuse the prompt's and finished blocks' KV (default: on for a causal "
+                                             "model, where it is exact; off for a bidirectional one)", hidden=True)
 
     def __post_init__(self) -> None:
         self.validate()
