@@ -25,11 +25,12 @@ def model_dir(tmp_path_factory):
 @pytest.mark.parametrize("decoder, flags, params", [
     ("refusion", ["--slot-size", "4", "--slot-threshold", "0.2", "--token-threshold", "0.1"],
      dict(slot_size=4, slot_threshold=0.2, token_threshold=0.1, serial_blocks=1)),
-    ("refusion-l2r", ["--slot-size", "4", "--recompute-kv"], dict(slot_size=4, recompute_kv=True)),
+    ("refusion-l2r", ["--slot-size", "4", "--checks"], dict(slot_size=4, join_check=True, causal_infill=True,
+                                                           recheck_rows=True)),
     ("ar", [], dict()),
     ("mdm", ["--block-length", "8", "--steps", "8"], dict(block_length=8, steps=8)),
-    ("mdm-threshold", ["--block-length", "8", "--threshold", "0.3", "--prefix-cache"],
-     dict(block_length=8, threshold=0.3, prefix_cache=True)),
+    ("mdm-threshold", ["--block-length", "8", "--threshold", "0.3"], dict(block_length=8, threshold=0.3)),
+    ("speculative", ["--draft-length", "3", "--accept-prob", "0.2"], dict(draft_length=3, accept_prob=0.2)),
 ])
 def test_generate_json_equals_the_python_api(model_dir, capsys, decoder, flags, params):
     rc = main(["generate", "--model", str(model_dir), "--prompt-ids", "3,4,5", "--gen-length", "16",

@@ -221,7 +221,7 @@ def test_speculative_drafts_from_the_models_corpus_and_keeps_ar_output(tmp_path,
     model = load_model(tmp_path / "m")
     assert corpus_of(model) is not None
     kinds = fed_kinds
-    params = dict(gen_length=40, draft_length=8, adaptive=False)
+    params = dict(gen_length=40, draft_length=8, widths="fixed")
     off = generate_speculative(model, prompts, SpeculativeParams(lookup=False, **params), eos_ids=[])
     assert all(k < widths.CORPUS for k in kinds)
     kinds.clear()
@@ -256,7 +256,7 @@ def test_a_corpus_draft_is_counted_by_its_vote(tmp_path, monkeypatch):
                 seen.add(contested)
 
     monkeypatch.setattr(FeedPolicy, "offer_drafts", offer_drafts)
-    params = SpeculativeParams(lookup=True, gen_length=40, draft_length=8, adaptive=False)
+    params = SpeculativeParams(lookup=True, gen_length=40, draft_length=8, widths="fixed")
     out = generate_speculative(model, prompts, params, eos_ids=[])
     assert [r.tokens for r in out] == [r.tokens for r in answers]
     # these answers repeat themselves, so copies win most steps: without them, contested drafts are held too

@@ -28,12 +28,12 @@ MASK = 23
 CFG = dict(vocab_size=24, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
            mask_token_id=MASK, eos_token_id=1)
 PROMPTS = [[2, 3, 4], [5, 6, 7, 8, 9, 10, 11], [12], [13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 2, 3]]
-WIDTHS = [dict(), dict(adaptive=False), dict(draft_length=3, mask_length=2, adaptive=False),
-          dict(draft_length=0), dict(draft_length=5, mask_length=0, adaptive=False), dict(draft_length=2),
+WIDTHS = [dict(), dict(widths="fixed"), dict(draft_length=3, mask_length=2, widths="fixed"),
+          dict(draft_length=0), dict(draft_length=5, mask_length=0, widths="fixed"), dict(draft_length=2),
           dict(widths="adaptive"), dict(widths="adaptive", draft_length=2), dict(widths="cost", mask_length=3),
           dict(widths="cost", draft_length=64), dict(lookup=True), dict(lookup=True, widths="adaptive"),
-          dict(lookup=True, draft_length=4, adaptive=False), dict(fresh_after_miss=True),
-          dict(fresh_after_miss=True, draft_length=4, adaptive=False), dict(fresh_after_miss=True, lookup=True)]
+          dict(lookup=True, draft_length=4, widths="fixed"), dict(fresh_after_miss=True),
+          dict(fresh_after_miss=True, draft_length=4, widths="fixed"), dict(fresh_after_miss=True, lookup=True)]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -80,7 +80,7 @@ def test_greedy_equals_ar_batched_and_alone(seed, widths):
     ref = ar(model, PROMPTS, 24, [1])
     params = SpeculativeParams(gen_length=24, **widths)
     together = generate_speculative(model, PROMPTS, params, eos_ids=[1])
-    for p, r, a in zip(PROMPTS, together, ref):
+    for p, r, a in zip(PROMPTS, together, ref, strict=True):
         assert r.tokens == a.tokens and r.positions == a.positions and r.finished == a.finished
         (alone,) = generate_speculative(model, [p], params, eos_ids=[1])
         assert (alone.tokens, alone.positions) == (r.tokens, r.positions)
@@ -94,7 +94,7 @@ def test_greedy_equals_ar_batched_and_alone(seed, widths):
 def test_greedy_equals_ar_with_long_accepted_drafts(seed, oracle):
     model = tiny_model(seed)
     free = ar(model, PROMPTS, 40, [])
-    for p, f in zip(PROMPTS, free):
+    for p, f in zip(PROMPTS, free, strict=True):
         oracle.truth[tuple(p)] = f.tokens
     res = generate_speculative(model, PROMPTS, SpeculativeParams(gen_length=40, draft_length=24), eos_ids=[])
     assert [r.tokens for r in res] == [f.tokens for f in free]
@@ -104,14 +104,14 @@ def test_greedy_equals_ar_with_long_accepted_drafts(seed, oracle):
         eos = [free[0].tokens[i]]
         want = ar(model, PROMPTS, 40, eos)
         got = generate_speculative(model, PROMPTS, SpeculativeParams(gen_length=40, draft_length=24), eos_ids=eos)
-        for g, w in zip(got, want):
+        for g, w in zip(got, want, strict=True):
             assert g.tokens == w.tokens and g.finished == w.finished
             assert g.tokens.count(eos[0]) <= 1 and (not g.finished or g.tokens[-1] == eos[0])
 
 
 def test_cache_after_every_step_equals_a_fresh_causal_pass(oracle):
     model = tiny_model(1)
-    for p, f in zip(PROMPTS, ar(model, PROMPTS, 30, [])):
+    for p, f in zip(PROMPTS, ar(model, PROMPTS, 30, []), strict=True):
         oracle.truth[tuple(p)] = f.tokens
     batch = SpeculativeBatch(model, eos_ids=[])
     for p in PROMPTS:
@@ -160,7 +160,7 @@ def test_counters_by_hand(oracle):
     free = ar(model, [p], 21, [])[0]
     oracle.truth[tuple(p)], oracle.p_corrupt, oracle.min_len = free.tokens, 0.0, 19
     (r,) = generate_speculative(model, [p], SpeculativeParams(gen_length=21, draft_length=3, mask_length=2,
-                                                              adaptive=False), eos_ids=[])
+                                                              widths="fixed"), eos_ids=[])
     assert r.tokens == free.tokens
     assert r.forwards == 6 and r.steps == [0] + [s for s in range(1, 6) for _ in range(4)]
     assert r.tokens_fed == (len(p) + 2) + 4 * (1 + 3 + 2) + (1 + 3 + 1)
@@ -169,7 +169,7 @@ def test_counters_by_hand(oracle):
 def test_ar_mode_counts_like_ar():
     model = tiny_model(3)
     for r, a in zip(generate_speculative(model, PROMPTS, SpeculativeParams(gen_length=16, draft_length=0), eos_ids=[1]),
-                    ar(model, PROMPTS, 16, [1])):
+                    ar(model, PROMPTS, 16, [1]), strict=True):
         assert (r.tokens, r.steps, r.forwards, r.tokens_fed) == (a.tokens, a.steps, a.forwards, a.tokens_fed)
 
 
@@ -180,7 +180,7 @@ def test_streaming_rebuilds_the_result_and_never_passes_eos():
     events = [[] for _ in PROMPTS]
     res = decode(model, PROMPTS, "speculative", eos_ids=eos, gen_length=20,
                  on_commit=lambda row, pos, tok: events[row].append((pos, tok)))
-    for r, ev in zip(res, events):
+    for r, ev in zip(res, events, strict=True):
         assert [q for pos, _ in ev for q in pos] == r.positions
         assert [t for _, tok in ev for t in tok] == r.tokens
 
@@ -216,7 +216,7 @@ def test_accept_prob_is_lossy_when_asked(oracle):
     """With accept_prob tiny every draft token is accepted, wrong ones included (the opt-in knob)."""
     model = tiny_model(0)
     free = ar(model, PROMPTS, 30, [])
-    for p, f in zip(PROMPTS, free):
+    for p, f in zip(PROMPTS, free, strict=True):
         oracle.truth[tuple(p)] = f.tokens
     # (adaptive widths: the same width rule for both, whatever the acceptance pooled so far)
     exact = generate_speculative(model, PROMPTS, SpeculativeParams(gen_length=30, widths="adaptive"), eos_ids=[])
@@ -299,7 +299,7 @@ def chi2(counts: dict, law: dict, total: int) -> tuple[float, int]:
 def spec_samples(model, prompt, n, total, **kw) -> list[tuple]:
     """The outputs of seeds 0..total-1, in one continuous batch."""
     batch = SpeculativeBatch(model, eos_ids=[])
-    p = SpeculativeParams(gen_length=n, draft_length=4, adaptive=False, **kw)
+    p = SpeculativeParams(gen_length=n, draft_length=4, widths="fixed", **kw)
     sids = [batch.add(prompt, p, seed=s) for s in range(total)]
     out: dict[int, tuple] = {}
     while len(batch):
@@ -355,7 +355,7 @@ def test_seeded_samples_are_ar_samples_whatever_the_widths_and_the_batch(model_s
             params = SpeculativeParams(gen_length=24, **setting, **kw)
             together = generate_speculative(model, PROMPTS, params, eos_ids=[1], seed=seed)
             assert [r.tokens for r in together] == want, setting
-            for p, w in zip(PROMPTS, want):
+            for p, w in zip(PROMPTS, want, strict=True):
                 assert generate_speculative(model, [p], params, eos_ids=[1], seed=seed)[0].tokens == w, setting
 
 
@@ -401,7 +401,7 @@ def test_seeded_samples_with_long_accepted_drafts(model_seed, oracle):
     kw = SAMPLED[1]
     for seed in range(3):
         free = [sampled_ar(model, p, kw, seed, 40, []) for p in PROMPTS]
-        oracle.truth = {tuple(p): f for p, f in zip(PROMPTS, free)}
+        oracle.truth = {tuple(p): f for p, f in zip(PROMPTS, free, strict=True)}
         res = generate_speculative(model, PROMPTS, SpeculativeParams(gen_length=40, draft_length=24, **kw),
                                    eos_ids=[], seed=seed)
         assert [r.tokens for r in res] == free

@@ -35,8 +35,8 @@ def test_ar_solves_most_held_out_queries():
     exs = [ex for name in ("sort", "add", "repeat") for ex in TASKS[name].load("test", n=4, seed=7)]
     rs = decode(model, [tok.chat_prompt_ids(ex.prompt) for ex in exs], "ar", max_new_tokens=96)
     outs = [tok.decode([t for t in r.tokens if t not in model.config.eos_ids]) for r in rs]
-    right = [TASKS[ex.id.split("/")[0]].score(ex, out).correct for ex, out in zip(exs, outs)]
-    assert sum(right) >= 9, list(zip([ex.id for ex in exs], outs, right))  # >= 70% of 12
+    right = [TASKS[ex.id.split("/")[0]].score(ex, out).correct for ex, out in zip(exs, outs, strict=True)]
+    assert sum(right) >= 9, list(zip([ex.id for ex in exs], outs, right, strict=True))  # >= 70% of 12
 
 
 def held_out(per_task: int = 6):
@@ -45,7 +45,7 @@ def held_out(per_task: int = 6):
     return exs, [tok.chat_prompt_ids(ex.prompt) for ex in exs]
 
 
-@pytest.mark.parametrize("widths", [dict(), dict(draft_length=32, adaptive=False), dict(draft_length=4, mask_length=8)])
+@pytest.mark.parametrize("widths", [dict(), dict(draft_length=32, widths="fixed"), dict(draft_length=4, mask_length=8)])
 def test_speculative_is_ar_token_for_token_at_many_tokens_per_forward(widths):
     model, _ = fixture()
     _, ps = held_out()
@@ -66,7 +66,7 @@ def test_batched_equals_one_at_a_time(decoder, params):
     together = decode(model, ps, decoder, seed=5, **params)
     # the cost width policy sizes each step for the batch it is in: the same tokens, other steps
     per_sequence = getattr(make_params(decoder, **params), "widths", None) != "cost"
-    for p, r in zip(ps, together):
+    for p, r in zip(ps, together, strict=True):
         (alone,) = decode(model, [p], decoder, seed=5, **params)
         assert r.tokens == alone.tokens
         assert (r.steps, r.forwards) == (alone.steps, alone.forwards) or not per_sequence

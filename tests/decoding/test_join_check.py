@@ -99,7 +99,7 @@ def test_plan_rule_scores_by_the_causal_probability(model_seed):
             ids += drafts[best]
             pos += list(range(undecoded[best], undecoded[best] + s))
             order.append(undecoded.pop(best))
-        expected = [t for _, t in sorted(zip(pos[P:], ids[P:]))]
+        expected = [t for _, t in sorted(zip(pos[P:], ids[P:], strict=True))]
         kw = params(L, s, 1, 1.0, 0.0)
         res, events = run_lib(model, [p], kw, set(), join_check=True)
         assert res[0].tokens == expected and [ev[0][0] for ev in events[0]] == order, p
@@ -187,11 +187,11 @@ def join_violations(model, prompt, res, events, s):
     one causal pass over its tokens on top of the earlier commits, so one cache-free causal pass over
     everything committed, in commit order, gives the prediction each committed token made."""
     P = len(prompt)
-    order = [(q, t) for positions, tokens in events for q, t in zip(positions, tokens)]
+    order = [(q, t) for positions, tokens in events for q, t in zip(positions, tokens, strict=True)]
     commit_of = {q: i for i, (positions, _) in enumerate(events) for q in positions}
     amax = causal_argmax(model, prompt + [t for _, t in order], list(range(P)) + [q for q, _ in order])[0]
     pred = {q: amax[P + i] for i, (q, _) in enumerate(order)}
-    return [st for st, t in zip(res.positions, res.tokens)
+    return [st for st, t in zip(res.positions, res.tokens, strict=True)
             if st > P and (st - P) % s == 0 and commit_of[st - 1] <= commit_of[st] and t != pred[st - 1]]
 
 
@@ -238,18 +238,19 @@ def test_sampling_is_refused():
                join_check=True)
 
 
-def test_cli_flag(tmp_path, capsys):
+def test_the_checks_flag_turns_the_join_check_on(tmp_path, capsys):
     model = tiny_model(0)
     save_model(model, tmp_path / "m")
     out = {}
-    for flags in ([], ["--join-check"]):
+    for flags in ([], ["--checks"]):
         argv = ["generate", "--model", str(tmp_path / "m"), "--prompt-ids", "2,3,4", "--gen-length", "16",
                 "--decoder", "refusion-l2r", "--slot-size", "4", "--token-threshold", "0", "--json", *flags]
         assert main(argv) == 0
         out[bool(flags)] = json.loads(capsys.readouterr().out)["tokens"]
-    for join in (False, True):
-        assert out[join] == decode(model, [[2, 3, 4]], "refusion-l2r", gen_length=16, slot_size=4,
-                                   token_threshold=0.0, join_check=join)[0].tokens
+    for checks in (False, True):
+        assert out[checks] == decode(model, [[2, 3, 4]], "refusion-l2r", gen_length=16, slot_size=4,
+                                     token_threshold=0.0, join_check=checks, causal_infill=checks,
+                                     recheck_rows=checks)[0].tokens
     assert out[True] != out[False]
 
 

@@ -146,7 +146,7 @@ def test_copies_are_fed_accepted_and_counted_under_their_own_kind(fed_kinds):
     want = generate_ar(model, PROMPTS, ARParams(gen_length=48), eos_ids=[])
     fed = fed_kinds
     widths.PRIORS.pop(model, None)
-    params = dict(gen_length=48, draft_length=8, adaptive=False)
+    params = dict(gen_length=48, draft_length=8, widths="fixed")
     masks = generate_speculative(model, PROMPTS, SpeculativeParams(**params), eos_ids=[])
     assert all(k < widths.LOOKUP for k in fed)
     fed.clear()
@@ -174,7 +174,7 @@ def test_a_copy_is_counted_by_how_far_the_text_backs_it(monkeypatch):
                 seen.add(q.index.support(n))
 
     monkeypatch.setattr(FeedPolicy, "offer_drafts", offer_drafts)
-    params = SpeculativeParams(lookup=True, gen_length=48, draft_length=8, adaptive=False)
+    params = SpeculativeParams(lookup=True, gen_length=48, draft_length=8, widths="fixed")
     out = generate_speculative(model, PROMPTS + [[4, 5, 4, 6, 4, 7, 4]], params, eos_ids=[])
     assert [r.tokens for r in out] == [r.tokens for r in generate_ar(model, PROMPTS + [[4, 5, 4, 6, 4, 7, 4]],
                                                                      ARParams(gen_length=48), eos_ids=[])]
@@ -312,8 +312,7 @@ def test_a_kind_of_draft_not_fed_lately_is_fed_again(monkeypatch):
 
 def test_lookup_is_on_by_default_for_a_mask_adapted_model_only(monkeypatch):
     """Unset, `lookup` is the model's choice (lookup.lookup_by_default): on for a model with a mask
-    adapter, off otherwise; set, it is what it says. `refusion generate --lookup / --no-lookup`."""
-    from refusion.cli import build_parser
+    adapter, off otherwise; set, it is what it says."""
     from refusion.model.mask_adapter import add_mask_adapter
 
     adapted = looping_model()
@@ -336,6 +335,3 @@ def test_lookup_is_on_by_default_for_a_mask_adapted_model_only(monkeypatch):
         SpeculativeParams(lookup="yes")
     with pytest.raises(ValueError, match="fresh_after_miss must be"):
         SpeculativeParams(fresh_after_miss=1)
-    parse = build_parser().parse_args
-    base = ["generate", "hi"]
-    assert [parse(base + f).lookup for f in ([], ["--lookup"], ["--no-lookup"])] == [None, True, False]

@@ -35,7 +35,7 @@ DECODERS = [
     ("ar", dict(max_new_tokens=128)),
     ("speculative", dict(gen_length=128)),
     ("speculative", dict(gen_length=128, widths="adaptive")),
-    ("speculative", dict(gen_length=128, draft_length=8, mask_length=4, adaptive=False)),
+    ("speculative", dict(gen_length=128, draft_length=8, mask_length=4, widths="fixed")),
     ("speculative", dict(gen_length=128, temperature=0.8, top_p=0.9)),
     ("mdm", dict(gen_length=128, block_length=32, steps=64)),
     ("mdm-threshold", dict(gen_length=128, block_length=32, threshold=0.9)),
@@ -58,7 +58,7 @@ def test_batched_equals_one_at_a_time(decoder, params):
     together = decode(model, ps, decoder, **params)
     # the cost width policy sizes each step for the batch it is in: the same tokens, other steps
     per_sequence = getattr(make_params(decoder, **params), "widths", None) != "cost"
-    for p, r in zip(ps, together):
+    for p, r in zip(ps, together, strict=True):
         (alone,) = decode(model, [p], decoder, **params)
         assert (r.tokens, r.positions) == (alone.tokens, alone.positions)
         assert (r.steps, r.forwards) == (alone.steps, alone.forwards) or not per_sequence
@@ -122,11 +122,11 @@ def test_outputs_follow_each_task_format(decoder):
     params = dict(max_new_tokens=160) if decoder == "ar" else dict(REFUSION, gen_length=160)
     outs = [tok.decode([t for t in r.tokens if t not in model.config.eos_ids])
             for r in decode(model, ps, decoder, **params)]
-    ok = [well_formed(ex, out) for ex, out in zip(exs, outs)]
-    assert sum(ok) >= 14, list(zip([e.id for e in exs], ok))  # measured: 16 of 16 with each
+    ok = [well_formed(ex, out) for ex, out in zip(exs, outs, strict=True)]
+    assert sum(ok) >= 14, list(zip([e.id for e in exs], ok, strict=True))  # measured: 16 of 16 with each
 
 
-@pytest.mark.parametrize("widths", [dict(), dict(draft_length=32, adaptive=False), dict(draft_length=2)])
+@pytest.mark.parametrize("widths", [dict(), dict(draft_length=32, widths="fixed"), dict(draft_length=2)])
 def test_speculative_is_ar_token_for_token_and_faster_per_forward(widths):
     """The trained model's masks draft well enough that several tokens are committed per forward,
     and the output is still exactly greedy AR's."""
@@ -150,11 +150,11 @@ def test_seeded_samples_are_ar_samples_whatever_the_widths_and_the_batch(kw):
     ps = [tok.chat_prompt_ids(t) for t in open_ended] + prompts(1)[1][:3]
     ar = [decode(model, [p], "ar", max_new_tokens=96, seed=5, **kw)[0].tokens for p in ps]
     greedy = [r.tokens for r in decode(model, ps, "ar", max_new_tokens=96)]
-    assert sum(a != g for a, g in zip(ar, greedy)) >= 2
-    for widths in [dict(), dict(draft_length=32, adaptive=False), dict(draft_length=2),
-                   dict(draft_length=8, mask_length=3, adaptive=False)]:
+    assert sum(a != g for a, g in zip(ar, greedy, strict=True)) >= 2
+    for widths in [dict(), dict(draft_length=32, widths="fixed"), dict(draft_length=2),
+                   dict(draft_length=8, mask_length=3, widths="fixed")]:
         together = decode(model, ps, "speculative", gen_length=96, seed=5, **widths, **kw)
         assert [r.tokens for r in together] == ar, widths
         assert sum(len(r.tokens) for r in together) / sum(r.forwards for r in together) > 1.5, widths
-        for p, a in zip(ps, ar):
+        for p, a in zip(ps, ar, strict=True):
             assert decode(model, [p], "speculative", gen_length=96, seed=5, **widths, **kw)[0].tokens == a, widths

@@ -6,7 +6,6 @@ import itertools
 
 import numpy as np
 import pytest
-import tests.helpers.reference_widths as reference
 
 from refusion.decoding import ARParams, costs, generate_ar, widths
 from refusion.decoding.params import COST_DRAFT_LENGTH, MAX_DRAFT
@@ -17,6 +16,7 @@ from refusion.decoding.costs import CostModel
 from refusion.decoding.widths import Acceptance, best_widths
 from refusion.model.config import ModelConfig
 from refusion.model.transformer import Transformer
+from tests.helpers import reference_widths as reference
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 MEASURED = costs.cost_model  # (conftest.py gives every test a fixed table instead)
@@ -65,7 +65,7 @@ def test_observed_step_times_move_the_table_and_a_frozen_one_stays():
         live.observe(4, 100, 2 * before)
         frozen.observe(4, 100, 2 * before)
         seen.append(float(live(4, [100])[0]))
-    assert all(b >= a for a, b in zip(seen, seen[1:])) and before < seen[0] < seen[-1] <= 2 * before * 1.001
+    assert all(b >= a for a, b in itertools.pairwise(seen)) and before < seen[0] < seen[-1] <= 2 * before * 1.001
     assert seen[-1] > 1.8 * before
     assert float(frozen(4, [100])[0]) == pytest.approx(before)
     for s in live.seconds:  # still more seconds for more tokens
@@ -107,7 +107,7 @@ def test_noisy_steps_of_a_few_widths_leave_the_widths_never_fed_in_proportion():
     for _ in range(5000):
         t = int(rng.integers(1, 9))
         live.observe(1, t, float(live(1, [t])[0]) * float(rng.lognormal(0.05, 0.15)))
-    for s, b in zip(live.seconds, before):
+    for s, b in zip(live.seconds, before, strict=True):
         assert np.allclose(s / b, (s / b)[0], rtol=1e-9)
     assert not np.allclose(live.seconds[0], before[0])  # (it moved)
 
@@ -126,9 +126,9 @@ def test_noted_step_times_are_observed_in_batches_in_order():
         if n % costs.REFRESH_EVERY == 0:
             for t in timings[n - costs.REFRESH_EVERY: n]:
                 observed.observe(*t)
-        assert all(np.array_equal(a, b) for a, b in zip(noted.seconds, observed.seconds)), n
+        assert all(np.array_equal(a, b) for a, b in zip(noted.seconds, observed.seconds, strict=True)), n
         assert len(noted.noted) == n % costs.REFRESH_EVERY
-    assert not all(np.array_equal(a, b) for a, b in zip(noted.seconds, frozen.seconds))  # (it did move)
+    assert not all(np.array_equal(a, b) for a, b in zip(noted.seconds, frozen.seconds, strict=True))  # (it did move)
     frozen.note(*timings[0])
     assert frozen.noted == []
 
@@ -136,7 +136,7 @@ def test_calibration_measures_the_grid_and_fits_a_short_context():
     model = tiny()
     cost = costs.measure_cost(model)
     assert cost.packed and not cost.frozen and list(cost.rows) == list(costs.CALIBRATION_ROWS)
-    for rows, tokens, seconds in zip(cost.rows, cost.tokens, cost.seconds):
+    for rows, tokens, seconds in zip(cost.rows, cost.tokens, cost.seconds, strict=True):
         assert len(tokens) >= 2 and list(tokens) == [rows * w for w in costs.CALIBRATION_WIDTHS[: len(tokens)]]
         assert tokens[0] == rows  # a plain AR step's cost is measured, not extrapolated
         assert (seconds > 0).all() and (np.diff(seconds) >= 0).all()
@@ -362,7 +362,7 @@ def test_cost_lookups_and_refreshes_are_the_formulas_as_first_written():
             seconds = rng.uniform(0.2, 3) * float(reference.cost(ref, rows, [tokens])[0])
             live.observe(rows, tokens, seconds)
             reference.observe(ref, rows, tokens, seconds)
-            assert all(np.array_equal(a, b) for a, b in zip(live.seconds, ref.seconds)), trial
+            assert all(np.array_equal(a, b) for a, b in zip(live.seconds, ref.seconds, strict=True)), trial
 
 
 def test_pooled_counts_and_rates_are_the_formulas_as_first_written():
@@ -450,7 +450,7 @@ def decode_checking_every_choice(monkeypatch, cost: CostModel) -> tuple[int, int
         assert [(q.width, q.bare) for q in seqs] == want
         checked.append(len(seqs))
         bare += sum(q.bare for q in seqs)
-        dropped += sum(k >= widths.LOOKUP and q.kind == widths.FRESH for k, q in zip(held, seqs))
+        dropped += sum(k >= widths.LOOKUP and q.kind == widths.FRESH for k, q in zip(held, seqs, strict=True))
 
     monkeypatch.setattr(FeedPolicy, "choose_widths", choose)
     widths.PRIORS.pop(model, None)
@@ -519,7 +519,7 @@ def test_the_cost_policy_keeps_ar_tokens_with_measured_and_injected_costs(monkey
         assert [r.tokens for r in got] == [r.tokens for r in want]
         sampled = SpeculativeParams(gen_length=24, draft_length=draft_length, temperature=0.9, top_p=0.9)
         got = generate_speculative(model, PROMPTS, sampled, eos_ids=[1], seed=11, cost=injected)
-        for p, r in zip(PROMPTS, got):
+        for p, r in zip(PROMPTS, got, strict=True):
             alone = generate_ar(model, [p], ARParams(gen_length=24, temperature=0.9, top_p=0.9), eos_ids=[1], seed=11)
             assert r.tokens == alone[0].tokens
     assert all(k <= w <= d for w, k, _, d in fed)  # within draft_length, and no more drafts than the width
@@ -539,7 +539,7 @@ def test_a_batch_chooses_every_few_steps_when_rows_join_and_always_alone(monkeyp
     plain, chose = FeedPolicy.choose_widths, []
     monkeypatch.setattr(FeedPolicy, "choose_widths", lambda self, seqs: chose.append(len(seqs)) or plain(self, seqs))
     lengths = [30, 30, 12]
-    sids = [batch.add(p, SpeculativeParams(gen_length=n)) for p, n in zip(PROMPTS, lengths)]
+    sids = [batch.add(p, SpeculativeParams(gen_length=n)) for p, n in zip(PROMPTS[:3], lengths, strict=True)]
     pattern, results = [], {}
     while len(batch):
         before, rows = len(chose), len(batch.running) + len(batch.pending)
@@ -557,7 +557,7 @@ def test_a_batch_chooses_every_few_steps_when_rows_join_and_always_alone(monkeyp
     several = [chosen for rows, chosen in pattern[5:] if rows > 1]
     assert sum(several) < len(several)  # held between choices
     want = generate_ar(model, PROMPTS, ARParams(gen_length=30), eos_ids=[])
-    assert [results[s].tokens for s in sids] == [w.tokens[:n] for w, n in zip(want, lengths + [30])]
+    assert [results[s].tokens for s in sids] == [w.tokens[:n] for w, n in zip(want, lengths + [30], strict=True)]
 
 
 def test_a_held_step_feeds_masks_again_behind_the_masks_own_draft():

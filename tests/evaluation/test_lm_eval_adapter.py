@@ -96,7 +96,7 @@ def test_lm_eval_metrics_equal_a_hand_computation(tmp_path):
     out = tmp_path / "out"
     env = subprocess_env()
     cmd = lm_eval_command(tmp_path) + [
-        "--model", "refusion", "--model_args", "decoder=refusion,slot_size=8,serial_blocks=1",
+        "--model", "refusion", "--model_args", "decoder=refusion,slot_size=8,checks=True",
         "--tasks", "refusion_mc,refusion_gen", "--include_path", str(tmp_path), "--device", "cpu",
         "--batch_size", "4", "--output_path", str(out), "--log_samples"]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
@@ -116,7 +116,7 @@ def test_lm_eval_metrics_equal_a_hand_computation(tmp_path):
     for s in samples:  # and every single log-likelihood, not only the argmax
         doc = mc[s["doc_id"]]
         ctx = tok.encode(doc["context"])
-        for c, resp in zip(doc["choices"], s["resps"]):
+        for c, resp in zip(doc["choices"], s["resps"], strict=True):
             ll, greedy = hand_logprob(ctx, tok.encode(doc["context"] + c)[len(ctx):])
             assert float(resp[0][0]) == pytest.approx(ll, abs=1e-3) and resp[0][1] in (greedy, str(greedy))
 
@@ -150,7 +150,7 @@ def test_loglikelihood_and_greedy_flags_in_batches(one_thread):
     lm = ReFusionLM(decoder="ar", batch_size=2)
     reqs = [("Which number is odd?\nA. 21", " is odd"), ("", "hello"), ("x = ", "1"), ("def f(", "x):\n    return x")]
     got = lm.loglikelihood([Instance("loglikelihood", {}, r, i) for i, r in enumerate(reqs)])
-    for (ctx, cont), (ll, greedy) in zip(reqs, got):
+    for (ctx, cont), (ll, greedy) in zip(reqs, got, strict=True):
         want = hand_logprob(*lm._pair(ctx, cont))
         assert ll == pytest.approx(want[0], abs=1e-3) and greedy == want[1]
 

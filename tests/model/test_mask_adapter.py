@@ -143,7 +143,7 @@ def test_a_fresh_mask_path_changes_nothing():
         assert torch.equal(base(ids, pos), m(ids, pos))
 
 
-@pytest.mark.parametrize("widths", [dict(), dict(draft_length=4, mask_length=3, adaptive=False),
+@pytest.mark.parametrize("widths", [dict(), dict(draft_length=4, mask_length=3, widths="fixed"),
                                     dict(fresh_after_miss=False)])
 def test_speculative_on_the_adapted_model_is_the_base_models_greedy_output(widths):
     base = base_model(5)
@@ -262,5 +262,5 @@ def test_masks_on_the_clean_cache_equal_the_packed_draft_layout():
     got = torch.stack([out[b][masks.valid[b]].sum(0) for b in range(5)])
     grads_got = torch.autograd.grad(got.sum(), own)
     assert torch.allclose(got, want, atol=1e-4)
-    assert all(torch.allclose(a, b, atol=1e-4) for a, b in zip(grads_got, grads_want))
+    assert all(torch.allclose(a, b, atol=1e-4) for a, b in zip(grads_got, grads_want, strict=True))
     assert torch.equal(masks.labels[masks.valid], packed.labels[packed.is_masked])

@@ -5,8 +5,8 @@ the page shows equals the API's answer to the same request, and that the slot vi
 committed position; that the replay shows the recorded commits step by step (every intermediate
 state, against the API's steps), that the legend's colours are the cells', and that the side-by-side
 panes show the API's counters for the same prompt and decoders. Screenshots go to
-$REFUSION_SCREENSHOTS (results/page holds the committed ones:
-`REFUSION_SCREENSHOTS=results/page pytest tests/serve/test_serve_browser.py`), else to a temporary
+$REFUSION_SCREENSHOTS (docs/figures/page holds the committed ones:
+`REFUSION_SCREENSHOTS=docs/figures/page pytest tests/serve/test_serve_browser.py`), else to a temporary
 directory. Skipped, with the reason, only where no Chromium is installed (`scripts/setup.sh`
 installs it).
 """
@@ -23,8 +23,12 @@ playwright_api = pytest.importorskip("playwright.sync_api", reason="the playwrig
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
+from refusion.bundled import BUNDLED  # noqa: E402
+from refusion.decoding.model_settings import ModelSettings, write  # noqa: E402
+from refusion.model.checkpoint import load_model  # noqa: E402
+from refusion.model.tokenizer import Tokenizer  # noqa: E402
 from refusion.serve.app import ServeConfig, Server  # noqa: E402
-from tests.helpers.serving import LiveServer, bundled, task_prompts  # noqa: E402
+from tests.helpers.serving import LiveServer, task_prompts  # noqa: E402
 
 CHROMIUM = os.environ.get("REFUSION_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = [pytest.mark.skipif(CHROMIUM is None, reason="no Chromium installed (apt-get install chromium)"),
@@ -34,8 +38,14 @@ ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-net
 
 
 @pytest.fixture(scope="module")
-def live(one_thread):
-    model, tok = bundled()
+def live(one_thread, tmp_path_factory):
+    # the bundled model with adaptive widths in its decoding.json: the default (cost) policy's steps
+    # follow measured timings and what earlier requests taught it, so the API's repeat of the
+    # page's request could take other steps than the page showed
+    path = tmp_path_factory.mktemp("served") / "refusion-tiny"
+    shutil.copytree(BUNDLED, path)
+    write(path, ModelSettings("speculative", {"widths": "adaptive"}))
+    model, tok = load_model(path), Tokenizer.from_dir(path)
     srv = LiveServer(Server(model, tok, ServeConfig(model_name="refusion-tiny")))
     yield srv
     srv.close()
@@ -60,10 +70,8 @@ def page(live):
 
 
 @pytest.mark.parametrize("decoder,settings", [
-    ("refusion", {"#slot_size": "8", "#serial_blocks": "1"}),
-    # adaptive widths: the default (cost) policy's steps follow measured timings and what earlier
-    # requests taught it, so the API's repeat of the page's request could take other steps
-    ("speculative", {"#widths": "adaptive"}),
+    ("refusion", {"#slot_size": "8", "#checks": True}),
+    ("speculative", {"#draft_length": "16"}),
     ("mdm-threshold", {"#block_length": "32"}),
 ])
 def test_the_page_shows_the_api_answer(live, page, decoder, settings):
@@ -83,21 +91,22 @@ def test_the_page_shows_the_api_answer(live, page, decoder, settings):
     steps = {int(t.split("step ")[1]) for t in page.locator("#slots span.filled").evaluate_all(
         "els => els.map(e => e.title)")}
     assert steps == set(api["refusion"]["steps"])
-    if "#widths" in settings:
-        page.fill("#widths", "")  # back to its default (none: the cost policy; typed values outlive the test)
+    for sel, value in settings.items():  # back to the defaults (typed values outlive the test)
+        if value is True:
+            page.uncheck(sel)
+        elif sel == "#draft_length":
+            page.fill(sel, "")
 
 
 def test_the_page_reports_errors(page):
     page.fill("#prompt", "hi")
     page.select_option("#decoder", "speculative")
     page.fill("#max_tokens", "60")
-    page.fill("#draft_length", "256")  # each width within its cap, the step wider than the model's context
-    page.fill("#mask_length", "256")
+    page.fill("#draft_length", "256")  # within its cap, the step (with its masks) wider than the model's context
     page.click("#run")
     page.wait_for_selector("body[data-state=error]", timeout=30_000)
     assert "tokens fed per step exceeds the model's context" in page.inner_text("#error")
-    page.fill("#draft_length", "")  # back to its default (none: the widths policy's own bound)
-    page.fill("#mask_length", "")
+    page.fill("#draft_length", "")  # back to its default
 
 
 def test_the_controls_are_the_decoders_fields_from_the_server(live, page):
@@ -119,21 +128,17 @@ def test_the_controls_are_the_decoders_fields_from_the_server(live, page):
             "els => els.map(e => [e.id, e.type === 'checkbox' ? e.checked : e.value])")
         assert shown == [[f["name"], shown_default(f)] for f in fields[decoder]]
     page.select_option("#decoder", "speculative")
-    assert "lookup" not in page.evaluate("requestBody()")  # unset: the model decides
-    for choice, sent in (("false", False), ("true", True)):
-        page.select_option("#lookup", choice)
-        assert page.evaluate("requestBody()")["lookup"] is sent
-    page.select_option("#lookup", "")
-    assert "lookup" not in page.evaluate("requestBody()")
+    assert "draft_length" not in page.evaluate("requestBody()")  # unset: the model's settings decide
     page.select_option("#decoder", "refusion")
     page.fill("#slot_size", "4")
-    page.check("#recompute_kv")
+    page.check("#checks")
     page.select_option("#decoder", "mdm")
     page.select_option("#decoder", "refusion-l2r")
-    assert page.input_value("#slot_size") == "4" and page.is_checked("#recompute_kv")
+    assert page.input_value("#slot_size") == "4" and page.is_checked("#checks")
     body = page.evaluate("requestBody()")
-    assert (body["decoder"], body["slot_size"], body["recompute_kv"]) == ("refusion-l2r", 4, True)
+    assert (body["decoder"], body["slot_size"], body["checks"]) == ("refusion-l2r", 4, True)
     assert "block_length" not in body
+    page.uncheck("#checks")
 
 
 # Records a view's state each time the page shows another step in it: the step, the answer cells
@@ -169,7 +174,10 @@ def run_on_page(page, prompt: str, decoder: str, settings: dict, typed: bool = F
     page.select_option("#decoder", decoder)
     page.fill("#max_tokens", "64")
     for sel, value in settings.items():
-        page.fill(sel, value)
+        if value is True:
+            page.check(sel)
+        else:
+            page.fill(sel, value)
     page.click("#run")
     page.wait_for_selector("body[data-state=done]", timeout=60_000)
 
@@ -191,7 +199,7 @@ def check_replayed(snaps: list[dict], api: dict, final_text: str) -> None:
         assert any(0 < m < len(steps) for m in lengths)
 
 
-REPEAT = {"#slot_size": "4", "#serial_blocks": "1", "#slot_threshold": "0.999", "#token_threshold": "0.99"}
+REPEAT = {"#slot_size": "4", "#slot_threshold": "0.999", "#token_threshold": "0.99"}
 
 
 def test_the_replay_shows_the_commits_step_by_step(live, page, shots):
@@ -255,9 +263,7 @@ def test_two_decoders_side_by_side(live, page, shots, left, right):
     prompt = next(p for p in task_prompts(1) if p.startswith("Add"))
     page.fill("#prompt", prompt)
     page.fill("#max_tokens", "96")  # the whole working of an addition
-    # adaptive widths, so that the API's repeat of a speculative request takes the page's steps
     page.select_option("#decoder", "speculative")
-    page.fill("#widths", "adaptive")
     page.select_option("#cmp_a", left)
     page.select_option("#cmp_b", right)
     page.click("#compare")
@@ -265,7 +271,7 @@ def test_two_decoders_side_by_side(live, page, shots, left, right):
     bodies = page.evaluate("window.compareBodies")
     assert [b["decoder"] for b in bodies] == [left, right]
     apis = []
-    for body, pane in zip(bodies, ("#pane_a", "#pane_b")):
+    for body, pane in zip(bodies, ("#pane_a", "#pane_b"), strict=True):
         assert body["messages"][0]["content"] == prompt and body["max_tokens"] == 96
         api = httpx.post(live.url + "/v1/chat/completions", json=dict(body, stream=False), timeout=60).json()
         ext = api["refusion"]
@@ -300,11 +306,10 @@ def test_two_decoders_side_by_side(live, page, shots, left, right):
     page.click("#replay_both")
     page.wait_for_selector("body[data-replay=done]", timeout=60_000)
     snaps = [distinct_steps(page.evaluate(f"window.{k}")) for k in ("snaps_a", "snaps_b")]
-    for s, api in zip(snaps, apis):
+    for s, api in zip(snaps, apis, strict=True):
         check_replayed(s, api, api["choices"][0]["message"]["content"])
     done = [s[-1]["t"] for s in snaps]
     n = [len(s) for s in snaps]
     if n[0] != n[1]:
         assert (done[0] < done[1]) == (n[0] < n[1])
     page.select_option("#decoder", "speculative")
-    page.fill("#widths", "")  # back to its default (none: the cost policy; typed values outlive the test)

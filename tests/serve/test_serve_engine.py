@@ -56,7 +56,7 @@ def test_requests_join_a_running_batch_and_keep_their_solo_output(engine):
     bodies = [{"max_tokens": 96}, {"max_tokens": 64, "decoder": "ar"},
               {"max_tokens": 64, "temperature": 0.9, "top_p": 0.9},
               {"max_tokens": 64, "decoder": "ar", "temperature": 0.9, "top_k": 30},
-              {"max_tokens": 96, "widths": "adaptive"}]
+              {"max_tokens": 96, "draft_length": 4}]
     jobs = []
     for i, p in enumerate(prompts):
         jobs.append((p, bodies[i % len(bodies)], 5 + i, job(engine, p, bodies[i % len(bodies)], seed=5 + i)))
@@ -73,8 +73,8 @@ def test_requests_join_a_running_batch_and_keep_their_solo_output(engine):
         if c.spec.widths != "cost":
             assert (got.steps, got.forwards) == (want.steps, want.forwards)
         # the commits streamed are exactly the result, each once
-        streamed = [(q, t) for ev in col.events if ev.kind == "commit" for q, t in zip(ev.positions, ev.tokens)]
-        assert sorted(streamed) == sorted(zip(want.positions, want.tokens))
+        streamed = [(q, t) for ev in col.events if ev.kind == "commit" for q, t in zip(ev.positions, ev.tokens, strict=True)]
+        assert sorted(streamed) == sorted(zip(want.positions, want.tokens, strict=True))
     # batching really happened: some step ran several sequences at once
     assert engine.steps < sum(col.result.forwards for *_, (_, col) in jobs)
 
@@ -116,7 +116,7 @@ def test_static_groups_batch_compatible_requests(engine):
     sizes = []
     engine.on_step = lambda n, s: sizes.append(n)
     cols = [job(engine, p, body)[1] for p in prompts]
-    for p, col in zip(prompts, cols):
+    for p, col in zip(prompts, cols, strict=True):
         assert col.done.wait(120)
         c = choose(parse_completion({"prompt": "x", **body}), CFG, 64)
         assert col.result.tokens == solo(p, c.decoder, c.params).tokens

@@ -82,13 +82,12 @@ def refusal(client: openai.OpenAI, prompt: list[int], body: dict) -> dict:
 
 # ---- what one request may cost -------------------------------------------------------------------
 
-# each width is capped (decoding.params: at most 256 drafts and 256 masks a step), and 1 + draft_length +
-# mask_length tokens fed per step must fit the context (512 positions)
+# the draft is capped (decoding.params: at most 256 draft tokens a step), and 1 + draft_length + its
+# draft_length + 1 masks fed per step must fit the context (512 positions)
 TOO_WIDE = [
-    ({"mask_length": 10**6}, "mask_length"),
+    ({"draft_length": 10**6}, "draft_length"),
     ({"draft_length": 10**9}, "draft_length"),
-    ({"decoder": "speculative", "mask_length": 300}, "mask_length"),
-    ({"draft_length": 256, "mask_length": 256}, "draft_length"),  # each within its cap, the step not
+    ({"draft_length": 256}, "draft_length"),  # within its cap, the step not
 ]
 
 
@@ -96,10 +95,10 @@ TOO_WIDE = [
 def test_a_step_wider_than_the_context_is_refused(live, body, param):
     err = refusal(client_of(live), ids("hi"), {"max_tokens": 16, **body})
     assert err["param"] == param, err
-    if body.get("draft_length", 0) <= 256 >= body.get("mask_length", 0):  # only the step's width is too large
+    if body["draft_length"] <= 256:  # only the step's width is too large
         assert err["code"] == "step_too_wide" and err["message"] == (
-            f"1 + draft_length {body['draft_length']} + mask_length {body['mask_length']} = 513 tokens fed per step "
-            f"exceeds the model's context of {CONTEXT} tokens; lower {param}")
+            f"1 + draft_length 256 + 257 masks = 514 tokens fed per step exceeds the model's context of {CONTEXT} "
+            f"tokens; lower {param}")
     else:
         assert f"{param} {body[param]} exceeds 256" in err["message"], err
 
@@ -110,10 +109,10 @@ def test_costly_requests_leave_the_other_clients_served(live):
     exactly what decode() gives it alone, and the server is healthy afterwards."""
     client = client_of(live)
     prompts = [ids(p) for p in task_prompts(1)]
-    hostile = [{"max_tokens": 16, "mask_length": 10**6}, {"max_tokens": 16, "draft_length": 10**9},
+    hostile = [{"max_tokens": 16, "draft_length": 10**6}, {"max_tokens": 16, "draft_length": 10**9},
                {"max_tokens": 16, "decoder": "refusion", "slot_size": 10**9},
                {"max_tokens": 10**6}]
-    admitted = [{"max_tokens": 48, "draft_length": 255, "mask_length": 256},  # a step as wide as the context
+    admitted = [{"max_tokens": 48, "draft_length": 255},  # a step as wide as the context (1 + 255 + 256)
                 {"max_tokens": 48}, {"max_tokens": 40, "decoder": "refusion"},
                 {"max_tokens": 50, "decoder": "mdm-threshold", "block_length": 32}]
     jobs = [(prompts[0], b, False) for b in hostile] + [(p, b, True) for p in prompts for b in admitted]
@@ -127,7 +126,7 @@ def test_costly_requests_leave_the_other_clients_served(live):
 
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as ex:
         out = list(ex.map(lambda j: run(*j), jobs))
-    for (prompt, body, ok), got in zip(jobs, out):
+    for (prompt, body, ok), got in zip(jobs, out, strict=True):
         if ok:
             assert got == expected(prompt, body), body
         else:
@@ -140,17 +139,17 @@ def test_the_per_request_token_limit(tight):
     prompt = ids("Question: what is 2 + 3?\nAnswer:")
     P = len(prompt)
     assert client.models.list().data[0].model_extra["max_request_tokens"] == TIGHT
-    # speculative by default: prompt + max_tokens + 1 + (1 + draft_length 32 + mask_length 33) columns
+    # speculative by default: prompt + max_tokens + 1 + (1 + draft_length 32 + 33 masks) columns
     most = TIGHT - P - 67
     body = {"max_tokens": most}
     assert complete(client, prompt, body).model_extra["refusion"]["token_ids"] == expected(prompt, body)
     err = refusal(client, prompt, {"max_tokens": most + 1})
     assert err["param"] == "max_tokens" and err["code"] == "request_too_large", err
     assert err["message"] == (f"this request needs {TIGHT + 1} tokens (prompt {P} + max_tokens {most + 1} + 67 for "
-                              "one step's drafts and masks (1 + draft_length 32 + mask_length 33 + 1)); this "
+                              "one step's drafts and masks (1 + draft_length 32 + 33 masks + 1)); this "
                               f"server admits at most {TIGHT} tokens per request")
-    err = refusal(client, prompt, {"max_tokens": 16, "draft_length": 200, "mask_length": 230})
-    assert err["param"] == "mask_length" and f"needs {P + 16 + 432} tokens" in err["message"], err
+    err = refusal(client, prompt, {"max_tokens": 16, "draft_length": 220})  # its step: 1 + 220 + 221 masks
+    assert err["param"] == "draft_length" and f"needs {P + 16 + 443} tokens" in err["message"], err
     # a decoder that decodes whole blocks holds the rounded length
     err = refusal(client, prompt, {"max_tokens": 420, "decoder": "mdm", "block_length": 32})
     assert err["param"] == "max_tokens" and "max_tokens 420 rounded up to whole blocks, 448" in err["message"], err
@@ -177,8 +176,7 @@ def test_the_batch_rows_stay_within_the_limit(tight, monkeypatch):
     monkeypatch.setattr(RaggedKVCache, "reserve", recording_reserve)
     # this prompt makes the bundled model ramble to the length limit, one token per step (greedy AR)
     long_prompt, long_body = ids("red red red red red red"), {"max_tokens": 400, "decoder": "ar", "stream": True}
-    wide_prompt, wide_body = ids("Question: what is 2 + 3?\nAnswer:"), {"max_tokens": 32, "draft_length": 30,
-                                                                      "mask_length": 31}
+    wide_prompt, wide_body = ids("Question: what is 2 + 3?\nAnswer:"), {"max_tokens": 32, "draft_length": 30}
     assert len(long_prompt) + 400 + 2 <= TIGHT and len(wide_prompt) + 32 + 63 <= TIGHT  # each alone fits
     assert len(long_prompt) + 400 + 63 > TIGHT  # together they would not
     with httpx.stream("POST", tight.url + "/v1/completions", timeout=120,
@@ -200,7 +198,7 @@ ROUNDED = [
     {"max_tokens": 50, "decoder": "mdm", "block_length": 32},
     {"max_tokens": 20, "decoder": "mdm-threshold", "block_length": 16},
     {"max_tokens": 30, "decoder": "refusion", "slot_size": 7},
-    {"max_tokens": 36, "decoder": "refusion-l2r", "slot_size": 4, "serial_blocks": 2},
+    {"max_tokens": 36, "decoder": "refusion-l2r", "slot_size": 8},
 ]
 
 
@@ -340,7 +338,8 @@ def test_slow_bodies_kept_alive_and_pipelined_requests_are_served(live):
 
 
 def test_the_step_width_names_the_branches_of_a_forking_request():
-    """A request that forks reserves columns for its branches, and a refusal says so."""
+    """A request that forks (the model's decoding.json can set fork) reserves columns for its branches,
+    and a refusal says so."""
     from refusion.decoding.params import MAX_BRANCHES, SpeculativeParams
     from refusion.serve import budget
     from refusion.serve.params import DecoderChoice
@@ -348,6 +347,6 @@ def test_the_step_width_names_the_branches_of_a_forking_request():
     spec = SpeculativeParams(gen_length=64, draft_length=100, mask_length=100, widths="fixed", fork=True)
     choice = DecoderChoice("speculative", {}, spec, 64)
     assert budget.step_width(choice) == 1 + 100 + 100 + MAX_BRANCHES * 100
-    with pytest.raises(budget.RequestError, match=rf"1 \+ draft_length 100 \+ mask_length 100 \+ {MAX_BRANCHES * 100} "
+    with pytest.raises(budget.RequestError, match=rf"1 \+ draft_length 100 \+ 100 masks \+ {MAX_BRANCHES * 100} "
                                                   r"for redraft blocks or branches = 501 tokens fed per step"):
         budget.check(10, choice, 400, 10_000)

@@ -54,7 +54,7 @@ def expected(prompt_ids: list[int], body: dict):
 DECODER_BODIES = [
     {"max_tokens": 48},  # the default decoder (speculative)
     {"max_tokens": 48, "decoder": "refusion", "slot_size": 8},
-    {"max_tokens": 64, "decoder": "refusion", "slot_size": 4, "serial_blocks": 2, "slot_threshold": 0.7},
+    {"max_tokens": 64, "decoder": "refusion", "slot_size": 4, "slot_threshold": 0.7, "checks": True},
     {"max_tokens": 48, "decoder": "refusion-l2r"},
     {"max_tokens": 48, "decoder": "ar"},
     {"max_tokens": 64, "decoder": "mdm", "block_length": 32, "steps": 32},
@@ -111,9 +111,9 @@ def test_stream_equals_the_non_streamed_answer(client, decoder):
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens and not chunks[-1].choices
     # the extension: every committed token arrives once, with its position, in commit order
     commits = [c for ch in chunks if ch.choices for c in ch.model_extra["refusion"]["commits"]]
-    got = {q: t for c in commits for q, t in zip(c["positions"], c["tokens"])}
+    got = {q: t for c in commits for q, t in zip(c["positions"], c["tokens"], strict=True)}
     ext = whole.model_extra["refusion"]
-    assert {q: got[q] for q in ext["positions"]} == dict(zip(ext["positions"], ext["token_ids"]))
+    assert {q: got[q] for q in ext["positions"]} == dict(zip(ext["positions"], ext["token_ids"], strict=True))
     assert sum(len(c["positions"]) for c in commits) == len(got)
     assert chunks[0].model_extra["refusion"]["prompt_tokens"] == len(chat_ids(prompt))
 
@@ -234,7 +234,7 @@ def test_concurrent_requests_each_equal_decode_alone(live, client):
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as ex:
         texts = list(ex.map(lambda j: run(*j), jobs))
     _, tok = bundled()
-    for (p, body, _), text in zip(jobs, texts):
+    for (p, body, _), text in zip(jobs, texts, strict=True):
         assert text == tok.decode(expected(chat_ids(p), body).tokens), body
 
 
@@ -324,7 +324,7 @@ def test_an_exception_in_one_sequence_fails_only_that_request(live, client, monk
 
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as ex:
         out = list(ex.map(lambda j: run(*j), jobs))
-    for (p, body), r in zip(jobs, out):
+    for (p, body), r in zip(jobs, out, strict=True):
         if p == poison_text:
             assert isinstance(r, openai.InternalServerError) and "poisoned" in r.body["message"]
         else:
@@ -359,7 +359,7 @@ def test_a_seeded_request_gets_the_same_text_alone_and_in_a_busy_batch(client):
     assert text(extra_body={"decoder": "ar"}) == alone
     others = [dict(model=NAME, messages=[{"role": "user", "content": p}], max_tokens=48 + 8 * i,
                    temperature=[0.0, 0.7, 1.2][i % 3], seed=i) for i, p in enumerate(task_prompts(1))]
-    widths = [{}, {"draft_length": 4}, {"draft_length": 32, "adaptive": False}, {"mask_length": 2}]
+    widths = [{}, {"draft_length": 4}, {"draft_length": 32}, {"draft_length": 0}]
     with concurrent.futures.ThreadPoolExecutor(len(others) + len(widths)) as ex:
         busy = [ex.submit(client.chat.completions.create, **o) for o in others]
         mine = [ex.submit(text, extra_body=w) for w in widths]

@@ -14,7 +14,7 @@ SETTINGS = ModelSettings("speculative", {"fork": True, "width_price": 0.25, "dra
 
 
 @pytest.mark.parametrize("field, says", [
-    ("fork", "fork is not a request field: the drafting policy is a Python-only setting"),
+    ("fork", "fork is not a request field: it is a Python-only setting of the decoder"),
     ("width_price", "width_price is not a request field"),
     ("widths", "widths is not a request field"),
     ("adaptive", "adaptive is not a request field"),

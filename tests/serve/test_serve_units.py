@@ -89,7 +89,7 @@ def test_accepted_bodies():
     ({"decoder": "refusion", "slot_size": 0}, "slot_size must be an integer >= 1"),
     ({"decoder": "mdm", "steps": 100}, "steps 100 exceeds max_tokens 64"),
     ({"decoder": "refusion", "slot_size": 8.5}, "slot_size must be an integer"),
-    ({"decoder": "refusion", "recompute_kv": 1}, "recompute_kv must be a boolean"),
+    ({"decoder": "refusion", "checks": 1}, "checks must be a boolean"),
     ({"decoder": "refusion", "top_p": 0.5}, "does not sample with top_p"),
     ({"decoder": "mdm", "threshold": 0.5}, "use 'mdm-threshold'"),
     ({"decoder": "mdm", "steps": 5}, "steps 5 must be a positive multiple"),
@@ -103,7 +103,7 @@ def test_decoder_parameters_validated_like_the_cli(fields, fragment):
 
 @pytest.mark.parametrize("fields,max_tokens,gen_length", [
     ({"decoder": "refusion", "slot_size": 7}, 64, 70),
-    ({"decoder": "refusion", "slot_size": 8, "serial_blocks": 2}, 40, 48),
+    ({"decoder": "refusion", "slot_size": 16}, 40, 48),
     ({"decoder": "refusion-l2r"}, 64, 64),
     ({"decoder": "mdm", "block_length": 32}, 50, 64),
     ({"decoder": "mdm-threshold", "block_length": 16}, 1, 16),

@@ -5,12 +5,12 @@ A request's memory is its rows of KV cache and what one step feeds. Counted in t
     prompt + gen_length + the extra columns one step writes past the answer
 
 The extra columns are `max_width + 1` for a job in the continuous batch (the SpeculativeBatch
-reserves them for x, the draft and the masks: 1 + draft_length + mask_length), and none for the
+reserves them for x, the draft, the masks and any branches the model's settings feed), and none for the
 other decoders, whose caches hold prompt + gen_length columns and whose steps feed only tokens
 within them. One completion per request (n = 1, no best_of), so one row.
 
 Two refusals, each a 400 naming the field and the limit: a step that feeds more tokens than the
-model has positions (draft_length / mask_length), and a request whose tokens exceed the server's
+model has positions (draft_length), and a request whose tokens exceed the server's
 `max_request_tokens`. Its default, twice the model's context, admits every request that fits the
 context with a step at most as wide as the context, so a server started without the flag refuses
 nothing it answered before; with the flag, an operator trades the widest requests for memory.
@@ -60,11 +60,11 @@ def _width_terms(choice: DecoderChoice) -> str:
     p = choice.spec
     masks = p.mask_length if p.mask_length is not None else p.draft_length + 1
     extra = p.max_width - (1 + p.draft_length + masks)  # (redraft blocks, branches)
-    return f"1 + draft_length {p.draft_length} + mask_length {masks}" + (f" + {extra} for redraft blocks or branches"
-                                                                           if extra else "")
+    return f"1 + draft_length {p.draft_length} + {masks} masks" + (f" + {extra} for redraft blocks or branches"
+                                                                     if extra else "")
 
 
 def _width_field(choice: DecoderChoice) -> str:
-    """The request field that makes the step wide: mask_length when it is the larger part."""
-    p = choice.spec
-    return "mask_length" if p.mask_length is not None and p.mask_length > p.draft_length else "draft_length"
+    """The request field that makes the step wide (the rest of its width, the masks and branches,
+    follows from it or from the model's decoding.json)."""
+    return "draft_length"

@@ -133,8 +133,8 @@ def _python_only(name: str) -> str | None:
         return f"{name} is now part of checks (true: join check, causal infill and row recheck together)"
     hidden = {o.name for d in registry.names() for o in registry.options(d, hidden=True) if o.hidden}
     if name in hidden or name == "adaptive":
-        return (f"{name} is not a request field: the drafting policy is a Python-only setting, and the model's "
-                "decoding.json sets the one measured best for it (GET /v1/decoders lists the fields)")
+        return (f"{name} is not a request field: it is a Python-only setting of the decoder, and the model's "
+                "decoding.json sets what was measured best for it (GET /v1/decoders lists the fields)")
     return None
 
 
