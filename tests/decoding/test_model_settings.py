@@ -146,3 +146,13 @@ def test_the_shipped_smollm2_adapter_carries_the_setting_measured_best():
     s = model_settings.read(bundled.ASSETS / "smollm2-refusion")
     assert (s.decoder, s.params["fork"], s.params["width_price"]) == ("speculative", True, 0.25)
     assert s.measured_by.startswith("python benchmarks/smollm2_speculative.py") and "--write-settings" in s.measured_by
+
+
+def test_info_names_the_decoder_the_settings_choose(model_dir, capsys):
+    assert main(["info", str(model_dir)]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert (d["default_decoder"], d["decoding_settings"]) == ("speculative", None)
+    model_settings.write(model_dir, ModelSettings("ar", {"gen_length": 16}, measured_by="python x.py"))
+    assert main(["info", str(model_dir)]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["default_decoder"] == "ar" and d["decoding_settings"]["params"] == {"gen_length": 16}

@@ -74,12 +74,15 @@ def cmd_export(args: argparse.Namespace) -> None:
 
 
 def cmd_info(args: argparse.Namespace) -> None:
-    from refusion.decoding import default_decoder
+    from refusion.decoding import model_settings
     from refusion.model.checkpoint import load_config
     from refusion.model.size import parameter_count
 
     path = resolve_model_dir(args)
     cfg = load_config(path)
     n = parameter_count(cfg)  # from the shapes: no memory, no weights read
-    print(json.dumps({"path": str(path), "parameters": n, "default_decoder": default_decoder(cfg),
+    settings = model_settings.read(path)
+    print(json.dumps({"path": str(path), "parameters": n,
+                      "default_decoder": model_settings.resolve(settings, cfg, None, {})[0],
+                      "decoding_settings": settings.to_dict() if settings is not None else None,
                       **cfg.to_dict()}, indent=2))
