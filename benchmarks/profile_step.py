@@ -15,10 +15,9 @@ under torch.profiler for the operator table; the plain run gives the step table:
   plain ms      what the same forwards cost as bare causal forwards of the model (KVCache, no mask,
                 batch 1, a 64-token cache), measured per width: the floor a decoder step can reach
                 without changing the model's arithmetic
-  step / plain  ms / step over plain ms: the decoder's overhead factor (the issue's target: <= 2)
+  step / plain  ms / step over plain ms: the decoder's overhead factor
   / 1-token     ms / step over a single-token plain forward: what a step costs in AR forwards
-  TPS / batch 1 the batch's aggregate tokens / s over the same decoder's at batch 1 (target for
-                plan-and-infill and AR at batch 8: >= 3)
+  TPS / batch 1 the batch's aggregate tokens / s over the same decoder's at batch 1
 
 --compile runs the model through torch.compile'd graphs (refusion.model.compiled); each batch size is
 decoded once more before it is timed, so that compiling stays out of the clock (graphs compiled

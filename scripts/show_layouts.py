@@ -1,7 +1,7 @@
 """Print one example laid out by each variant of the ReFusion objective: feed order, positions, labels,
-and who attends to whom (README "Objective variants").
+and who attends to whom (docs/training.md, "The ReFusion objective and its variants").
 
-    python scripts/show_layouts.py                 # every variant, the README's example
+    python scripts/show_layouts.py                 # every variant, docs/training.md's example
     python scripts/show_layouts.py hybrid --seed 3
 
 The example: prompt p0 p1, response a b c d e f (slots of 2; draft blocks of 2). Tokens are letters, a

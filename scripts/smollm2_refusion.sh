@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# SmolLM2-135M-Instruct with ReFusion drafts (issue 20; README "SmolLM2 with drafts"): a mask path,
+# SmolLM2-135M-Instruct with ReFusion drafts (docs/smollm2.md): a mask path,
 # trained on the model's own answers, that makes `speculative` decoding faster while every answer stays
 # the base's greedy answer.
 #

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The paper's recipe, small, as curves over training steps (issues 11 and 19; README "The study").
+# The paper's recipe, small, as curves over training steps (docs/study.md).
 # From ONE pretrained causal base:
 #   base                  next-token pretraining on the task mixture + Python standard library source
 #   ar                    the base continued with the next-token objective (the ARM baseline)

@@ -16,9 +16,9 @@ GET /metrics (Prometheus), GET / (a web page showing slots being filled live).
 
 Requests take OpenAI's fields (max_tokens, temperature, top_p, stop, seed, stream,
 stream_options) plus the decoder and its parameters as extra body fields, e.g.
-{"decoder": "refusion", "slot_size": 8, "serial_blocks": 2}. The default decoder is the one
+{"decoder": "refusion", "slot_size": 8, "checks": true}. The default decoder is the one
 the model's training objective fits (speculative for a ReFusion model: AR's output at several
-tokens per forward). See the README's "Serving" section for every field."""
+tokens per forward). See docs/serving.md for every field."""
 
 
 def _seconds(text: str) -> float:

@@ -18,10 +18,9 @@ LOOKUP_NGRAMS = (4, 3, 2, 1)  # suffix lengths tried, longest first (longer matc
 ALTERNATIVE_LOOK = 16  # occurrences of a suffix read for alternatives() (a common one may have hundreds)
 # how far the text backs a copy (NgramIndex.support): its suffix occurred once before; or several times,
 # and their continuations agree on no token (split), on one, on two or three, or on four and more
-# (agreed). Counted apart (widths.lookup_kind) because they are accepted very differently: on SmolLM2's
-# answers a split copy goes under half as far as one whose words occurred once, and a copy's tokens
-# are accepted about 19 times in 20 up to where those continuations part, a third of the time there
-# (benchmarks/draft_support.py)
+# (agreed). Counted apart (widths.lookup_kind) because they are accepted very differently: a copy is
+# accepted far more often up to where the earlier continuations part than past it (measured on
+# SmolLM2's answers; docs/speculative.md, "Draft sources and Python-only options")
 COPY_AGREED, COPY_ONCE, COPY_SPLIT, COPY_AGREED_1, COPY_AGREED_2 = 0, 1, 2, 3, 4
 COPY_SUPPORTS = 5
 
@@ -29,8 +28,8 @@ COPY_SUPPORTS = 5
 def lookup_by_default(config: ModelConfig) -> bool:
     """Whether `speculative` drafts by lookup when not told: for a mask-adapted model. Its masks draft
     from a base that never learned to, so they are accepted less far than copies of earlier text
-    (README "SmolLM2 with drafts"); a model trained with the ReFusion objective drafts further with
-    its masks alone, and lookup costs it a little (README "Width policies")."""
+    (docs/smollm2.md); a model trained with the ReFusion objective drafts further with its masks
+    alone, and lookup costs it a little (docs/speculative.md, "Draft sources and Python-only options")."""
     return config.mask_adapter is not None
 
 

@@ -258,7 +258,7 @@ class ReFusionParams:
                                         "speculative's extra token; the mask's draft only when they agree (greedy only)",
                                   hidden=True)
     recheck_rows: bool = option(False, "after a parallel infill, feed its rows again in one causal pass, each after "
-                                       "the chosen slots before it (as --recompute-kv), and commit them only up to "
+                                       "the chosen slots before it (as recompute_kv), and commit them only up to "
                                        "the first row with a token that pass gives token_threshold or less and does "
                                        "not predict; the rows after it are re-planned", hidden=True)
     verify: bool = option(False, "verify the plan-and-infill answer as a draft of the speculative decoder: the "

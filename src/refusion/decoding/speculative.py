@@ -113,8 +113,8 @@ from refusion.model.transformer import Transformer
 
 def fresh_after_miss_by_default(config: ModelConfig) -> bool:
     """Whether a rejection drops the rest of the draft when not told: for a mask-adapted model, whose
-    masks draft from a frozen base and rarely guess past a token they did not see (README "SmolLM2
-    with drafts"); a ReFusion-trained model keeps the spec's rest of the draft."""
+    masks draft from a frozen base and rarely guess past a token they did not see (docs/smollm2.md);
+    a ReFusion-trained model keeps the spec's rest of the draft."""
     return config.mask_adapter is not None
 
 
@@ -325,8 +325,8 @@ class SpeculativeBatch:
         the device): the first column (among the last `need`) of the masks after the draft and how
         many they are, and of the redraft blocks the first column and each block's masks (none of
         either for a row that drafts sampled tokens or asked for no sampler); and the longest block
-        of any row. None where no row has a block of two. (Every mask of a block is chained: a cap
-        lowered SmolLM2's masks-only TPF without a speed gain: results/smollm2-refusion/README.md.)"""
+        of any row. None where no row has a block of two. Every mask of a block is chained, with no
+        cap on the chain's length."""
         if self.sampler is None:
             return None
         use = np.array([q.p.sampler and not (q.p.temperature > 0 and q.p.sampled_drafts) for q in seqs])

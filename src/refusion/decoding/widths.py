@@ -51,15 +51,15 @@ is valued as if its draft filled its width: masks fed now draft the next step), 
 the rows running now: as rows join and leave, the widths follow. A batch of several rows
 re-chooses every CHOOSE_EVERY steps and whenever rows join, holding its widths in between (the
 choice's host work is a noticeable share of a small model's batched step), and on a CPU drafts at
-most PACKED_BATCH_DRAFT tokens per row (benchmarks/choose_every.py, README "Width policies").
+most PACKED_BATCH_DRAFT tokens per row (measured; docs/speculative.md, "Draft length and widths").
 A row whose draft predicts its own EOS drafts no further than it: tokens past an answer's end
 are never committed, and counting them made wide drafts look cheap near every answer's end.
 
 Being myopic, the choice undervalues width: what a wider step feeds beyond its draft (masks,
 branches) and the longer runs it accepts keep drafting the steps after it. SpeculativeParams.width_price
 counts only a share of what each token beyond one per row adds to a forward (costs.WidthPriced):
-below 1 the policy feeds wider steps, for more tokens per forward; on a CPU at some cost in speed
-(README, "SmolLM2 with drafts": measured there, the one-step choice was the faster one).
+below 1 the policy feeds wider steps, for more tokens per forward; whether that is also faster
+depends on what width costs on the machine (docs/smollm2.md, "Why the drafts go where they go").
 
 Widths never change an output: greedy output is AR's whatever the widths, and sampled tokens are
 position-keyed draws (sampling.py). They do change the counters (forwards, tokens fed), which under

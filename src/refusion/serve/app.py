@@ -7,9 +7,10 @@ engine's events come back through an asyncio queue per request; a task that watc
 puts a "gone" marker in the same queue when the client disconnects, so the request is cancelled
 within one engine step whether it streams or not.
 
-Streams are OpenAI's SSE chunks with one extension field, `refusion`, on every chunk (see the
-README, "Serving"): the commits as they land ({positions, tokens, pieces, step}), which may be out
-of position order, while `text` / `delta.content` carry only the complete prefix, left to right.
+Streams are OpenAI's SSE chunks with one extension field, `refusion`, on every chunk (see
+docs/serving.md, "Streaming and out-of-order slots"): the commits as they land ({positions,
+tokens, pieces, step}), which may be out of position order, while `text` / `delta.content` carry
+only the complete prefix, left to right.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Variants of the ReFusion objective (spec section 8; README "Objective variants"): one TrainConfig
+"""Variants of the ReFusion objective (spec section 8; docs/training.md): one TrainConfig
 field, `variant`, parsed here without torch so that a config is checked before anything loads.
 
     paper         the paper's layout and loss (spec section 3), equal to the reference loss
