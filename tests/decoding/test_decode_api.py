@@ -29,7 +29,7 @@ def tiny(seed=0) -> Transformer:
 def streamed(events: list, row: int, eos: set[int]) -> tuple[list[int], list[int]]:
     """What a streaming client rebuilds, as decode()'s docstring tells it to: the commits of a row
     sorted by position, cut after the first EOS."""
-    got = sorted((q, t) for r, positions, tokens in events if r == row for q, t in zip(positions, tokens))
+    got = sorted((q, t) for r, positions, tokens in events if r == row for q, t in zip(positions, tokens, strict=True))
     cut = next((i + 1 for i, (_, t) in enumerate(got) if t in eos), len(got))
     return [q for q, _ in got[:cut]], [t for _, t in got[:cut]]
 

@@ -26,7 +26,7 @@ def pair(tmp_path_factory):
 def test_batched_greedy_equals_transformers_per_prompt(pair):
     hf, model = pair
     res = generate_ar(model, PROMPTS, ARParams(gen_length=12, first_from_mask=False), eos_ids=[])
-    for p, r in zip(PROMPTS, res):
+    for p, r in zip(PROMPTS, res, strict=True):
         ref = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None,
                           pad_token_id=0)[0, len(p):].tolist()
         assert r.tokens == ref
@@ -41,7 +41,7 @@ def test_stops_at_eos_and_counts_up_to_it(pair):
     eos = free[0].tokens[3]
     res = generate_ar(model, PROMPTS, ARParams(gen_length=12, first_from_mask=False), eos_ids=[eos])
     assert res[0].tokens == free[0].tokens[:4] and res[0].finished and res[0].forwards == 4
-    for f, r in zip(free[1:], res[1:]):
+    for f, r in zip(free[1:], res[1:], strict=True):
         cut = next((i + 1 for i, t in enumerate(f.tokens) if t == eos), 12)
         assert r.tokens == f.tokens[:cut]
 
@@ -74,7 +74,7 @@ def test_streaming_callback_sees_every_commit(pair):
     seen = []
     res = generate_ar(model, PROMPTS, ARParams(gen_length=5), eos_ids=[], on_commit=lambda *a: seen.append(a))
     for row, r in enumerate(res):
-        assert [(p, t) for (rw, p, t) in seen if rw == row] == [([q], [t]) for q, t in zip(r.positions, r.tokens)]
+        assert [(p, t) for (rw, p, t) in seen if rw == row] == [([q], [t]) for q, t in zip(r.positions, r.tokens, strict=True)]
 
 
 def test_top_p_keeps_the_smallest_nucleus():

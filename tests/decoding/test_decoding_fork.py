@@ -47,7 +47,7 @@ def test_greedy_equals_ar_batched_and_alone(seed, kw, forks):
     ref = ar(model, PROMPTS, 40, [])
     params = SpeculativeParams(gen_length=40, fork=True, **kw)
     together = generate_speculative(model, PROMPTS, params, eos_ids=[], cost=CHEAP)
-    for p, r, a in zip(PROMPTS, together, ref):
+    for p, r, a in zip(PROMPTS, together, ref, strict=True):
         assert r.tokens == a.tokens and r.positions == a.positions
         (alone,) = generate_speculative(model, [p], params, eos_ids=[], cost=CHEAP)
         assert alone.tokens == r.tokens
@@ -78,7 +78,7 @@ def forked_step(model, prompts, k, forks_at, second_len, wrong_at=None, mask_len
         batch.add(p, SpeculativeParams(gen_length=40, draft_length=k, mask_length=mask_length, widths="fixed",
                                        fork=True, lookup=False))
     batch.step()
-    for q, f, s in zip(batch.running, free, forks_at):
+    for q, f, s in zip(batch.running, free, forks_at, strict=True):
         truth = f.tokens[1:]
         draft = list(truth[:k])
         if s is not None:
@@ -105,13 +105,13 @@ def test_a_branch_that_goes_further_is_committed_with_its_kv(forks_at, decoy, fo
     model = tiny_model(2)
     prompts = [PROMPTS[1], PROMPTS[3], PROMPTS[0]][:len(forks_at)]
     batch, free = forked_step(model, prompts, 4, forks_at, 6, decoy=decoy)  # (it feeds draft_length of them)
-    for q, p, f, s in zip(batch.running, prompts, free, forks_at):
+    for q, p, f, s in zip(batch.running, prompts, free, forks_at, strict=True):
         n = 1 + (s + 4 if s is not None else 4) + 1  # the prefill's token, the accepted run, the causal token
         assert q.res.tokens == f.tokens[:n]
         assert q.c == len(p) + n - 1  # all but the newest token are cached
         want_k, want_v = plain_kv(model, p + q.res.tokens[:-1])
         got_k, got_v = batch.cache.row(batch.running.index(q), q.c)
-        for a, b in zip(want_k + want_v, got_k + got_v):
+        for a, b in zip(want_k + want_v, got_k + got_v, strict=True):
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
     assert forks["won"] == sum(s is not None for s in forks_at)
     while len(batch):  # and the decode goes on to AR's output
@@ -153,7 +153,7 @@ def test_of_two_branches_right_from_the_same_fork_the_longer_wins():
         assert q.res.tokens == free[0].tokens[:1 + 1 + 4 + 1]
         k, _ = batch.cache.row(0, q.c)
         want_k, _ = plain_kv(model, PROMPTS[1] + q.res.tokens[:-1])
-        for a, b in zip(want_k, k):
+        for a, b in zip(want_k, k, strict=True):
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
 
 

@@ -25,7 +25,7 @@ def test_greedy_equals_ar_batched_and_alone(seed, kw):
     ref = ar(model, PROMPTS, 24, [1])
     params = SpeculativeParams(gen_length=24, redraft=True, **kw)
     together = generate_speculative(model, PROMPTS, params, eos_ids=[1])
-    for p, r, a in zip(PROMPTS, together, ref):
+    for p, r, a in zip(PROMPTS, together, ref, strict=True):
         assert r.tokens == a.tokens and r.positions == a.positions and r.finished == a.finished
         (alone,) = generate_speculative(model, [p], params, eos_ids=[1])
         assert (alone.tokens, alone.positions) == (r.tokens, r.positions)
@@ -42,16 +42,16 @@ def test_after_a_rejection_the_draft_is_the_masks_behind_the_accepted_tokens(js)
     ks = [4, 5, 3][:len(js)]
     free = ar(model, prompts, 30, [])
     batch = SpeculativeBatch(model, eos_ids=[])
-    for p, k in zip(prompts, ks):
+    for p, k in zip(prompts, ks, strict=True):
         batch.add(p, SpeculativeParams(gen_length=30, draft_length=k, mask_length=m, widths="fixed", redraft=True))
     batch.step()  # the prefill: commits each row's first token
-    for q, f, j, k in zip(batch.running, free, js, ks):
+    for q, f, j, k in zip(batch.running, free, js, ks, strict=True):
         assert q.res.tokens == f.tokens[:1]
         draft = list(f.tokens[1:1 + k])
         draft[j] = (draft[j] + 1) % MASK
         q.draft = draft
     batch.step()
-    for q, p, f, j in zip(batch.running, prompts, free, js):
+    for q, p, f, j in zip(batch.running, prompts, free, js, strict=True):
         assert q.res.tokens == f.tokens[:j + 2]  # d1..dj accepted, then the causal token
         assert q.kind == widths.FRESH
         seq = p + f.tokens[:j + 1]  # up to d_j

@@ -68,7 +68,7 @@ def run_ref(model, prompt, kw, eos):
 
 def stream_result(events, eos):
     """What a streaming client reconstructs: every commit, sorted by position, cut at the first EOS."""
-    got = sorted((q, t) for positions, tokens in events for q, t in zip(positions, tokens))
+    got = sorted((q, t) for positions, tokens in events for q, t in zip(positions, tokens, strict=True))
     assert len({q for q, _ in got}) == len(got), "a position was committed twice"
     out = []
     for q, t in got:
@@ -472,7 +472,7 @@ def test_streamed_commits_rebuild_the_result():
     model = tiny_model(5)
     for eos in (set(), {7}, {10, 13}):
         res, events = run_lib(model, PROMPTS, params(16, 4, 2, 0.2, 0.2), eos)
-        for r, ev in zip(res, events):
+        for r, ev in zip(res, events, strict=True):
             assert ev, "nothing streamed"
             assert stream_result(ev, eos) == (r.positions, r.tokens)
             assert all(len(q) == len(t) > 0 for q, t in ev)
@@ -515,7 +515,7 @@ def test_sampling_is_reproducible_and_per_sequence():
     a = generate_refusion(model, PROMPTS, ReFusionParams(**kw), eos_ids=[], seed=7)
     b = generate_refusion(model, PROMPTS, ReFusionParams(**kw), eos_ids=[], seed=7)
     assert [r.tokens for r in a] == [r.tokens for r in b] and [r.positions for r in a] == [r.positions for r in b]
-    for p, r in zip(PROMPTS, a):
+    for p, r in zip(PROMPTS, a, strict=True):
         single = generate_refusion(model, [p], ReFusionParams(**kw), eos_ids=[], seed=7)[0]
         assert (single.tokens, single.positions, single.forwards) == (r.tokens, r.positions, r.forwards)
         assert r.positions == list(range(len(p), len(p) + 16))
@@ -537,7 +537,7 @@ def test_kv_reuse_is_exact_when_one_slot_is_infilled_at_a_time(model_seed):
     kw["recompute_kv"] = True
     recompute = generate_refusion(model, PROMPTS, ReFusionParams(**kw), eos_ids=[])
     infills = 0
-    for a, b in zip(reuse, recompute):
+    for a, b in zip(reuse, recompute, strict=True):
         assert a.tokens == b.tokens and a.positions == b.positions
         infills += b.forwards - a.forwards
     assert infills > 0  # the case does go through infill

@@ -46,11 +46,11 @@ def test_left_to_right_with_every_check_is_greedy_ar(model_seed, L, s):
     ar = decode(model, ps, "ar", max_new_tokens=L, eos_ids=[])
     on = generate_refusion(model, ps, every_check(L, s, True), eos_ids=[])  # the whole batch at once
     off = generate_refusion(model, ps, every_check(L, s, False), eos_ids=[])
-    for p, a, r in zip(ps, ar, on):
+    for p, a, r in zip(ps, ar, on, strict=True):
         assert r.tokens == a.tokens, p
         assert r.positions == list(range(len(p), len(p) + L))
     # without the option the unchecked tokens are the masks' drafts: the test can fail
-    assert sum(r.tokens != a.tokens for r, a in zip(off, ar)) >= 3
+    assert sum(r.tokens != a.tokens for r, a in zip(off, ar, strict=True)) >= 3
 
 
 def test_an_eos_taken_from_the_causal_prediction_ends_the_answer():
@@ -72,7 +72,7 @@ def test_batched_equals_one_at_a_time_and_no_holes(kw):
     ps = PROMPTS + CANDIDATES[:5]
     params = ReFusionParams(gen_length=16, slot_size=4, causal_infill=True, **kw)
     together = generate_refusion(model, ps, params, eos_ids=[])
-    for p, r in zip(ps, together):
+    for p, r in zip(ps, together, strict=True):
         (alone,) = generate_refusion(model, [p], params, eos_ids=[])
         assert (r.tokens, r.positions, r.forwards) == (alone.tokens, alone.positions, alone.forwards)
         assert r.positions == list(range(len(p), len(p) + 16))
@@ -117,11 +117,11 @@ def test_recheck_rows_leaves_no_unchecked_token(model_seed, tau):
     ps = PROMPTS + CANDIDATES[:9]
     on, ev_on = run_lib(model, ps, kw, set(), recheck_rows=True)
     _, ev_off = run_lib(model, ps, kw, set())
-    for p, r, ev in zip(ps, on, ev_on):
+    for p, r, ev in zip(ps, on, ev_on, strict=True):
         assert r.positions == list(range(len(p), len(p) + 16))  # no holes
         assert unchecked_tokens(model, p, ev, s, tau) == 0, p
     # without the recheck, rows after the first keep tokens drafted beside their predecessors
-    assert sum(unchecked_tokens(model, p, ev, s, tau) for p, ev in zip(ps, ev_off)) > 0
+    assert sum(unchecked_tokens(model, p, ev, s, tau) for p, ev in zip(ps, ev_off, strict=True)) > 0
 
 
 def test_recheck_rows_that_accept_everything_is_recompute_kv():
@@ -142,6 +142,6 @@ def test_every_check_on_the_trained_model_keeps_greedy_ar_answers():
     ps = [tok.chat_prompt_ids(ex.prompt) for ex in task_examples(2)]
     params = ReFusionParams(gen_length=64, slot_size=8, join_check=True, causal_infill=True, recheck_rows=True)
     together = generate_refusion(model, ps, params)
-    for p, r in zip(ps, together):
+    for p, r in zip(ps, together, strict=True):
         (alone,) = generate_refusion(model, [p], params)
         assert (r.tokens, r.positions, r.forwards) == (alone.tokens, alone.positions, alone.forwards)

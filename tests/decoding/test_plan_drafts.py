@@ -67,7 +67,7 @@ def test_verified_plan_and_infill_is_ar_and_counts_both_passes(causal_first):
     got = decode(m, PROMPTS, "refusion", eos_ids=eos, verify=True, **rp)
     assert [r.tokens for r in got] == [r.tokens for r in want]
     # the plan-and-infill pass's forwards are counted first, then at least one that verifies
-    assert all(g.forwards > p.forwards and min(g.steps) >= p.forwards for g, p in zip(got, plain))
+    assert all(g.forwards > p.forwards and min(g.steps) >= p.forwards for g, p in zip(got, plain, strict=True))
     # batched as alone
     alone = [decode(m, [q], "refusion", eos_ids=eos, verify=True, **rp)[0].tokens for q in PROMPTS]
     assert alone == [r.tokens for r in got]

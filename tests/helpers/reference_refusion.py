@@ -57,7 +57,7 @@ def reference_refusion(model, prompt: list[int], gen_length: int, slot_size: int
     def commit(positions: list[int], tokens: list[int]) -> None:
         nonlocal eos_pos
         assert len(positions) == len(tokens)
-        for q, t in zip(positions, tokens):
+        for q, t in zip(positions, tokens, strict=True):
             assert q not in response, f"position {q} committed twice"
             response[q] = t
             if t in eos_ids and (eos_pos is None or q < eos_pos):

@@ -30,7 +30,7 @@ def observe(model: CostModel, rows: int, tokens: int, seconds: float) -> None:
         return
     ratio = float(np.clip(seconds / float(cost(model, rows, tokens)), 0.5, 2.0))
     i, f = _bracket(model.rows, rows)
-    for r, wr in zip((i, i + 1), _shares(f)) if len(model.rows) > 1 else ((0, 1.0),):
+    for r, wr in zip((i, i + 1), _shares(f), strict=True) if len(model.rows) > 1 else ((0, 1.0),):
         for c in range(len(model.seconds[r])):
             model.seconds[r][c] *= ratio ** (REFRESH_RATE * wr)
 
@@ -118,7 +118,7 @@ def choose_widths(policy, seqs) -> list[tuple[int, bool]]:
     free = np.array([q.p.widths == "cost" for q in seqs])
     most = widths.PACKED_BATCH_DRAFT if policy.cost.packed and len(seqs) > 1 else widths.MAX_DRAFT
     room = np.array([max(0, min(q.p.draft_length, most if f else q.p.draft_length, q.p.gen_length - len(q.res.tokens) - 1))
-                     for q, f in zip(seqs, free)])
+                     for q, f in zip(seqs, free, strict=True)])
     bound = np.minimum(room, [q.draft_end() for q in seqs])
     K = int(room.max())  # (rates are read as far as any row could draft, its draft or not)
     kind = np.array([q.kind for q in seqs])
@@ -162,11 +162,11 @@ def choose_widths(policy, seqs) -> list[tuple[int, bool]]:
     stale = free & (chosen == 0) & (kind >= widths.LOOKUP) & (masks < 0) & (room > 0)
     if stale.any():
         drafting = np.where(stale, widths.FRESH, kind)
-        again = best_widths(rates(np.stack([q.acceptance.reached[k, :K] for q, k in zip(seqs, drafting)]),
-                                  np.stack([q.acceptance.accepted[k, :K] for q, k in zip(seqs, drafting)]),
+        again = best_widths(rates(np.stack([q.acceptance.reached[k, :K] for q, k in zip(seqs, drafting, strict=True)]),
+                                  np.stack([q.acceptance.accepted[k, :K] for q, k in zip(seqs, drafting, strict=True)]),
                                   drafting, policy.prior),
                             np.where(stale, room, bound), np.where(stale, -1, np.where(bare, 0, masks)), chosen,
                             stale, policy.cost)
         for i in np.flatnonzero(stale & (again > 0)):
             bare[i], chosen[i] = False, again[i]
-    return [(int(w), bool(b)) if f else (q.width, q.bare) for q, f, b, w in zip(seqs, free, bare, chosen)]
+    return [(int(w), bool(b)) if f else (q.width, q.bare) for q, f, b, w in zip(seqs, free, bare, chosen, strict=True)]

@@ -191,6 +191,6 @@ def test_a_placed_forward_equals_an_appending_one():
         want = [m(ids[:, :3], pos[:, :3], cache=kvc), m(ids[:, 3:], pos[:, 3:], cache=kvc)]
         got = [m(ids[:, :3], pos[:, :3], cache=slots.at(torch.arange(3).expand(2, 3), keys=3)),
                m(ids[:, 3:], pos[:, 3:], cache=slots.at(torch.arange(3, 5).expand(2, 2), keys=5))]
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
     torch.testing.assert_close(slots.k[1][:, :, :5], kvc.k[1][:, :, :5], atol=1e-6, rtol=0)

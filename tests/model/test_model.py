@@ -1,5 +1,7 @@
 """Parity of refusion's Transformer with transformers' own classes on the same weights."""
 
+from itertools import pairwise
+
 import pytest
 import torch
 import transformers
@@ -64,7 +66,7 @@ def test_logits_match_transformers_with_kv_cache(name, tmp_path):
     cache = ours.new_cache()
     hf_cache = transformers.DynamicCache(config=hf.config)
     with torch.no_grad():
-        for a, b in zip(cut, cut[1:]):
+        for a, b in pairwise(cut):
             ref = hf(input_ids=ids[:, a:b], position_ids=pos[:, a:b], past_key_values=hf_cache, use_cache=True).logits
             got = ours(ids[:, a:b], pos[:, a:b], cache=cache)
             torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)

@@ -23,7 +23,7 @@ def test_reference_code_passes_and_wrong_code_fails(name, count):
     task = get_task(name)
     exs = task.load("test")
     assert len(exs) == count
-    assert [e.id for e, s in zip(exs, task.score_many(exs, [e.target for e in exs])) if not s.correct] == []
+    assert [e.id for e, s in zip(exs, task.score_many(exs, [e.target for e in exs]), strict=True) if not s.correct] == []
     if name == "humaneval":
         wrong = [e.answer["prompt"] + "    return None\n" for e in exs]
     else:  # another problem's reference solution
@@ -41,4 +41,4 @@ def test_wrong_answers_fail():
             outs = [f"\\boxed{{{e.answer}9}}" for e in exs]
         else:
             outs = [f"Answer: {'B' if e.answer == 'A' else 'A'}" for e in exs]
-        assert not any(task.score(e, o).correct for e, o in zip(exs, outs))
+        assert not any(task.score(e, o).correct for e, o in zip(exs, outs, strict=True))

@@ -124,7 +124,7 @@ def test_fsdp_matches_one_process_and_exports_a_model(runs, data_file, tmp_path)
     train_here(f"--data={data_file}", *COMMON, f"--out={one}", f"--set=stop_after={STEPS}")
     la, lb = losses(one), losses(runs["fsdp"])
     assert len(la) == len(lb) == STEPS
-    for a, b in zip(la, lb):
+    for a, b in zip(la, lb, strict=True):
         assert a["tokens"] == b["tokens"] and a["lr"] == b["lr"]
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5) and a["grad_norm"] > 0.5  # clipped
@@ -137,7 +137,7 @@ def test_fsdp_matches_one_process_and_exports_a_model(runs, data_file, tmp_path)
     assert main(["export", str(ckpt), str(tmp_path / "export")]) == 0
     ref, got = load_model(one / f"checkpoint-{STEPS}"), load_model(tmp_path / "export")
     assert got.config.tie_word_embeddings and got.lm_head.weight is got.embed_tokens.weight  # still one parameter
-    for (k, x), y in zip(ref.state_dict().items(), got.state_dict().values()):
+    for (k, x), y in zip(ref.state_dict().items(), got.state_dict().values(), strict=True):
         torch.testing.assert_close(y, x, atol=1e-5, rtol=0, msg=k)
     # it decodes as the one-process model does, and transformers reads it
     tok = Tokenizer.from_dir(tmp_path / "export")
@@ -187,7 +187,7 @@ def test_fsdp_resume_after_kill_equals_the_uninterrupted_run(killed, runs, tmp_p
     assert losses(runs["resumed"]) == losses(runs["fsdp"])  # every logged number, exactly
     a, b = (load_model(export_checkpoint(runs[name] / f"checkpoint-{STEPS}", tmp_path / name))
             for name in ("resumed", "fsdp"))
-    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
 
 
 def test_fsdp_needs_torchrun_and_strategies_do_not_mix(runs, data_file, tmp_path, monkeypatch):
@@ -204,8 +204,8 @@ def test_fsdp_needs_torchrun_and_strategies_do_not_mix(runs, data_file, tmp_path
 def test_fsdp_bfloat16_keeps_float32_master_weights(runs):
     bf, f32 = losses(runs["bfloat16"]), losses(runs["fsdp"])[:6]
     # bf16 compute: close to the float32 run, yet not equal to it
-    assert all(a["loss"] == pytest.approx(b["loss"], rel=3e-2) for a, b in zip(bf, f32))
-    assert any(a["loss"] != b["loss"] for a, b in zip(bf, f32))
+    assert all(a["loss"] == pytest.approx(b["loss"], rel=3e-2) for a, b in zip(bf, f32, strict=True))
+    assert any(a["loss"] != b["loss"] for a, b in zip(bf, f32, strict=True))
     # the shards (weights and Adam moments) stay float32
     meta = torch.distributed.checkpoint.FileSystemReader(str(runs["bfloat16"] / "checkpoint-6" / "dcp")).read_metadata()
     dtypes = {md.properties.dtype for md in meta.state_dict_metadata.values() if hasattr(md, "properties")}
@@ -220,7 +220,7 @@ def test_fsdp_lora_matches_one_process(runs, lora_base, data_file, tmp_path):
     n = base.config.vocab_size
     ref, got = load_model(tmp_path / "one" / "model"), load_model(runs["lora"] / "model")
     assert got.config.mask_token_id == n
-    for (k, x), y in zip(ref.state_dict().items(), got.state_dict().values()):
+    for (k, x), y in zip(ref.state_dict().items(), got.state_dict().values(), strict=True):
         torch.testing.assert_close(y, x, atol=1e-5, rtol=0, msg=k)
     # the mask's new row learned, the base vocabulary's did not move (merged weights, plain names)
     assert not torch.equal(got.embed_tokens.weight[n], ref.embed_tokens.weight[:n].mean(0))

@@ -76,7 +76,7 @@ def test_resume_on_another_number_of_processes(runs, tmp_path, before, after):
     got, want = losses(out), losses(dirs[f"run{after}"])
     assert len(got) == len(want) == STEPS
     assert got[:CKPT] == losses(dirs[f"run{before}"])[:CKPT]  # the steps taken before the checkpoint, as they were logged
-    for a, b in zip(got[CKPT:], want[CKPT:]):
+    for a, b in zip(got[CKPT:], want[CKPT:], strict=True):
         assert (a["step"], a["tokens"], a["lr"]) == (b["step"], b["tokens"], b["lr"])
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6)
@@ -84,7 +84,7 @@ def test_resume_on_another_number_of_processes(runs, tmp_path, before, after):
     assert sorted(p.name for p in ckpt.glob("rng-*.pt")) == [f"rng-{r}.pt" for r in range(after)]
     a, b = (load_model(export_checkpoint(d / f"checkpoint-{STEPS}", tmp_path / f"export{i}"))
             for i, d in enumerate((out, dirs[f"run{after}"])))
-    for (k, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+    for (k, x), y in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
         torch.testing.assert_close(x, y, atol=1e-6, rtol=0, msg=k)
 
 

@@ -51,7 +51,7 @@ def full_pass_loss(model, exs: list[Example], phases: list[int], S: int) -> torc
     cache, then its masks in blocks of S at `phase` over every block of the model; mean mask CE per
     example, summed, over len(exs)."""
     total = 0
-    for ex, phase in zip(exs, phases):
+    for ex, phase in zip(exs, phases, strict=True):
         pl, R = len(ex.prompt), len(ex.response)
         ids = torch.tensor([list(ex.prompt) + list(ex.response)])
         cache = model.new_cache()
@@ -74,7 +74,7 @@ def test_the_adapted_blocks_on_features_compute_the_full_passs_loss_and_gradient
         [i >= model.config.num_layers - layers for i in range(model.config.num_layers)]
     exs, S = examples(tok), 4
     phases = [torch.tensor([0, 2]), torch.tensor([1, 3]), torch.tensor([3, 0])]
-    feats = [example_features(model, ex, p, S, dtype=torch.float32) for ex, p in zip(exs, phases)]
+    feats = [example_features(model, ex, p, S, dtype=torch.float32) for ex, p in zip(exs, phases, strict=True)]
     draws = [(0, 1), (1, 0), (2, 0)]  # (example, phase row): phases 2, 1, 3
     first = model.config.num_layers - layers
     loss, stats = feature_loss(model, feature_batch(feats, draws, S, first, torch.float32), len(draws))
@@ -83,7 +83,7 @@ def test_the_adapted_blocks_on_features_compute_the_full_passs_loss_and_gradient
     want_loss = full_pass_loss(model, exs, [2, 1, 3], S)
     want = torch.autograd.grad(want_loss, params, allow_unused=True)
     assert loss.item() == pytest.approx(want_loss.item(), rel=1e-5)
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w if w is not None else torch.zeros_like(g), rtol=1e-4, atol=1e-6)
     assert sum(int(stats[f"masks_{o}"]) for o in range(5)) == int(stats["n_masked_tokens"]) == \
         sum(len(exs[e].response) for e, _ in draws)

@@ -175,7 +175,7 @@ def test_hybrid_layout_is_the_arms_example_then_the_papers_layout():
     batch = make_batch(prompts, responses, PAD)
     x = hybrid_inputs(batch, MASK, gen(4), slot_sizes=(2, 3))
     paper, arm = refusion_inputs(batch, MASK, gen(4), slot_sizes=(2, 3)), ar_inputs(batch)
-    for b, (p, r) in enumerate(zip(prompts, responses)):
+    for b, (p, r) in enumerate(zip(prompts, responses, strict=True)):
         n, Lr = len(p) + len(r), len(r)
         for f in ("input_ids", "position_ids", "labels", "is_masked"):
             got, a, pp = getattr(x, f)[b].tolist(), getattr(arm, f)[b].tolist(), getattr(paper, f)[b].tolist()
@@ -194,7 +194,7 @@ def test_joint_hybrid_layout_is_the_draft_layout_then_the_papers_layout():
     g = gen(4)  # the same draws, in the same order
     draft = draft_inputs(batch, MASK, g, slot_sizes=(2, 3))
     paper = refusion_inputs(batch, MASK, g, slot_sizes=(2, 3))
-    for b, (p, r) in enumerate(zip(prompts, responses)):
+    for b, (p, r) in enumerate(zip(prompts, responses, strict=True)):
         n, Lr = len(p) + 2 * len(r), len(r)
         for f in ("input_ids", "position_ids", "labels", "is_masked"):
             got, d, pp = getattr(x, f)[b].tolist(), getattr(draft, f)[b].tolist(), getattr(paper, f)[b].tolist()
@@ -212,7 +212,7 @@ def test_joint_hybrid_layout_is_the_draft_layout_then_the_papers_layout():
     loss, st = refusion_loss(logits, x, batch.response_len)
     ce = F.cross_entropy(logits.transpose(1, 2), x.labels.clamp(min=0), reduction="none")
     mdm = 0.0
-    for b, (p, r) in enumerate(zip(prompts, responses)):
+    for b, (p, r) in enumerate(zip(prompts, responses, strict=True)):
         n = len(p) + 2 * len(r)
         m = x.is_masked[b] & (x.labels[b] != X)
         draft_part = ce[b, :n][m[:n]].sum()

@@ -226,7 +226,7 @@ def test_refusion_invariants_big_batch():
     batch = make_batch(prompts, responses, PAD)
     x = refusion_inputs(batch, MASK, gen(11))
     T = x.input_ids.shape[1]
-    assert T == max(len(p) + len(r) for p, r in zip(prompts, responses))
+    assert T == max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
     permuted = 0
     for b in range(64):
         prompt, resp, s = prompts[b], responses[b], int(x.slot_size[b])

@@ -199,7 +199,7 @@ def test_training_packed_gives_the_unpacked_losses(objective, variant, data_file
     a = run_losses(data_file, tmp_path / "a", objective=objective, variant=variant)
     b = run_losses(data_file, tmp_path / "b", objective=objective, variant=variant, pack=True, micro_batch_size=4)
     assert len(a) == len(b) == 6
-    for ra, rb in zip(a, b):
+    for ra, rb in zip(a, b, strict=True):
         assert ra["tokens"] == rb["tokens"] and ra["lr"] == rb["lr"]
         for k in ("loss", "ar_loss", "mdm_loss", "grad_norm"):
             if k in ra:
@@ -247,6 +247,6 @@ def test_mask_loss_weight_reaches_the_trainer(data_file, tmp_path):
     for r in heavy:
         assert r["loss"] == pytest.approx(r["ar_loss"] + 2.5 * r["mdm_loss"], rel=1e-5)
     assert heavy[-1]["ar_loss"] != pytest.approx(plain[-1]["ar_loss"], rel=1e-4)  # the weight changed the steps
-    for rh, rp in zip(heavy, packed):
+    for rh, rp in zip(heavy, packed, strict=True):
         for k in ("loss", "ar_loss", "mdm_loss", "grad_norm"):
             assert rp[k] == pytest.approx(rh[k], rel=1e-5, abs=1e-6), k

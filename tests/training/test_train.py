@@ -134,7 +134,7 @@ def test_micro_batches_and_gradient_checkpointing_match_one_batch(data_file, tmp
     ref = losses_of(tiny_config(data_file, tmp_path / "a", max_steps=4))
     acc = losses_of(tiny_config(data_file, tmp_path / "b", max_steps=4, micro_batch_size=2))
     ckp = losses_of(tiny_config(data_file, tmp_path / "c", max_steps=4, gradient_checkpointing=True))
-    for a, b, c in zip(ref, acc, ckp):
+    for a, b, c in zip(ref, acc, ckp, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["tokens"] == b["tokens"]
         assert a["loss"] == c["loss"]  # recomputing the forward changes nothing in float32
 
@@ -235,7 +235,7 @@ def test_resume_after_kill_is_bit_exact(data_file, tmp_path):
     train_here(*common, f"--out={run}", "--set=stop_after=20")
     assert losses(run) == losses(ref)
     a, b = load_model(ref / "checkpoint-20"), load_model(run / "checkpoint-20")
-    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
 
 
 def test_two_processes_match_one(data_file, tmp_path):
@@ -246,11 +246,11 @@ def test_two_processes_match_one(data_file, tmp_path):
     torchrun_train(2, {"two": [*common, f"--out={two}"]}, tmp_path / "log.json")
     la, lb = losses(one), losses(two)
     assert len(la) == len(lb) == 6
-    for a, b in zip(la, lb):
+    for a, b in zip(la, lb, strict=True):
         assert a["tokens"] == b["tokens"] and a["lr"] == b["lr"]
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-6)
     ma, mb = load_model(one / "model"), load_model(two / "model")
-    for (k, x), y in zip(ma.state_dict().items(), mb.state_dict().values()):
+    for (k, x), y in zip(ma.state_dict().items(), mb.state_dict().values(), strict=True):
         assert torch.allclose(x, y, atol=1e-5), k
 
 

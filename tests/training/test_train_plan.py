@@ -68,9 +68,9 @@ def test_weights_and_optimizer_fall_as_one_over_n_under_fsdp_only():
     assert states("ddp", 2) == states("ddp", 4) == states("ddp", 8) == states("fsdp", 1)
     # and the plan's table: per node 8 x 1 vs 4 nodes of 8
     one, four = (make_plan(cfg, mc, 8, k, None)["settings"] for k in (1, 4))
-    fsdp = [(a, b) for a, b in zip(one, four) if a["strategy"] == "fsdp" and not a["offload"]]
+    fsdp = [(a, b) for a, b in zip(one, four, strict=True) if a["strategy"] == "fsdp" and not a["offload"]]
     assert fsdp and all(a["optimizer"] == 4 * b["optimizer"] for a, b in fsdp)
-    ddp = [(a, b) for a, b in zip(one, four) if a["strategy"] == "ddp"]
+    ddp = [(a, b) for a, b in zip(one, four, strict=True) if a["strategy"] == "ddp"]
     assert all(a["optimizer"] == b["optimizer"] and a["weights"] == b["weights"] for a, b in ddp)
 
 
