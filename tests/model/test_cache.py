@@ -142,6 +142,23 @@ def test_a_ragged_write_told_its_first_column_stores_what_the_scatter_stores():
     assert not caches[1].k[0][[0, 2]].any()  # (the other rows untouched)
 
 
+def test_a_ragged_write_at_its_kept_indices_stores_what_the_scatter_stores():
+    """`index` (write_index: a decoder stepping rows of one token each keeps it, one column on per
+    step): every element where the scatter puts it, whole reads and sliced ones."""
+    k, v = torch.randn(3, 2, 1, 4), torch.randn(3, 2, 1, 4)
+    for row0, rows in ((0, 3), (1, 5)):
+        caches = []
+        for kept in (False, True):
+            c = RaggedKVCache(num_layers=1, kv_heads=2, head_dim=4, dtype=torch.float32, device="cpu", rows=rows,
+                              capacity=9)
+            cols = torch.tensor([[4], [1], [7]])
+            index = c.write_index(cols - 1, row0) + c.head_dim if kept else None  # (a step later)
+            kk, vv = c.at(cols, keys=8, row0=row0, index=index).update(0, k, v)
+            assert kk.shape == (3, 2, 8, 4) and torch.equal(kk[torch.arange(3), :, cols[:, 0]], k[:, :, 0])
+            caches.append(c)
+        assert torch.equal(caches[0].k[0], caches[1].k[0]) and torch.equal(caches[0].v[0], caches[1].v[0])
+
+
 def test_ragged_cache_growth_stops_at_its_limits_but_never_below_what_is_asked():
     c = RaggedKVCache(num_layers=1, kv_heads=1, head_dim=2, dtype=torch.float32, device="cpu", rows=3,
                       capacity=300, max_capacity=450)

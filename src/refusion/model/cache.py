@@ -66,27 +66,43 @@ class CacheWrite:
     """One forward's place in preallocated buffers (a Cache).
 
     k, v: per layer, [rows, kv_heads, capacity, head_dim] buffers.
-    rows: [B, 1], the buffer row of each batch row.
+    rows: [B, 1], the buffer row of each batch row (None: the rows `read`, made where needed).
     read: the buffer rows attention reads, in batch order: None (every row, in order), a slice (a
       view) or an index tensor (a gather).
     cols: [B, T], the column each fed token's key and value go to.
     keys: attention reads columns [0, keys); which of them a query sees is the mask's business.
-    first: where the caller knows that the rows `read` (a slice) write columns first, first + 1, ...
-      (cols[b] = first + arange(T) for every b), a copy into that block replaces the scatter.
+    first: where the caller knows that the rows `read` (a slice, or None: all) write columns first,
+      first + 1, ... (cols[b] = first + arange(T) for every b), a copy into that block replaces the scatter.
+    index: where the caller keeps it, the place of every element written, shaped as the keys and
+      values written ([B, kv_heads, T, head_dim]), in the buffers seen flat (RaggedKVCache.write_index):
+      a put_ of them, without the advanced-index assignment's reshaping (a decode step of several rows
+      of one token each: about the cost of a block copy, half the scatter's on a CPU).
     """
 
-    def __init__(self, k: list[Tensor], v: list[Tensor], rows: Tensor, read: slice | Tensor | None, cols: Tensor,
-                 keys: int, first: int | None = None) -> None:
+    def __init__(self, k: list[Tensor], v: list[Tensor], rows: Tensor | None, read: slice | Tensor | None,
+                 cols: Tensor, keys: int, first: int | None = None, index: Tensor | None = None) -> None:
         self.k, self.v = k, v
-        self.rows, self.read, self.cols, self.keys = rows, read, cols, keys
-        self.first = first if isinstance(read, slice) else None
+        self._rows, self.read, self.cols, self.keys = rows, read, cols, keys
+        self.first = first if read is None or isinstance(read, slice) else None
+        self.index = index
+
+    @property
+    def rows(self) -> Tensor:
+        if self._rows is None:
+            read = self.read if self.read is not None else slice(0, self.k[0].shape[0])
+            self._rows = torch.arange(read.start, read.stop, device=self.cols.device)[:, None]
+        return self._rows
 
     def update(self, layer: int, k_new: Tensor, v_new: Tensor) -> tuple[Tensor, Tensor]:
         kb, vb = self.k[layer], self.v[layer]
         if self.first is not None:  # (a block copy: a one-row decode step's columns are one run)
+            rows = self.read if self.read is not None else slice(None)
             cols = slice(self.first, self.first + k_new.shape[2])
-            kb[self.read, :, cols] = k_new
-            vb[self.read, :, cols] = v_new
+            kb[rows, :, cols] = k_new
+            vb[rows, :, cols] = v_new
+        elif self.index is not None:
+            kb.put_(self.index, k_new.to(kb.dtype))
+            vb.put_(self.index, v_new.to(vb.dtype))
         else:
             kb[self.rows, :, self.cols] = k_new.transpose(1, 2).to(kb.dtype)
             vb[self.rows, :, self.cols] = v_new.transpose(1, 2).to(vb.dtype)
@@ -248,13 +264,23 @@ class RaggedKVCache:
     def capacity(self) -> int:
         return self.k[0].shape[2]
 
-    def at(self, cols: Tensor, keys: int, row0: int = 0, first: int | None = None) -> CacheWrite:
+    def at(self, cols: Tensor, keys: int, row0: int = 0, first: int | None = None,
+           index: Tensor | None = None) -> CacheWrite:
         """The next forward's place: batch row b is cache row row0 + b, its tokens go to columns
         cols[b] ([B, T]), and attention reads columns [0, keys). first: where the caller knows every
-        row's columns are first, first + 1, ... (CacheWrite)."""
+        row's columns are first, first + 1, ... (CacheWrite). index: write_index(cols, row0), where the
+        caller keeps it (a decoder stepping the same rows one column on: index + head_dim)."""
         B = cols.shape[0]
-        rows = torch.arange(row0, row0 + B, device=self.device)[:, None]
-        return CacheWrite(self.k, self.v, rows, slice(row0, row0 + B), cols, keys, first)
+        read = None if row0 == 0 and B == self.rows else slice(row0, row0 + B)  # (every row: no slicing)
+        return CacheWrite(self.k, self.v, None, read, cols, keys, first, index)
+
+    def write_index(self, cols: Tensor, row0: int = 0) -> Tensor:
+        """[B, kv_heads, T, head_dim]: where in each layer's buffer, seen flat, batch row b's tokens at
+        columns cols[b] ([B, T]) write their keys (or values), element by element (cache row row0 + b);
+        valid while the capacity stays (reserve may change it)."""
+        B, H, C, D = cols.shape[0], self.kv_heads, self.capacity, self.head_dim
+        heads = torch.arange(row0 * H, (row0 + B) * H, device=self.device).view(B, H, 1, 1) * C
+        return (heads + cols[:, None, :, None]) * D + torch.arange(D, device=self.device)
 
     def reserve(self, rows: int, capacity: int, max_rows: int | None = None, max_capacity: int | None = None) -> None:
         """Grow (never shrink) to at least `rows` x `capacity`, keeping every entry; the growth stops at
