@@ -11,7 +11,7 @@ import pytest
 
 from refusion import bundled
 from refusion.cli import main
-from refusion.decoding import ARParams, decode, generate_ar, widths
+from refusion.decoding import ARParams, decode, widths
 from refusion.decoding import corpus as corpus_module, speculative as spec
 from refusion.decoding.corpus import LookupCorpus, corpus_of, read_corpus, write_corpus
 from refusion.decoding.lookup import NgramIndex
@@ -22,6 +22,7 @@ from refusion.model.checkpoint import load_model, save_model
 from refusion.model.config import ModelConfig
 from refusion.model.tokenizer import Tokenizer
 from refusion.model.transformer import Transformer
+from tests.helpers.reference_ar import generate_ar
 from tests.helpers.tiny_causal_lm import make_causal_lm
 
 pytestmark = pytest.mark.usefixtures("one_thread")

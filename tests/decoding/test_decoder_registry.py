@@ -16,11 +16,12 @@ import pytest
 from lm_eval.api.instance import Instance
 
 from refusion.cli import main
-from refusion.decoding import ARParams, Decoder, decode, generate_ar, register, unregister
+from refusion.decoding import ARParams, Decoder, decode, register, unregister
 from refusion.decoding.common import DecodeResult
 from refusion.decoding.registry import option
 from refusion.evaluation.lm_eval import ReFusionLM
 from refusion.serve.app import ServeConfig, Server
+from tests.helpers.reference_ar import generate_ar
 from tests.helpers.serving import LiveServer, bundled, task_prompts
 
 pytestmark = pytest.mark.usefixtures("one_thread")

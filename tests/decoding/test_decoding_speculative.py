@@ -18,10 +18,11 @@ import pytest
 import torch
 
 from refusion.model.config import ModelConfig
-from refusion.decoding import ARParams, decode, generate_ar
+from refusion.decoding import ARParams, decode
 from refusion.decoding import speculative as spec, widths
 from refusion.decoding.speculative import SpeculativeBatch, SpeculativeParams, generate_speculative
 from refusion.model.transformer import Transformer
+from tests.helpers.reference_ar import generate_ar
 from tests.helpers.reference_cache import ReferenceKVCache
 
 MASK = 23

@@ -7,7 +7,7 @@ only where they pay for themselves."""
 import numpy as np
 import pytest
 
-from refusion.decoding import ARParams, costs, generate_ar, widths
+from refusion.decoding import ARParams, costs, widths
 from refusion.decoding import speculative as spec
 from refusion.decoding.lookup import (COPY_AGREED, COPY_AGREED_1, COPY_AGREED_2, COPY_ONCE, COPY_SPLIT,
                                       COPY_SUPPORTS, LOOKUP_NGRAMS, NgramIndex)
@@ -15,6 +15,7 @@ from refusion.decoding.speculative import SpeculativeParams, generate_speculativ
 from refusion.decoding.speculative_policy import FeedPolicy
 from refusion.model.config import ModelConfig
 from refusion.model.transformer import Transformer
+from tests.helpers.reference_ar import generate_ar
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

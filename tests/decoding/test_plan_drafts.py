@@ -6,12 +6,13 @@ token (causal_first_token), and in two otherwise; a wrong one costs only forward
 import numpy as np
 import pytest
 
-from refusion.decoding import ARParams, decode, generate_ar
+from refusion.decoding import ARParams, decode
 from refusion.decoding.params import ReFusionParams
 from refusion.decoding.refusion import generate_refusion
 from refusion.decoding.speculative import SpeculativeParams, generate_speculative
 from refusion.model.config import ModelConfig
 from refusion.model.transformer import Transformer
+from tests.helpers.reference_ar import generate_ar
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

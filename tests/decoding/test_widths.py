@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from refusion.decoding import ARParams, costs, generate_ar, widths
+from refusion.decoding import ARParams, costs, widths
 from refusion.decoding.params import COST_DRAFT_LENGTH, MAX_DRAFT
 from refusion.decoding import speculative as spec
 from refusion.decoding.speculative import SpeculativeBatch, SpeculativeParams, generate_speculative
@@ -17,6 +17,7 @@ from refusion.decoding.widths import Acceptance, best_widths
 from refusion.model.config import ModelConfig
 from refusion.model.transformer import Transformer
 from tests.helpers import reference_widths as reference
+from tests.helpers.reference_ar import generate_ar
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 MEASURED = costs.cost_model  # (conftest.py gives every test a fixed table instead)

@@ -12,7 +12,7 @@ import transformers
 
 from refusion.model.checkpoint import CheckpointError, add_mask_token, load_model, save_model
 from refusion.model.config import ModelConfig
-from refusion.decoding import ARParams, generate_ar
+from refusion.decoding import decode
 from refusion.model.transformer import Transformer
 from refusion.model.tokenizer import Tokenizer
 
@@ -43,7 +43,7 @@ def test_published_layout_loads_with_mask_and_tokenizer(refusion_layout_dir):
     pos = torch.arange(x.shape[1])[None]
     with torch.no_grad():
         torch.testing.assert_close(model(x, pos), hf(input_ids=x, position_ids=pos).logits, atol=1e-5, rtol=0)
-    out = generate_ar(model, [ids], ARParams(gen_length=5))[0]
+    out = decode(model, [ids], "ar", gen_length=5)[0]
     assert len(out.tokens) >= 1 and out.positions[0] == len(ids)
 
 

@@ -335,7 +335,8 @@ def test_a_streamed_model_computes_what_it_did_and_decodes_as_ar(monkeypatch, th
 
 
 def _streamed_model_run(monkeypatch) -> None:
-    from refusion.decoding import ARParams, SpeculativeParams, generate_ar, generate_speculative
+    from refusion.decoding import ARParams, SpeculativeParams, generate_speculative
+    from tests.helpers.reference_ar import generate_ar
     import refusion.model.packed as packed
 
     m = model()

@@ -242,13 +242,13 @@ def test_greedy_answer_mentions_paris(smol):
 @pytest.mark.slow
 def test_refusion_itself_answers_paris_and_matches_transformers_logits(smol):
     from refusion.model.checkpoint import load_model
-    from refusion.decoding import ARParams, generate_ar
+    from refusion.decoding import decode
     from refusion.model.tokenizer import Tokenizer
 
     out = smol[1]
     model, tok = load_model(out), Tokenizer.from_dir(out)
     ids = tok.chat_prompt_ids("What is the capital of France?")
-    res = generate_ar(model, [ids], ARParams(gen_length=20))[0]
+    res = decode(model, [ids], "ar", gen_length=20)[0]
     answer = tok.decode(res.tokens)
     print(f"\nrefusion answer: {answer!r} ({len(res.tokens)} tokens, finished={res.finished})")
     assert "Paris" in answer and res.finished

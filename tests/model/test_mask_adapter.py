@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from refusion.decoding import ARParams, generate_ar
+from refusion.decoding import ARParams
 from refusion.decoding.speculative import SpeculativeParams, generate_speculative
 from refusion.model.cache import KVCache
 from refusion.model.checkpoint import load_model, save_model
@@ -17,6 +17,7 @@ from refusion.model.mask_adapter import (ADAPTER_CONFIG, add_mask_adapter, adapt
                                          save_mask_adapter)
 from refusion.model.transformer import Transformer
 from refusion.training.trainer import TrainConfig, train
+from tests.helpers.reference_ar import generate_ar
 
 MASK = 23
 CFG = dict(vocab_size=24, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,

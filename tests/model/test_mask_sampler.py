@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from refusion.decoding import ARParams, generate_ar
+from refusion.decoding import ARParams
 from refusion.decoding import speculative as spec
 from refusion.decoding.speculative import SpeculativeParams, generate_speculative
 from refusion.model.config import ModelConfig
@@ -17,6 +17,7 @@ from refusion.model.mask_sampler import MASK_SAMPLER, MaskSampler, read_sampler,
 from refusion.model.transformer import Transformer
 from refusion.training.data import Example
 from refusion.training.mask_sampler import SamplerTraining, chain_lengths, example_features, train_sampler
+from tests.helpers.reference_ar import generate_ar
 
 MASK = 23
 CFG = dict(vocab_size=24, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,

@@ -9,10 +9,11 @@ import torch
 from refusion import bundled
 from refusion.bundled import resolve_model
 from refusion.cli import main
-from refusion.decoding import ARParams, generate_ar
+from refusion.decoding import ARParams
 from refusion.model.checkpoint import add_mask_token, load_model
 from refusion.model.mask_adapter import ADAPTER_CONFIG, add_mask_adapter, adapter_parameters, save_mask_adapter
 from refusion.model.tokenizer import Tokenizer
+from tests.helpers.reference_ar import generate_ar
 from tests.helpers.tiny_causal_lm import make_causal_lm
 
 pytestmark = pytest.mark.usefixtures("one_thread")

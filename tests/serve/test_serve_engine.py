@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
 import pytest
 
+from refusion.bundled import BUNDLED
+from refusion.decoding import ARParams
+from refusion.model.checkpoint import load_model
 from refusion.serve.engine import Engine, Event, Job
 from refusion.serve.params import choose
 from refusion.serve.schemas import parse_completion
-from tests.helpers.serving import CFG, bundled, solo, task_prompts
+from tests.helpers.reference_ar import generate_ar
+from tests.helpers.serving import CFG, NO_MASK, bundled, solo, task_prompts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -82,9 +87,39 @@ def test_requests_join_a_running_batch_and_keep_their_solo_output(engine):
 def test_ar_runs_in_the_continuous_batch():
     c = choose(parse_completion({"prompt": "x", "decoder": "ar"}), CFG, 32)
     assert c.spec is not None and c.spec.draft_length == 0
-    # sampled too: the batch with no drafts draws what generate_ar draws (the seed's position-keyed uniforms)
+    # sampled too: the `ar` decoder is the batch with no drafts (the seed's position-keyed uniforms)
     c = choose(parse_completion({"prompt": "x", "decoder": "ar", "temperature": 0.5, "top_p": 0.9}), CFG, 32)
     assert (c.spec.draft_length, c.spec.temperature, c.spec.top_p) == (0, 0.5, 0.9)
+
+
+def test_a_model_without_a_mask_token_runs_ar_in_the_continuous_batch(one_thread):
+    model = load_model(BUNDLED)  # (its own copy: the config loses its mask token)
+    model.config = dataclasses.replace(model.config, mask_token_id=None)
+    _, tok = bundled()
+    prompts = [tok.chat_prompt_ids(p) for p in task_prompts(1)]
+    bodies = [{"max_tokens": 48, "decoder": "ar"},
+              {"max_tokens": 40, "decoder": "ar", "temperature": 0.9, "top_p": 0.9}]
+    eng = Engine(model, max_running=8)
+    eng.start()
+    try:
+        jobs = []
+        for i, p in enumerate(prompts):
+            body = bodies[i % 2]
+            c = choose(parse_completion({"prompt": "x", **body}), NO_MASK, body["max_tokens"])
+            assert c.decoder == "ar" and c.spec is not None  # (no static group)
+            jobs.append((p, c, job(eng, p, body, seed=3 + i)[1]))
+        for i, (p, c, col) in enumerate(jobs):
+            assert col.done.wait(120) and col.events[-1].kind == "done", col.events[-1].message
+            want = generate_ar(model, [p], ARParams(**c.params), eos_ids=model.config.eos_ids, seed=3 + i)[0]
+            got = col.result
+            assert (got.tokens, got.positions, got.steps, got.forwards, got.tokens_fed, got.finished) == \
+                (want.tokens, want.positions, want.steps, want.forwards, want.tokens_fed, want.finished)
+            streamed = [(q, t) for ev in col.events if ev.kind == "commit"
+                        for q, t in zip(ev.positions, ev.tokens, strict=True)]
+            assert sorted(streamed) == list(zip(want.positions, want.tokens, strict=True))
+        assert eng.steps < sum(col.result.forwards for *_, col in jobs)  # rows shared steps
+    finally:
+        eng.stop()
 
 
 def test_a_cancelled_sequence_leaves_before_the_next_step(engine):

@@ -161,6 +161,11 @@ def test_the_batch_rows_stay_within_the_limit(tight, monkeypatch):
     wide step while it runs): the second waits until the first has left the continuous batch, so
     no cache row is ever asked for, or allocated (the cache grows geometrically, but not past the
     limit), beyond the limit, and both get their solo output."""
+    # this prompt makes the bundled model ramble to the length limit, one token per step (greedy AR)
+    long_prompt, long_body = ids("red red red red red red"), {"max_tokens": 400, "decoder": "ar", "stream": True}
+    wide_prompt, wide_body = ids("Question: what is 2 + 3?\nAnswer:"), {"max_tokens": 32, "draft_length": 30}
+    # (the solo outputs first: decode() runs its own batch, a RaggedKVCache with no limit, `ar`'s too)
+    want_long, want_wide = expected(long_prompt, long_body), expected(wide_prompt, wide_body)
     reserved: list[int] = []
     init, reserve = RaggedKVCache.__init__, RaggedKVCache.reserve
 
@@ -174,9 +179,6 @@ def test_the_batch_rows_stay_within_the_limit(tight, monkeypatch):
 
     monkeypatch.setattr(RaggedKVCache, "__init__", recording_init)
     monkeypatch.setattr(RaggedKVCache, "reserve", recording_reserve)
-    # this prompt makes the bundled model ramble to the length limit, one token per step (greedy AR)
-    long_prompt, long_body = ids("red red red red red red"), {"max_tokens": 400, "decoder": "ar", "stream": True}
-    wide_prompt, wide_body = ids("Question: what is 2 + 3?\nAnswer:"), {"max_tokens": 32, "draft_length": 30}
     assert len(long_prompt) + 400 + 2 <= TIGHT and len(wide_prompt) + 32 + 63 <= TIGHT  # each alone fits
     assert len(long_prompt) + 400 + 63 > TIGHT  # together they would not
     with httpx.stream("POST", tight.url + "/v1/completions", timeout=120,
@@ -187,8 +189,8 @@ def test_the_batch_rows_stay_within_the_limit(tight, monkeypatch):
         wide = complete(client_of(tight), wide_prompt, wide_body)  # sent while the long answer runs
         chunks = [json.loads(line[6:]) for line in [first, *lines] if line.startswith("data: {")]
     long_tokens = [t for c in chunks for commit in c["refusion"]["commits"] for t in commit["tokens"]]
-    assert long_tokens == expected(long_prompt, long_body)
-    assert wide.model_extra["refusion"]["token_ids"] == expected(wide_prompt, wide_body)
+    assert long_tokens == want_long
+    assert wide.model_extra["refusion"]["token_ids"] == want_wide
     assert reserved and max(reserved) <= TIGHT, reserved
 
 

@@ -7,12 +7,13 @@ import re
 import pytest
 
 from refusion.cli import main
-from refusion.decoding import ARParams, generate_ar
+from refusion.decoding import ARParams
 from refusion.model.checkpoint import load_model
 from refusion.model.tokenizer import Tokenizer
 from refusion.tasks.maths import gsm8k_prompt
 from refusion.training.data import DataError, encode_records, load_records
 from refusion.training.self_generate import load_prompts
+from tests.helpers.reference_ar import generate_ar
 from tests.helpers.tiny_causal_lm import addition_records, make_causal_lm
 
 pytestmark = pytest.mark.usefixtures("one_thread")

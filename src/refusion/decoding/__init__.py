@@ -4,7 +4,7 @@ Every decoder is a record in the registry (registry.py); the built-in ones (para
 
 refusion       plan-and-infill (spec section 4)
 refusion-l2r   plan-and-infill that always takes the leftmost undecoded slot
-ar             autoregressive with the KV cache
+ar             autoregressive with the KV cache: the speculative batch with no drafts
 speculative    self-speculative: the masks draft, causal predictions verify; greedy AR's exact output
 mdm            LLaDA-style masked diffusion (fixed tokens per step, semi-autoregressive blocks)
 mdm-threshold  Fast-dLLM-style: every mask above a confidence, at least one per step
@@ -55,7 +55,7 @@ def decode(model: Transformer, prompts: list[list[int]], decoder: str | None = N
     return get(decoder).runner()(model, prompts, p, eos_ids=eos_ids, seed=seed, on_commit=on_commit)
 
 
-_LAZY = {"DecodeResult": "common", "generate_ar": "ar", "generate_mdm": "mdm", "generate_refusion": "refusion",
+_LAZY = {"DecodeResult": "common", "generate_mdm": "mdm", "generate_refusion": "refusion",
          "SpeculativeBatch": "speculative", "generate_speculative": "speculative"}
 
 
@@ -70,5 +70,5 @@ def __getattr__(name: str):
 
 
 __all__ = ["DECODERS", "ARParams", "DecodeResult", "Decoder", "MDMParams", "ReFusionParams", "SpeculativeBatch",
-           "SpeculativeParams", "decode", "default_decoder", "generate_ar", "generate_mdm", "generate_refusion",
+           "SpeculativeParams", "decode", "default_decoder", "generate_mdm", "generate_refusion",
            "generate_speculative", "make_params", "mismatch", "register", "unregister"]

@@ -160,6 +160,10 @@ class SpeculativeParams:
                                   "that after a partly accepted draft the next one is drafted from the accepted "
                                   "tokens (wider forwards, which the cost policy prices; exact either way)",
                            hidden=True)
+    first_from_mask: bool | None = option(None, "read the first token from a <|mask|> at its position, not from "
+                                                "the prompt's last token (default: on when the model has a mask "
+                                                "token and no causal_first_token; a model without one runs only "
+                                                "draft_length 0, plain AR)", hidden=True)
 
     def __post_init__(self) -> None:
         # draft_length defaults by the width policy; settled here, so every reader sees concrete values
@@ -194,7 +198,7 @@ class SpeculativeParams:
         if self.width_price != 1 and self.widths != "cost":
             raise ValueError(f"width_price prices the cost policy's widths: it needs widths cost, not "
                              f"{self.widths!r}")
-        for name in ("lookup", "fresh_after_miss"):
+        for name in ("lookup", "fresh_after_miss", "first_from_mask"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, bool):
                 raise ValueError(f"{name} must be true, false or unset (the model's default), got {v!r}")
@@ -324,18 +328,19 @@ class ARParams:
         check_sampling(self.temperature, self.top_k, self.top_p)
 
 
-def _ar_batch(p: ARParams, config) -> SpeculativeParams | None:
-    # AR is the speculative batch with no drafts: the same tokens and counters as decode(..., "ar")
-    # (tests/test_serve_engine.py), sampled too, since both draw with the seed's position-keyed uniforms.
-    if config.mask_token_id is None or p.first_from_mask is False:
-        return None
+def ar_batch_params(p: ARParams, config) -> SpeculativeParams:
+    """AR is the speculative batch with no drafts (one token per forward, no masks but the first token's
+    where it comes from one): what `ar` runs (speculative.generate_ar) and what its jobs join the
+    server's continuous batch with, whatever the model (one without a mask token reads its first token
+    from the prompt's last)."""
     return SpeculativeParams(gen_length=p.gen_length, draft_length=0, mask_length=0, widths="fixed",
-                             temperature=p.temperature, top_k=p.top_k, top_p=p.top_p)
+                             temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+                             first_from_mask=p.first_from_mask)
 
 
-register(Decoder("ar", ARParams, "refusion.decoding.ar:generate_ar", "autoregressive with the KV cache",
+register(Decoder("ar", ARParams, "refusion.decoding.speculative:generate_ar", "autoregressive with the KV cache",
                  fits=("refusion", "ar"), needs_mask=False, aliases={"max_new_tokens": "gen_length"},
-                 batch=_ar_batch, seeds_per_row=True))
+                 batch=ar_batch_params, seeds_per_row=True))
 
 # ---- masked diffusion -----------------------------------------------------------------------------
 

@@ -87,6 +87,14 @@ joined and are being prefilled, so narrow decode rows are never padded to a prom
 transfer per forward. Sequences join and leave between steps (SpeculativeBatch): a server's
 continuous batching. `generate_speculative` is "add every prompt, step until none is left", so a
 sequence's output does not depend on what else is in the batch.
+
+Plain AR: a row with no draft budget (draft_length 0, no masks, no plan) commits one token a step,
+the extra one; it needs a mask token only where its first token is read from one (first_from_mask),
+so a model without one runs such rows too. The `ar` decoder is such rows (`generate_ar`), and the
+server runs its requests in the same batch. While every row that steps is plain, a step skips the
+width policy, the feeds and the acceptance bookkeeping: the rows keep their newest token, column,
+write indices and mask on the device and their tokens on the host until one ends or the batch
+changes (SpeculativeBatch._plain_forward), the same forward and the same draws as a generic step.
 """
 
 from __future__ import annotations
@@ -101,7 +109,7 @@ from torch import Tensor
 from refusion.decoding import costs
 from refusion.decoding.common import DecodeResult, packed_index
 from refusion.decoding.lookup import lookup_by_default
-from refusion.decoding.params import SpeculativeParams, check_prompts, check_seed
+from refusion.decoding.params import ARParams, SpeculativeParams, ar_batch_params, check_prompts, check_seed
 from refusion.decoding.sampling import draw, greedy, position_uniforms, sampling_probs
 from refusion.decoding.speculative_policy import FeedPolicy
 from refusion.decoding.speculative_seq import SpeculativeSeq
@@ -139,13 +147,12 @@ class SpeculativeBatch:
         cfg = model.config
         # the cache grows geometrically but never past these (a server's limits on rows and columns)
         self.max_rows, self.max_row_tokens = max_rows, max_row_tokens
-        if cfg.mask_token_id is None:
-            raise ValueError("speculative decoding needs a model with a mask token (mask_token_id in "
-                             "config.json): use --decoder ar, or add one with `refusion add-mask-token`")
-        self.model, self.mask_id = model, cfg.mask_token_id
+        self.model, self.mask_id = model, cfg.mask_token_id  # (None: the model runs plain AR rows only)
         self.eos = set(eos_ids if eos_ids is not None else cfg.eos_ids)
         self.device = model.embed_tokens.weight.device
         self.vocab = cfg.vocab_size
+        self.is_eos = np.zeros(self.vocab, dtype=bool)  # (a plain step checks its tokens against it on the host)
+        self.is_eos[[t for t in self.eos if 0 <= t < self.vocab]] = True
         self.pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
         self.cache: RaggedKVCache | None = None
         self.running: list[SpeculativeSeq] = []
@@ -153,6 +160,8 @@ class SpeculativeBatch:
         self.next_id = 0
         self.policy = policy if policy is not None else FeedPolicy(model, cost)  # (speculative_policy.py)
         self.sampler = sampler_of(model)  # chains the masks' drafts (model/mask_sampler.py), for rows with sampler
+        self.drafting = 0  # running rows that are not plain AR (SpeculativeSeq.plain)
+        self.run: _PlainRun | None = None  # the plain steps of rows 0..run.B-1 not yet written into them
 
     def __len__(self) -> int:
         return len(self.running) + len(self.pending)
@@ -172,9 +181,18 @@ class SpeculativeBatch:
         if plan is not None and any(not 0 <= t < self.vocab for t in plan):
             raise ValueError(f"plan token ids must lie in [0, {self.vocab})")
         cfg = self.model.config
-        lookup = p.lookup if p.lookup is not None else lookup_by_default(cfg)
+        first_from_mask = (p.first_from_mask if p.first_from_mask is not None
+                           else self.mask_id is not None and not cfg.causal_first_token)
+        if self.mask_id is None:
+            if first_from_mask:
+                raise ValueError("first_from_mask needs a model with mask_token_id in its config")
+            if p.draft_length or p.mask_length or plan is not None:
+                raise ValueError("speculative decoding needs a model with a mask token (mask_token_id in "
+                                 "config.json): use --decoder ar, or add one with `refusion add-mask-token`")
+        # (copies are drafts: a row that drafts nothing keeps no index)
+        lookup = p.draft_length > 0 and (p.lookup if p.lookup is not None else lookup_by_default(cfg))
         q = SpeculativeSeq(self.next_id, list(prompt), p, self.mask_id, self.eos, seed or 0, on_commit,
-                           causal_first=cfg.causal_first_token, plan=plan, lookup=lookup,
+                           causal_first=not first_from_mask, plan=plan, lookup=lookup,
                            fresh_after_miss=(p.fresh_after_miss if p.fresh_after_miss is not None
                                              else fresh_after_miss_by_default(cfg)),
                            fork=p.fork)
@@ -190,7 +208,7 @@ class SpeculativeBatch:
                 return self.pending.pop(i).result()
         for i, q in enumerate(self.running):
             if q.sid == sid:
-                self._remove(i)
+                self._remove(i)  # (which writes the plain steps into the rows first)
                 return q.result()
         return None
 
@@ -204,11 +222,17 @@ class SpeculativeBatch:
         if not self.running:
             return []
         began = time.perf_counter()  # a step's cost includes choosing its widths
-        self.policy.choose(self.running, rechoose=len(self.running) == 1 or len(self.running) > old)
+        plain = self.drafting == 0 or not any(not q.plain for q in self.running[:old])  # (rows 0..old-1 step)
+        if self.drafting:
+            self.policy.choose(self.running, rechoose=len(self.running) == 1 or len(self.running) > old)
+        done = []
         for lo, hi, prefill in ((0, old, False), (old, len(self.running), True)):
             if hi > lo:
-                self._forward(lo, hi, prefill, began)
-        done = [i for i, q in enumerate(self.running) if q.done]
+                if plain and not prefill:
+                    done += self._plain_forward(hi, began)
+                else:
+                    self._forward(lo, hi, prefill, began)
+                    done += [i for i in range(lo, hi) if self.running[i].done]
         out = [(self.running[i].sid, self.running[i].result()) for i in done]
         for i in reversed(done):
             self._remove(i)
@@ -217,6 +241,7 @@ class SpeculativeBatch:
     # ---- internals ------------------------------------------------------------------------
 
     def _admit(self) -> None:
+        self.drafting += sum(not q.plain for q in self.pending)
         self.running += self.pending
         self.pending = []
         cfg = self.model.config
@@ -230,13 +255,72 @@ class SpeculativeBatch:
         self.cache.reserve(len(self.running), need, self.max_rows, self.max_row_tokens)
 
     def _remove(self, i: int) -> None:
+        self._flush()  # (rows move: the plain steps go into them first)
+        self.drafting -= not self.running[i].plain
         last = len(self.running) - 1
         if i != last:
             self.cache.move_row(last, i, self.running[last].c)
             self.running[i] = self.running[last]
         self.running.pop()
 
+    def _plain_forward(self, B: int, start: float) -> list[int]:
+        """The step of rows 0..B-1 where every one is plain AR (SpeculativeSeq.plain) and past its
+        prefill: each feeds its newest token x alone, at the position and cache column after its
+        kept ones, and commits the token its logits give. The same forward, mask and draws as
+        _forward's for such rows, without the policy, the feeds or the rows' bookkeeping: the rows
+        keep their state on the device (_PlainRun) and one transfer per step brings their tokens to
+        the host, where they are written into the rows only when one ends (EOS or gen_length), the
+        batch changes or a generic step follows (_flush); streamed rows hear of each token at once.
+        Returns the rows that ended."""
+        run = self.run
+        if run is None or run.B != B:  # (rows join at the end; a removal flushes and drops the run)
+            self._flush()
+            run = self.run = _PlainRun(self, self.running[:B])
+        if B > 1 and run.capacity != self.cache.capacity:  # (rows joined, the cache grew: its layout moved)
+            run.index = self.cache.write_index(run.col)
+            run.capacity = self.cache.capacity
+        s, used = len(run.tokens), run.cmax + 1
+        # one row's column is a block copy, as in _forward; several rows' a scatter at the run's indices
+        cache = self.cache.at(run.col, keys=used, first=run.cmax if B == 1 else None, index=run.index)
+        out = self.model(run.x, run.pos, attn_mask=run.masks[:, :, :, run.S - s: run.S - s + used], cache=cache)
+        tok = run.judge(out.float())
+        host = tok.cpu().numpy()  # the step's one transfer
+        run.advance(tok)
+        run.tokens.append(host)
+        for b in run.streamed:
+            q = run.seqs[b]
+            q.on_commit([q.P + int(run.g[b]) + s], [int(host[b, 0])])
+        cost = self.policy.cost
+        if cost is not None:  # what this step took, its host work included
+            cost.note(B, B, time.perf_counter() - start)
+        if run.left and not self.is_eos[host].any():
+            return []
+        self._flush()
+        return [i for i in range(B) if self.running[i].done]
+
+    def _flush(self) -> None:
+        """Write the plain steps run so far into their rows (tokens, positions, steps, counters, cache
+        length, newest token; a row that ended is done) and drop the run."""
+        run, self.run = self.run, None
+        if run is None or not run.tokens:
+            return
+        n = len(run.tokens)
+        tokens = np.concatenate(run.tokens, 1).tolist()
+        for q, t in zip(run.seqs, tokens, strict=True):
+            res, g = q.res, len(q.res.tokens)
+            res.tokens += t
+            res.positions += range(q.P + g, q.P + g + n)
+            res.steps += range(res.forwards, res.forwards + n)
+            res.forwards += n
+            res.tokens_fed += n
+            q.c += n
+            q.x = t[-1]
+            if t[-1] in self.eos or len(res.tokens) >= q.p.gen_length:  # (an EOS ends a run: only the last)
+                q.done, res.finished = True, t[-1] in self.eos
+
     def _forward(self, lo: int, hi: int, prefill: bool, start: float) -> None:
+        if not prefill:
+            self._flush()  # (a generic step of rows that stepped plainly before)
         seqs = self.running[lo:hi]
         feeds = [q.next_feed() for q in seqs]
         B = len(seqs)
@@ -461,6 +545,112 @@ class SpeculativeBatch:
         return j, extra, drafts, went
 
 
+class _PlainRun:
+    """The state of plain AR steps of a batch's rows 0..B-1 (SpeculativeBatch._plain_forward), on the
+    device: each row's newest token x and its cache column (x's position too), where the step writes
+    (B > 1: the rows' write_index) and what it sees, each row's sampling settings; on the host the
+    tokens each step committed, until they are written into the rows."""
+
+    def __init__(self, batch: SpeculativeBatch, seqs: list[SpeculativeSeq]) -> None:
+        dev = batch.device
+        self.seqs, self.B = seqs, len(seqs)
+        self.x = torch.tensor([[q.x] for q in seqs], device=dev)  # [B, 1], as fed
+        c = [q.c for q in seqs]
+        self.col, self.cmax = torch.tensor(c, device=dev)[:, None], max(c)
+        # x's position: its column's number, kept apart (a compiled graph would take one tensor passed
+        # as both for a shape of its own)
+        self.pos = self.col.clone()
+        self.capacity = batch.cache.capacity
+        self.index = batch.cache.write_index(self.col) if self.B > 1 else None
+        self.D = batch.cache.head_dim
+        self.g = np.array([len(q.res.tokens) for q in seqs])  # tokens committed before the run
+        self.left = self.S = min(q.p.gen_length - len(q.res.tokens) for q in seqs)  # steps until one ends
+        # step s's additive mask, 0 where a row sees (its kept columns and x's), is masks[..., S - s:][..., :used]:
+        # column j seen at step s where j - s <= c (a view a step, no arithmetic)
+        i = torch.arange(-self.S, self.capacity, device=dev)
+        dtype = batch.model.embed_tokens.weight.dtype
+        self.masks = torch.where(i <= self.col, torch.zeros((), dtype=dtype, device=dev),
+                                 torch.full((), float("-inf"), dtype=dtype, device=dev))[:, None, None, :]
+        self.tokens: list[np.ndarray] = []  # per step, each row's token [B, 1]
+        # the rows streamed, in the order they joined (a removal moves the last row into its place)
+        self.streamed = sorted((b for b, q in enumerate(seqs) if q.on_commit is not None), key=lambda b: seqs[b].sid)
+        sampling = [q.p.temperature > 0 for q in seqs]
+        self.sampling = any(sampling)
+        if self.sampling:  # as _judge's: the draw for response position t with the uniform of (seed, t)
+            self.temp = torch.tensor([q.p.temperature if s else 1.0 for q, s in zip(seqs, sampling)], device=dev)
+            self.top_k = torch.tensor([q.p.top_k or 0 for q in seqs], device=dev)
+            self.top_p = torch.tensor([q.p.top_p or 1.0 for q in seqs], device=dev)
+            self.filtered = any(q.p.top_k is not None or q.p.top_p is not None for q in seqs)
+            self.seed = torch.tensor([q.seed for q in seqs], device=dev)
+            self.target = torch.tensor(self.g, device=dev)[:, None]  # the response position each row's token takes
+            self.mixed = None if all(sampling) else torch.tensor(sampling, device=dev)[:, None]
+
+    def advance(self, tok: Tensor) -> None:
+        """After a step: each row's x is `tok`, one column on."""
+        self.x, self.cmax, self.left = tok, self.cmax + 1, self.left - 1
+        self.col += 1
+        self.pos += 1
+        if self.index is not None:
+            self.index += self.D  # (the next column's elements)
+
+    def judge(self, logits: Tensor) -> Tensor:
+        """Each row's token [B, 1] from its logits [B, 1, V]: the argmax, or a sampled row's position-keyed
+        draw."""
+        if not self.sampling:
+            return greedy(logits)
+        probs = sampling_probs(logits, self.temp, self.top_k, self.top_p, self.filtered)
+        tok = draw(probs, position_uniforms(self.seed, self.target))
+        self.target += 1
+        return tok if self.mixed is None else torch.where(self.mixed, tok, greedy(logits))
+
+
+def _decode(model: Transformer, prompts: list[list[int]], p: SpeculativeParams, seeds: list[int],
+            eos_ids: list[int] | None, on_commit: Callable[[int, list[int], list[int]], None] | None,
+            cost: costs.CostModel | None = None, plans: list[list[int]] | None = None) -> list[DecodeResult]:
+    """Every prompt in one batch, row r with seeds[r], until none is left; every result's seconds the
+    whole decode's."""
+    batch = SpeculativeBatch(model, eos_ids, cost=cost)
+    p.check_model(model.config)
+    check_prompts(model.config, prompts, p.gen_length)
+    if plans is not None and len(plans) != len(prompts):
+        raise ValueError(f"{len(plans)} plans for {len(prompts)} prompts")
+    sids = [batch.add(q, p, seed=seeds[r], on_commit=None if on_commit is None else
+                      (lambda pos, tok, r=r: on_commit(r, pos, tok)), plan=None if plans is None else plans[r])
+            for r, q in enumerate(prompts)]
+    start = time.perf_counter()
+    results: dict[int, DecodeResult] = {}
+    while len(batch):
+        results.update(batch.step())
+    seconds = time.perf_counter() - start
+    for r in results.values():
+        r.seconds = seconds
+    return [results[s] for s in sids]
+
+
+@torch.inference_mode()
+def generate_ar(model: Transformer, prompts: list[list[int]], params: ARParams | None = None, *,
+                eos_ids: list[int] | None = None, seed: int | None = None,
+                on_commit: Callable[[int, list[int], list[int]], None] | None = None) -> list[DecodeResult]:
+    """Autoregressive decoding (the `ar` decoder): the batch with no drafts, one token per forward
+    (params.ar_batch_params), whose steps are plain (SpeculativeBatch._plain_forward).
+
+    first_from_mask (hidden): take the first response token from a <|mask|> fed at its position (the
+    ReFusion objective never trains the prompt's last token to predict it; see the spec, section 5).
+    Default: on when the model has a mask token, unless its config says the causal path was trained
+    to predict the first token (causal_first_token); a model without a mask token reads it from the
+    prompt's last token. A sampled row's token at response position t is drawn with the uniform of
+    (seed, t) (sampling.position_uniforms), so a row's output does not depend on the batch and equals
+    `speculative`'s with the same seed; every row uses `seed`, or, when None, a seed of its own from
+    torch's global generator. on_commit(row, [position], [token]) for every token (streaming)."""
+    p = params or ARParams()
+    check_seed(seed)
+    if seed is None and p.temperature > 0:
+        seeds = torch.randint(0, 2**63 - 1, (len(prompts),)).tolist()
+    else:
+        seeds = [seed or 0] * len(prompts)
+    return _decode(model, prompts, ar_batch_params(p, model.config), seeds, eos_ids, on_commit)
+
+
 @torch.inference_mode()
 def generate_speculative(model: Transformer, prompts: list[list[int]], params: SpeculativeParams | None = None, *,
                          eos_ids: list[int] | None = None, seed: int | None = None,
@@ -472,19 +662,4 @@ def generate_speculative(model: Transformer, prompts: list[list[int]], params: S
     cost: what a forward costs, for the cost policy (default: measured). plans: a draft answer
     per prompt (SpeculativeBatch.add)."""
     p = params or SpeculativeParams()
-    batch = SpeculativeBatch(model, eos_ids, cost=cost)
-    p.check_model(model.config)
-    check_prompts(model.config, prompts, p.gen_length)
-    if plans is not None and len(plans) != len(prompts):
-        raise ValueError(f"{len(plans)} plans for {len(prompts)} prompts")
-    sids = [batch.add(q, p, seed=seed, on_commit=None if on_commit is None else
-                      (lambda pos, tok, r=r: on_commit(r, pos, tok)), plan=None if plans is None else plans[r])
-            for r, q in enumerate(prompts)]
-    start = time.perf_counter()
-    results: dict[int, DecodeResult] = {}
-    while len(batch):
-        results.update(batch.step())
-    seconds = time.perf_counter() - start
-    for r in results.values():
-        r.seconds = seconds
-    return [results[s] for s in sids]
+    return _decode(model, prompts, p, [seed] * len(prompts), eos_ids, on_commit, cost, plans)

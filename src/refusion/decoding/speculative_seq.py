@@ -59,6 +59,9 @@ class SpeculativeSeq:
         self.branch_widths: list[int] = []
         self.fed_branches: list[tuple[int, int, int, int]] = []
         self.anchor = 0  # feed index whose logits give the first token of this step
+        # plain AR: no draft budget, no masks, no plan; after its prefill each step feeds x alone, which
+        # the batch runs without the policy or this row's bookkeeping (SpeculativeBatch._plain_forward)
+        self.plain = p.draft_length == 0 and not p.mask_length and plan is None
 
     def _masks(self) -> int:
         if self.bare:
@@ -78,7 +81,8 @@ class SpeculativeSeq:
         if self.x is None:  # prefill: the prompt, then masks; the first token is read from the first mask
             # (or from the prompt's last token, which then verifies a draft fed after it: a plan)
             k = self._fed_draft(left) if self.causal_first else 0
-            m = min(self._masks(), left - k) if k else max(1, min(self._masks(), left))
+            # (from the prompt's last token, masks are fed only where they draft)
+            m = min(self._masks(), left - k) if self.causal_first else max(1, min(self._masks(), left))
             self.draft = self.draft[:k]
             ids = self.prompt + self.draft + [self.mask_id] * m
             self.anchor, self.fed_k = self.P - self.causal_first, k

@@ -2,8 +2,8 @@
 
 Requests from the HTTP layer are `Job`s. The loop takes new jobs between steps:
 
-- jobs whose decoder record says they can (`Decoder.batch`: speculative ones, and ar ones on a
-  model with a mask token, since the batch with no drafts is exactly AR) join one
+- jobs whose decoder record says they can (`Decoder.batch`: speculative ones, and ar ones, since
+  the `ar` decoder is the batch with no drafts, on any model) join one
   `SpeculativeBatch` (continuous batching): each `step()` is one forward
   for every running sequence; a job that arrives joins at the next step, a finished one leaves in
   the step that finishes it, a cancelled one (client gone, stop string found) is dropped before the
@@ -11,8 +11,8 @@ Requests from the HTTP layer are `Job`s. The loop takes new jobs between steps:
   prompt + gen_length in it plus the widest step (budget.py), so a job joins only while that stays
   within `max_row_tokens`; one that does not waits, and the jobs behind it wait too (first come,
   first served), until the batch has drained enough.
-- the other jobs (refusion, refusion-l2r, mdm, mdm-threshold, ar on a model without a mask token,
-  any other registered decoder) have no step-wise interface; they run through `decode()` in static groups of waiting jobs
+- the other jobs (refusion, refusion-l2r, mdm, mdm-threshold, any other registered decoder) have
+  no step-wise interface; they run through `decode()` in static groups of waiting jobs
   with the same decoder and parameters, each group in its own turn between two speculative steps. A
   group's rows do not influence each other (every decoder's batch-k output equals its batch-1
   output; sampled rows are grouped only where a row's draws depend on its seed alone, `Decoder.seeds_per_row`),
@@ -98,9 +98,6 @@ class Engine:
         self.steps = 0
 
     def _new_batch(self):
-        # a model without a mask token cannot run a SpeculativeBatch; no job asks for one then
-        if self.model.config.mask_token_id is None:
-            return _NoBatch()
         return self.batch_factory(self.model, eos_ids=self.eos_ids, max_rows=self.max_running,
                                   max_row_tokens=self.max_row_tokens)
 
@@ -332,11 +329,6 @@ class Engine:
         except Exception:  # a broken sink loses its own request only
             log.exception("job %d: delivering an event failed", job.id)
             job.cancelled = True
-
-
-class _NoBatch:
-    def __len__(self) -> int:
-        return 0
 
 
 class _Abandon(Exception):

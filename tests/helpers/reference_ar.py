@@ -1,4 +1,8 @@
-"""Autoregressive decoding with the KV cache: the baseline every other decoder is compared with."""
+"""The reference AR decoder: the simple, obviously correct loop (a KVCache, one token per forward,
+batched with left padding) that `decode(..., "ar")` (the speculative batch with no drafts,
+refusion.decoding.speculative.generate_ar) must equal token for token and counter for counter
+(tests/decoding/test_ar_reference.py), and that the tests of the other decoders compare their
+outputs with. It was refusion.decoding.ar until the two AR implementations became one."""
 
 from __future__ import annotations
 
