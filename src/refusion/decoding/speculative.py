@@ -554,12 +554,11 @@ class _PlainRun:
     def __init__(self, batch: SpeculativeBatch, seqs: list[SpeculativeSeq]) -> None:
         dev = batch.device
         self.seqs, self.B = seqs, len(seqs)
-        self.x = torch.tensor([[q.x] for q in seqs], device=dev)  # [B, 1], as fed
-        c = [q.c for q in seqs]
-        self.col, self.cmax = torch.tensor(c, device=dev)[:, None], max(c)
-        # x's position: its column's number, kept apart (a compiled graph would take one tensor passed
-        # as both for a shape of its own)
-        self.pos = self.col.clone()
+        c = np.array([q.c for q in seqs])
+        # x [B, 1] as fed; its column, and its position (the same number, kept apart: a compiled graph
+        # would take one tensor passed as both for a shape of its own); one transfer for the three
+        self.x, self.col, self.pos = torch.from_numpy(np.stack([[q.x for q in seqs], c, c])[:, :, None]).to(dev)
+        self.cmax = int(c.max())
         self.capacity = batch.cache.capacity
         self.index = batch.cache.write_index(self.col) if self.B > 1 else None
         self.D = batch.cache.head_dim
@@ -567,10 +566,9 @@ class _PlainRun:
         self.left = self.S = min(q.p.gen_length - len(q.res.tokens) for q in seqs)  # steps until one ends
         # step s's additive mask, 0 where a row sees (its kept columns and x's), is masks[..., S - s:][..., :used]:
         # column j seen at step s where j - s <= c (a view a step, no arithmetic)
-        i = torch.arange(-self.S, self.capacity, device=dev)
-        dtype = batch.model.embed_tokens.weight.dtype
-        self.masks = torch.where(i <= self.col, torch.zeros((), dtype=dtype, device=dev),
-                                 torch.full((), float("-inf"), dtype=dtype, device=dev))[:, None, None, :]
+        seen = np.arange(-self.S, self.capacity)[None, :] <= c[:, None]
+        masks = np.where(seen, np.float32(0), np.float32(-np.inf))[:, None, None, :]
+        self.masks = torch.from_numpy(masks).to(dev, batch.model.embed_tokens.weight.dtype)
         self.tokens: list[np.ndarray] = []  # per step, each row's token [B, 1]
         # the rows streamed, in the order they joined (a removal moves the last row into its place)
         self.streamed = sorted((b for b, q in enumerate(seqs) if q.on_commit is not None), key=lambda b: seqs[b].sid)
