@@ -175,10 +175,11 @@ def run_in_pty(argv: list[str], cols: int, rows: int, timeout: float = 120) -> s
     return b"".join(chunks).decode("utf-8", errors="replace")
 
 
-@pytest.mark.parametrize("decoder,flags", [("speculative", []), ("refusion", ["--slot-size", "4"])])
+@pytest.mark.parametrize("decoder,flags", [("speculative", []), ("refusion", ["--slot-size", "4", "--slot-threshold",
+                                                                              "0.999", "--token-threshold", "0.99"])])
 def test_generate_under_a_terminal_prints_the_answer_once_and_leaves_no_frames(decoder, flags):
     # a held-out prompt with a long answer: many commits (left to right, and out of order in small
-    # slots), frames taller than the terminal
+    # small, hard-to-take slots), frames taller than the terminal
     prompt = "Add: 14 + 52 + 22"
     base = [sys.executable, "-m", "refusion.cli", "generate", prompt, "--gen-length", "128", "--threads", "1",
             "--decoder", decoder, *flags]
