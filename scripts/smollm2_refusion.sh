@@ -5,7 +5,7 @@
 #
 #   bash scripts/smollm2_refusion.sh                 # every stage (hours on a CPU: run it in the background)
 #   bash scripts/smollm2_refusion.sh data train      # some stages, in this order (or STAGES="data train")
-#   bash scripts/smollm2_refusion.sh --quick         # every stage in minutes: a few prompts, steps, tokens
+#   bash scripts/smollm2_refusion.sh --quick         # every stage in minutes: a few prompts, steps, tokens, settings
 #
 # Stages:
 #   base    the base model: BASE (default smollm2, imported from its GGUF package into the cache once);
@@ -59,7 +59,10 @@ if [[ $QUICK == 1 ]]; then
   TRAIN_SHRINK=(--set max_steps=4 --set save_every=2 --set batch_size=2 --set micro_batch_size=1 --set warmup_steps=1
                 --set max_length=2048)
   SAMPLER_SHRINK=(--cuts 4 --steps 4 --check-every 2)
-  BENCH=(--n-gsm8k 2 --n-humaneval 2 --max-tokens 16 --threads 1 --batch-sizes 1,2)
+  # the benchmark's paths (ours: AR, speculative with and without lookup, plan-and-infill; transformers'), not
+  # every setting: the compiled ones alone take minutes of compiling, and every setting on SmolLM2 a few more
+  BENCH=(--n-gsm8k 2 --n-humaneval 2 --max-tokens 16 --threads 1 --batch-sizes 1,2
+         --only "speculative (model's settings),speculative,speculative +lookup,refusion s8 0.9/0.4,hf greedy,hf prompt-lookup")
 else
   RUNS=${RUNS:-runs/smollm2-refusion} OUT=${OUT:-results/smollm2-refusion}
   ASSET=${ASSET:-src/refusion/assets/smollm2-refusion}
