@@ -1,4 +1,5 @@
 import json
+import os
 import shutil
 
 import pytest
@@ -7,6 +8,20 @@ import transformers
 
 from refusion.decoding import costs
 from refusion.model.fetch import qwen3_tokenizer_files
+
+# pytest-xdist (addopts: -n 2) runs the tests in worker processes: each gets its share of the cores
+# (and its subprocesses, through OMP_NUM_THREADS), as torch would otherwise give every worker a thread
+# per core, and threads that outnumber the cores spin-wait on each other (small tests ran 30x slower)
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _SHARE = max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    torch.set_num_threads(_SHARE)
+    os.environ["OMP_NUM_THREADS"] = str(_SHARE)
+
+
+def pytest_collection_modifyitems(items):
+    """The tests that take minutes (marked slow or long) first: parallel workers then end together,
+    rather than one running a long test collected last while the other waits."""
+    items.sort(key=lambda item: not (item.get_closest_marker("slow") or item.get_closest_marker("long")))
 
 QWEN3_VOCAB = 151936  # the published checkpoint's padded embedding size
 BEGIN_ID, MASK_ID, IM_END, ENDOFTEXT = 151669, 151670, 151645, 151643

@@ -82,6 +82,7 @@ def check_quick_run(tmp: Path, base: Path, env: dict) -> None:
     assert again["rows"] == bench["rows"] and again["costs"] == bench["costs"]  # the costs kept, not measured again
 
 
+@pytest.mark.long
 def test_quick_recipe_on_a_tiny_gguf(tmp_path):
     write_byte_level_gguf(tmp_path / "tiny.gguf")
     env = recipe_env(tmp_path, GGUF=str(tmp_path / "tiny.gguf"))

@@ -70,6 +70,7 @@ def refusion_command():
         yield server.command
 
 
+@pytest.mark.long
 def test_study_quick_runs_every_stage_and_writes_the_curves(tmp_path, refusion_command):
     """scripts/study.sh --quick: base -> ar/refusion/mdm fine-tunes, each one run with a checkpoint at
     every curve point (steps 4 and 8) -> every decoder on every checkpoint -> report (untrained)."""
