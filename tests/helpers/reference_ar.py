@@ -94,7 +94,7 @@ def generate_ar(model: Transformer, prompts: list[list[int]], params: ARParams |
         out[:, step] = tok
         n_steps = step + 1
         if on_commit is not None:  # streaming only: one transfer for the whole batch
-            for r, (t, d) in enumerate(zip(tok.tolist(), done.tolist())):
+            for r, (t, d) in enumerate(zip(tok.tolist(), done.tolist(), strict=True)):
                 if not d:
                     on_commit(r, [len(prompts[r]) + step], [t])
         done |= torch.isin(tok, eos_t)
