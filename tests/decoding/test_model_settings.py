@@ -63,6 +63,8 @@ def test_resolve_the_callers_parameters_win_and_another_decoder_drops_the_files(
     s = ModelSettings("speculative", {"fork": True, "draft_length": 8})
     config = tiny().config
     assert model_settings.resolve(s, config, None, {}) == ("speculative", {"fork": True, "draft_length": 8})
+    assert model_settings.choose(ModelSettings("ar"), config) == "ar"
+    assert model_settings.choose(ModelSettings("ar"), config, "mdm") == "mdm"
     assert model_settings.resolve(s, config, None, {"draft_length": 2}) == ("speculative",
                                                                             {"fork": True, "draft_length": 2})
     assert model_settings.resolve(s, config, "ar", {"gen_length": 4}) == ("ar", {"gen_length": 4})

@@ -133,8 +133,8 @@ def choose_decoder(args: argparse.Namespace, config, model_dir) -> tuple[str, di
     from refusion.decoding import mismatch, model_settings
 
     settings = model_settings.read(model_dir)
-    decoder, _ = model_settings.resolve(settings, config, args.decoder, {})
-    decoder, params = model_settings.resolve(settings, config, decoder, decoder_params(args, decoder))
+    decoder = model_settings.choose(settings, config, args.decoder)
+    _, params = model_settings.resolve(settings, config, decoder, decoder_params(args, decoder))
     note = mismatch(config, decoder)
     if note:
         warn(note)

@@ -83,6 +83,6 @@ def cmd_info(args: argparse.Namespace) -> None:
     n = parameter_count(cfg)  # from the shapes: no memory, no weights read
     settings = model_settings.read(path)
     print(json.dumps({"path": str(path), "parameters": n,
-                      "default_decoder": model_settings.resolve(settings, cfg, None, {})[0],
+                      "default_decoder": model_settings.choose(settings, cfg),
                       "decoding_settings": settings.to_dict() if settings is not None else None,
                       **cfg.to_dict()}, indent=2))

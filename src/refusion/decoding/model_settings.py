@@ -93,13 +93,19 @@ def write(model_dir: str | Path, settings: ModelSettings) -> Path:
     return path
 
 
+def choose(settings: ModelSettings | None, config: Any, decoder: str | None = None) -> str:
+    """The decoder to run: `decoder` if named, else the model's settings', else the one its training
+    objective fits."""
+    if decoder is not None:
+        return decoder
+    return settings.decoder if settings is not None else registry.default_decoder(config)
+
+
 def resolve(settings: ModelSettings | None, config: Any, decoder: str | None,
             params: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
-    """The decoder to run and its keyword arguments: `decoder` if named, else the model's settings',
-    else the one its training objective fits; the settings' parameters under `params` when they are
-    for that decoder."""
-    if decoder is None:
-        decoder = settings.decoder if settings is not None else registry.default_decoder(config)
+    """The decoder to run (choose) and its keyword arguments: the settings' parameters under `params`
+    when they are for that decoder."""
+    decoder = choose(settings, config, decoder)
     base = dict(settings.params) if settings is not None and settings.decoder == decoder else {}
     return decoder, {**base, **params}
 

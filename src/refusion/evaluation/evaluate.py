@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from refusion.decoding import decode, make_params
+from refusion.decoding import decode, make_params, model_settings
 from refusion.decoding.params import MAX_SEED, check_prompts, check_seed
 from refusion.model.transformer import Transformer
 from refusion.tasks import Example, Score, Task
@@ -82,7 +82,10 @@ def evaluate(model: Transformer, tokenizer: Tokenizer, task: Task, cfg: EvalConf
     """Decode every example (`examples`, or the task's split as cfg says), score the outputs, write
     records (if a path is given), return the summary."""
     cfg.validate()
-    params = make_params(cfg.decoder, model.config, **cfg.params)  # bad parameters fail before the first example
+    # what decode() will run (the model's decoding.json under cfg.params): bad parameters fail before
+    # the first example, and prompts are checked against the gen_length it will use
+    _, run = model_settings.resolve(model_settings.of_model(model), model.config, cfg.decoder, cfg.params)
+    params = make_params(cfg.decoder, model.config, **run)
     if examples is None:
         examples = task.load(cfg.split, n=cfg.n, seed=cfg.seed)
     if not examples:

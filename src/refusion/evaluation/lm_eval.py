@@ -174,7 +174,7 @@ class ReFusionLM(LM):
         self.model = load_model(self.path, dtype=dtype, device=device)
         self.tok = Tokenizer.from_dir(self.path)
         # the model's decoding.json names the decoder and its settings unless model_args do
-        self.decoder = model_settings.resolve(model_settings.of_model(self.model), self.model.config, decoder, {})[0]
+        self.decoder = model_settings.choose(model_settings.of_model(self.model), self.model.config, decoder)
         # what the decoder takes, less what each request sets (gen_length, temperature); the
         # Python-only policy comes from the model's decoding.json, not from model_args
         self.fields = {o.name for o in registry.options(self.decoder)}

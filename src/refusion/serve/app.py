@@ -82,7 +82,7 @@ class Server:
     @property
     def default_decoder(self) -> str:
         """The decoder a request that names none gets: the model's decoding.json's, else its objective's."""
-        return model_settings.resolve(model_settings.of_model(self.model), self.model.config, None, {})[0]
+        return model_settings.choose(model_settings.of_model(self.model), self.model.config)
 
     # ---- the ASGI app -------------------------------------------------------------------------
 

@@ -39,7 +39,7 @@ def check(prompt_len: int, choice: DecoderChoice, context: int, limit: int) -> N
     """Refuse a request whose step is wider than the context or whose tokens exceed `limit`."""
     width = step_width(choice)
     if width > context:
-        param = _width_field(choice)
+        param = "draft_length"  # (the request field that sizes a step: its masks and branches follow)
         raise RequestError(400, f"{_width_terms(choice)} = {width} tokens fed per step exceeds the model's context "
                                 f"of {context} tokens; lower {param}", param, code="step_too_wide")
     need = request_tokens(prompt_len, choice)
@@ -51,7 +51,7 @@ def check(prompt_len: int, choice: DecoderChoice, context: int, limit: int) -> N
             parts += f" + {width + 1} for one step's drafts and masks ({_width_terms(choice)} + 1)"
         elif width:  # greedy ar in the continuous batch: the newest token and the next column
             parts += f" + {width + 1} for one step"
-        param = _width_field(choice) if width > L else "max_tokens"
+        param = "draft_length" if width > L else "max_tokens"
         raise RequestError(400, f"this request needs {need} tokens ({parts}); this server admits at most {limit} "
                                 f"tokens per request", param, code="request_too_large")
 
@@ -63,8 +63,3 @@ def _width_terms(choice: DecoderChoice) -> str:
     return f"1 + draft_length {p.draft_length} + {masks} masks" + (f" + {extra} for redraft blocks or branches"
                                                                      if extra else "")
 
-
-def _width_field(choice: DecoderChoice) -> str:
-    """The request field that makes the step wide (the rest of its width, the masks and branches,
-    follows from it or from the model's decoding.json)."""
-    return "draft_length"

@@ -54,7 +54,7 @@ def choose(req: GenerationRequest, config: ModelConfig, max_tokens: int,
            settings: model_settings.ModelSettings | None = None) -> DecoderChoice:
     """The decoder and validated parameters for a request whose max_tokens is already settled: the
     request's fields over the model's decoding.json (`settings`) over the decoder's defaults."""
-    decoder, _ = model_settings.resolve(settings, config, req.decoder, {})
+    decoder = model_settings.choose(settings, config, req.decoder)
     if decoder not in registry.names():
         raise RequestError(400, f"unknown decoder {decoder!r}; choose one of {', '.join(registry.names())}",
                            "decoder")
