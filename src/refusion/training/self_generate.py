@@ -2,14 +2,15 @@
 greedy decoding, so that a mask path trained on them (the mask-only variant) learns to draft what
 the model will actually say.
 
-    refusion self-generate --model smollm2 --prompts gsm8k:train.jsonl,stdlib-functions --n 1000
+    refusion self-generate --model smollm2 --prompts gsm8k-train,stdlib-functions --n 1000
         --max-tokens 256 --out data.jsonl
 
 Prompt sources (`--prompts`, comma-separated; never a test split):
 
-    gsm8k:FILE         the questions of a GSM8K-format JSONL file ("question"), as the GSM8K benchmark
-                       asks them (tasks/maths.py gsm8k_prompt). Give the train split: a file whose
-                       name says "test" is refused
+    gsm8k-train        GSM8K's train questions, shipped in the package (tasks/sources.py), as the GSM8K
+                       benchmark asks them (tasks/maths.py gsm8k_prompt)
+    gsm8k:FILE         the questions of a GSM8K-format JSONL file ("question"), asked the same way. Give
+                       the train split: a file whose name says "test" is refused
     stdlib-functions   public functions of the Python standard library, signature and docstring, as
                        HumanEval asks for a function (tasks/code.py complete_function_prompt)
     stdlib-methods     public methods of its public classes, the same way (about three times as many)
@@ -40,7 +41,7 @@ if TYPE_CHECKING:  # (torch is imported when decoding starts: `refusion --help` 
     from refusion.model.tokenizer import Tokenizer
     from refusion.model.transformer import Transformer
 
-SOURCES = ("gsm8k", "stdlib-functions", "stdlib-methods", "stdlib", "jsonl")
+SOURCES = ("gsm8k-train", "gsm8k", "stdlib-functions", "stdlib-methods", "stdlib", "jsonl")
 
 
 @dataclass
@@ -54,18 +55,21 @@ def load_prompts(spec: str, n: int | None = None, seed: int = 0) -> list[Prompt]
     without repeats, in a fixed order."""
     from refusion.tasks.code import complete_function_prompt
     from refusion.tasks.maths import gsm8k_prompt
+    from refusion.tasks.sources import gsm8k_train_questions
     from refusion.training.corpus import stdlib_functions, stdlib_methods, stdlib_records
 
     out: list[Prompt] = []
     for item in filter(None, (x.strip() for x in spec.split(","))):
         name, _, arg = item.partition(":")
         if name not in SOURCES or bool(arg) != (name in ("gsm8k", "jsonl")):
-            raise DataError(f"unknown prompt source {item!r}; sources: gsm8k:FILE, stdlib-functions, "
+            raise DataError(f"unknown prompt source {item!r}; sources: gsm8k-train, gsm8k:FILE, stdlib-functions, "
                             "stdlib-methods, stdlib, jsonl:FILE")
         if name == "gsm8k":
             if "test" in Path(arg).name.lower():
                 raise DataError(f"{arg}: a test split; self-generated training data comes from a train split")
             queries = [gsm8k_prompt(q) for q in _jsonl_field(Path(arg), "question")]
+        elif name == "gsm8k-train":
+            queries = [gsm8k_prompt(q) for q in gsm8k_train_questions()]
         elif name == "jsonl":
             queries = [r["query"] for r in load_records(arg)]
         elif name == "stdlib-functions":
