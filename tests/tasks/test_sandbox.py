@@ -223,3 +223,66 @@ def test_run_many_keeps_order():
     assert [r.status for r in results] == ["passed", "failed", "passed", "passed", "failed", "passed", "passed",
                                            "timeout"]
     assert [r.stdout for r in results] == [f"{i}\n" for i in range(7)] + [""]
+
+
+# Answers that try to pass a task's tests without passing them: each leaves the process before the tests
+# end. With tests given, only the harness's nonce written after them makes a pass; exit status 0 does not.
+TESTS = "assert add(2, 3) == 5\nassert add(-1, 1) == 0\n"
+WRONG = "def add(a, b):\n    return a - b\n"
+WAYS_OUT = {
+    "sys.exit(0)": "import sys\nsys.exit(0)\n",
+    "raise SystemExit": "raise SystemExit\n",
+    "os._exit(0)": "import os\nos._exit(0)\n",
+    "atexit os._exit": "import atexit, os\natexit.register(lambda: os._exit(0))\n",
+    "atexit sys.exit": "import atexit, sys\natexit.register(lambda: sys.exit(0))\n",
+    "kill itself": "import os, signal\nos.kill(os.getpid(), 9)\n",
+    "kill itself (ctypes)": "import ctypes, os\nctypes.CDLL(None).kill(os.getpid(), 9)\n",
+    "close stdout": "import os\nos.close(1)\n",
+    "close every fd": "import os\nos.closerange(0, 1024)\n",
+    "exit in the function": "import sys\ndef add(a, b):\n    sys.exit(0)\n",
+    "os._exit in the function": "import os\ndef add(a, b):\n    os._exit(0)\n",
+    "thread exits": "import os, threading\nthreading.Thread(target=os._exit, args=(0,)).start()\nimport time\n"
+                    "time.sleep(1)\n",
+    "replace os.write and exit": "import os\nos.write = lambda fd, b: len(b)\nos._exit = lambda c: None\n",
+    "print a fake marker": "import os\nfor fd in range(3, 64):\n    try:\n        os.write(fd, b'0' * 32)\n"
+                           "    except OSError:\n        pass\nos._exit(0)\n",
+    "excepthook swallows": "import sys\nsys.excepthook = lambda *a: None\n",
+}
+
+
+@pytest.mark.parametrize("way", list(WAYS_OUT))
+def test_an_answer_that_leaves_before_the_tests_end_fails(way):
+    program = WAYS_OUT[way] + ("" if "def add" in WAYS_OUT[way] else WRONG)
+    r = run_python(program, tests=TESTS, timeout_s=5)
+    assert not r.passed and r.status in ("failed", "memory"), (way, r)
+    if way in ("sys.exit(0)", "raise SystemExit", "os._exit(0)", "exit in the function", "os._exit in the function",
+               "print a fake marker", "thread exits"):
+        # the exit status alone said "passed" before: the harness now says why it is not
+        assert r.returncode == 0 and "exited before the tests ran to their end" in r.stderr, r
+    # the way out does not break an honest answer's pass on its own: the same prelude before a right
+    # answer passes wherever it lets the program go on (closing stdout, an atexit hook, a harmless hook)
+    if way in ("close stdout", "atexit os._exit", "atexit sys.exit", "excepthook swallows",
+               "replace os.write and exit"):
+        r = run_python(WAYS_OUT[way] + "def add(a, b):\n    return a + b\n", tests=TESTS, timeout_s=5)
+        assert r.passed, (way, r)
+
+
+def test_the_honest_right_answer_passes_and_a_wrong_one_fails():
+    r = run_python("def add(a, b):\n    return a + b\nprint('defined')\n", tests=TESTS + "print('tested')\n")
+    assert (r.status, r.returncode, r.stdout) == ("passed", 0, "defined\ntested\n") and r.passed
+    r = run_python(WRONG, tests=TESTS)
+    assert (r.status, r.returncode) == ("failed", 1)
+    assert "tests.py" in r.stderr and "assert add(2, 3) == 5" in r.stderr  # the failing test's line
+    r = run_python("def add(a, b):\n    return a +\n", tests=TESTS)  # a syntax error in the answer
+    assert r.status == "failed" and "SyntaxError" in r.stderr
+    # an answer whose tests print a lot still passes (output is flushed before the nonce is written)
+    r = run_python("def add(a, b):\n    return a + b\n", tests=TESTS + "print('x' * 100000)\n", max_output=10)
+    assert r.passed and r.stdout == "x" * 10
+
+
+def test_run_many_pairs_programs_with_their_tests():
+    rs = run_many(["def add(a, b):\n    return a + b\n", WRONG, "import sys\nsys.exit(0)\n"], tests=[TESTS] * 3,
+                  timeout_s=5, workers=2)
+    assert [r.passed for r in rs] == [True, False, False]
+    with pytest.raises(ValueError):
+        run_many(["x = 1"], tests=[TESTS, TESTS])

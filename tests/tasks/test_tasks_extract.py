@@ -73,15 +73,20 @@ def test_letters_and_code_extraction():
     assert extract_code("    return x\n") == "    return x"  # a bare body keeps its indentation
 
 
+def passes(program_and_tests: tuple[str, str]) -> bool:
+    code, tests = program_and_tests
+    return run_python(code, tests=tests).passed
+
+
 def test_humaneval_program_accepts_a_bare_body_or_a_whole_function():
     ex = Example("HumanEval/x", "", None, {"prompt": "def add(a, b):\n    \"\"\"Add.\"\"\"\n",
                                            "test": "def check(f):\n    assert f(2, 3) == 5\n", "entry_point": "add"})
-    assert run_python(program_for(ex, "    return a + b\n")).passed
-    assert run_python(program_for(ex, "```python\ndef add(a, b):\n    return a + b\n```")).passed
-    assert not run_python(program_for(ex, "    return a - b\n")).passed
+    assert passes(program_for(ex, "    return a + b\n"))
+    assert passes(program_for(ex, "```python\ndef add(a, b):\n    return a + b\n```"))
+    assert not passes(program_for(ex, "    return a - b\n"))
     mbpp = Example("mbpp/1", "", None, {"tests": ["assert sq(3) == 9"], "setup": ""})
-    assert run_python(program_for(mbpp, "def sq(x):\n    return x * x")).passed
-    assert not run_python(program_for(mbpp, "def sq(x):\n    return x + x")).passed
+    assert passes(program_for(mbpp, "def sq(x):\n    return x * x"))
+    assert not passes(program_for(mbpp, "def sq(x):\n    return x + x"))
 
 
 def test_humaneval_program_keeps_the_prompts_helpers():
@@ -90,8 +95,8 @@ def test_humaneval_program_keeps_the_prompts_helpers():
     prompt = "from typing import List\n\ndef double(x):\n    return 2 * x\n\ndef f(xs: List[int]):\n    \"\"\"Doc.\"\"\"\n"
     ex = Example("HumanEval/y", "", None, {"prompt": prompt, "entry_point": "f",
                                            "test": "def check(g):\n    assert g([1, 2]) == [2, 4]\n"})
-    assert run_python(program_for(ex, "```python\ndef f(xs: List[int]):\n    return [double(x) for x in xs]\n```")).passed
-    assert not run_python(program_for(ex, "def f_other(xs):\n    return xs\n")).passed  # not the entry point
+    assert passes(program_for(ex, "```python\ndef f(xs: List[int]):\n    return [double(x) for x in xs]\n```"))
+    assert not passes(program_for(ex, "def f_other(xs):\n    return xs\n"))  # not the entry point
 
 
 def test_subset_is_seeded():

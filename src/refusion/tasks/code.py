@@ -39,8 +39,8 @@ def load_humaneval(split: str = "test", n: int | None = None, seed: int = 0) -> 
     return subset(exs, n, seed)
 
 
-def program_for(ex: Example, output: str) -> str:
-    """The program whose exit status decides the sample: the model's code, then the task's tests."""
+def program_for(ex: Example, output: str) -> tuple[str, str]:
+    """(program, tests) for a sample: the model's code, and the task's tests that run after it."""
     code = extract_code(output)
     if "entry_point" in ex.answer:  # HumanEval
         # A bare body continues the given signature. A whole function still gets the prompt first: it
@@ -48,24 +48,27 @@ def program_for(ex: Example, output: str) -> str:
         # definition in the prompt is valid Python and the model's own definition replaces it).
         defines = re.search(rf"^\s*def\s+{re.escape(ex.answer['entry_point'])}\s*\(", code, re.M)
         code = ex.answer["prompt"] + ("\n\n" if defines else "") + code
-        return f"{code}\n\n{ex.answer['test']}\n\ncheck({ex.answer['entry_point']})\n"
-    return "\n".join([code, ex.answer["setup"], *ex.answer["tests"]]) + "\n"
+        return code + "\n", f"{ex.answer['test']}\n\ncheck({ex.answer['entry_point']})\n"
+    return code + "\n", "\n".join([ex.answer["setup"], *ex.answer["tests"]]) + "\n"
 
 
-def sandbox_scorers(program: Callable[[Example, str], str], timeout_s: float
+def sandbox_scorers(program: Callable[[Example, str], tuple[str, str]], timeout_s: float
                     ) -> tuple[Callable[[Example, str], Score], Callable[[list[Example], list[str]], list[Score]]]:
-    """(score, score_many) for a code task: a sample is correct when program(example, output), the
-    model's code followed by the task's tests, exits 0 in the sandbox. score_many runs in parallel."""
+    """(score, score_many) for a code task: a sample is correct when the task's tests, run in the sandbox
+    after the model's code (program(example, output) gives both), run to their end without failing; an
+    answer that exits early fails whatever its exit status. score_many runs in parallel."""
     def score(ex: Example, output: str) -> Score:
         from refusion.tasks.sandbox import run_python
 
-        return Score(extract_code(output), run_python(program(ex, output), timeout_s=timeout_s).passed)
+        code, tests = program(ex, output)
+        return Score(extract_code(output), run_python(code, timeout_s=timeout_s, tests=tests).passed)
 
     def score_many(examples: list[Example], outputs: list[str]) -> list[Score]:
         from refusion.tasks.sandbox import run_many
 
-        results = run_many([program(ex, out) for ex, out in zip(examples, outputs)], timeout_s=timeout_s)
-        return [Score(extract_code(out), r.passed) for out, r in zip(outputs, results)]
+        pairs = [program(ex, out) for ex, out in zip(examples, outputs, strict=True)]
+        results = run_many([c for c, _ in pairs], timeout_s=timeout_s, tests=[t for _, t in pairs])
+        return [Score(extract_code(out), r.passed) for out, r in zip(outputs, results, strict=True)]
 
     return score, score_many
 

@@ -38,6 +38,13 @@ filesystem and your other processes (ctypes can kill(-1), fork without limit as 
 setsid and chdir out of the sweep's reach). Reading files is never restricted: a program can read
 whatever the user running the harness can (with no network, only into its own stdout/stderr).
 A SIGKILL the harness did not send (the OOM killer's signal) is reported as "memory".
+
+Scoring (`tests=`): the task's tests run after the program, in its process and namespace, and the
+run passes only when they ran to their end: the harness then writes a nonce to a file descriptor the
+program was never told about, read from a pipe closed before the program starts. An exit status of 0
+is not a pass, so an answer that leaves early (sys.exit, os._exit, an atexit hook, a signal to itself,
+a closed stdout) fails. Like the guard, this stops answers that game the exit status, not a program
+built to search the harness's memory for the nonce.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ import math
 import os
 import shutil
 import signal
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -72,6 +80,11 @@ cfg = json.loads(sys.argv[1])
 scratch, ns = cfg["scratch"], cfg["ns"]
 with open(os.path.join(scratch, "program.py"), encoding="utf-8") as f:
     src = f.read()
+tests = None
+if cfg["tests"]:
+    with open(os.path.join(scratch, "tests.py"), encoding="utf-8") as f:
+        tests = f.read()
+    os.remove(os.path.join(scratch, "tests.py"))
 
 
 def warn(what, e):
@@ -227,13 +240,48 @@ if ns:
         os.write(cfg["status_fd"], str(os.waitpid(child, 0)[1]).encode())
         os._exit(0)
 os.close(cfg["status_fd"])
+
+
+def run(src, tests, nonce_fd, done_fd, exec_=exec, compile_=compile, read=os.read, write=os.write, close=os.close,
+        exit_=os._exit, flush=lambda f: f.flush()):
+    # Everything the end needs is bound here, before the program runs, so that replacing os.write,
+    # exec or os._exit does not change what happens after the tests. The nonce lives only in this
+    # frame: the program cannot read it from argv, the environment or a file.
+    nonce = read(nonce_fd, 64) if tests is not None else b""
+    close(nonce_fd)
+    scope = {"__name__": "__main__", "__builtins__": builtins}
+    exec_(compile_(src, "program.py", "exec"), scope)
+    if tests is None:
+        return
+    exec_(compile_(tests, "tests.py", "exec"), scope)
+    # The tests ran to their end in this process: only now is the nonce written, and the process
+    # ends here, before atexit handlers or anything else the program left behind could run.
+    for f in (sys.stdout, sys.stderr):
+        try:
+            flush(f)
+        except BaseException:
+            pass
+    write(done_fd, nonce)
+    exit_(0)
+
+
 install_guard()
 import linecache, traceback
 # Tracebacks with the program's source lines, starting at the program, not at this bootstrap.
 linecache.cache["program.py"] = (len(src), None, src.splitlines(True), "program.py")
-sys.excepthook = lambda typ, value, tb: traceback.print_exception(typ, value, tb and tb.tb_next)
+if tests is not None:
+    linecache.cache["tests.py"] = (len(tests), None, tests.splitlines(True), "tests.py")
+
+
+def excepthook(typ, value, tb):
+    while tb is not None and tb.tb_frame.f_code.co_filename not in ("program.py", "tests.py"):
+        tb = tb.tb_next
+    traceback.print_exception(typ, value, tb)
+
+
+sys.excepthook = excepthook
 sys.argv = ["program.py"]
-exec(compile(src, "program.py", "exec"), {"__name__": "__main__", "__builtins__": builtins})
+run(src, tests, cfg.pop("nonce_fd"), cfg.pop("done_fd"))
 '''
 
 # Run inside the namespaces once, to report what actually took effect on this machine.
@@ -364,24 +412,34 @@ def _read_tail(path: Path, limit: int) -> str:
         return f.read(limit).decode("utf-8", errors="replace")
 
 
-def _run(program: str, timeout_s: float, memory_mb: int, max_output: int, ns: bool) -> ExecResult:
+def _run(program: str, timeout_s: float, memory_mb: int, max_output: int, ns: bool, tests: str | None = None
+         ) -> ExecResult:
     t0 = time.perf_counter()
     scratch = Path(tempfile.mkdtemp(prefix="refusion-sandbox-")).resolve()
+    nonce = secrets.token_hex(16).encode()
+    nonce_r, nonce_w = os.pipe()
     try:
+        try:
+            os.write(nonce_w, nonce)  # 32 bytes: the pipe holds them until the program's harness reads them
+        finally:
+            os.close(nonce_w)
         (scratch / "program.py").write_text(program, encoding="utf-8", errors="replace")
+        if tests is not None:
+            (scratch / "tests.py").write_text(tests, encoding="utf-8", errors="replace")
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(scratch), "TMPDIR": str(scratch),
                "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         # (one BLAS thread: per-core thread pools would count against MAX_TASKS and RLIMIT_AS)
         with open(scratch / ".stdout", "wb") as out, open(scratch / ".stderr", "wb") as err, \
-                open(scratch / ".status", "wb") as status:
+                open(scratch / ".status", "wb") as status, open(scratch / ".done", "wb") as done:
             cfg = {"scratch": str(scratch), "ns": ns, "status_fd": status.fileno(), "memory_mb": memory_mb,
                    "cpu_s": math.ceil(timeout_s) + 1, "file_mb": FILE_MB, "open_files": OPEN_FILES,
-                   "max_tasks": MAX_TASKS, "pid_max": PID_MAX, "scratch_mb": SCRATCH_MB}
+                   "max_tasks": MAX_TASKS, "pid_max": PID_MAX, "scratch_mb": SCRATCH_MB,
+                   "tests": tests is not None, "nonce_fd": nonce_r, "done_fd": done.fileno()}
             cmd = [sys.executable, "-I", "-c", _BOOTSTRAP, json.dumps(cfg)]
             try:
                 proc = subprocess.Popen(_UNSHARE + cmd if ns else cmd, cwd=scratch, env=env,
                                         stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                        pass_fds=(status.fileno(),), start_new_session=True)
+                                        pass_fds=(status.fileno(), nonce_r, done.fileno()), start_new_session=True)
             except OSError as e:
                 return ExecResult("error", None, "", f"could not start: {e}", time.perf_counter() - t0)
             timed_out = False
@@ -399,8 +457,15 @@ def _run(program: str, timeout_s: float, memory_mb: int, max_output: int, ns: bo
         tail = stderr.rstrip().rsplit("\n", 1)[-1]
         if timed_out or rc == -signal.SIGXCPU:
             return ExecResult("timeout", None, stdout, stderr, seconds)
-        if rc == 0:
+        # With tests, passing means they ran to their end: the harness wrote the nonce after them. An
+        # exit status of 0 alone is not enough (sys.exit(0), os._exit(0) or an atexit hook before or
+        # during the tests give one too).
+        finished = (scratch / ".done").read_bytes() == nonce if tests is not None else rc == 0
+        if finished:
             status = "passed"
+        elif rc == 0:
+            status = "failed"
+            stderr += "\nsandbox: the program exited before the tests ran to their end\n"
         elif tail.startswith("MemoryError") or (rc == -signal.SIGKILL and (reported or not ns)):
             status = "memory"
         elif ns and not reported and stderr.startswith("unshare:"):
@@ -410,17 +475,23 @@ def _run(program: str, timeout_s: float, memory_mb: int, max_output: int, ns: bo
         return ExecResult(status, rc, stdout, stderr, seconds)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+        os.close(nonce_r)
 
 
-def run_python(program: str, timeout_s: float = 10.0, memory_mb: int = 1024, max_output: int = 10_000
-               ) -> ExecResult:
-    """Run `program` as __main__ in a fresh sandboxed interpreter; exit status 0 is a pass."""
-    return _run(program, timeout_s, memory_mb, max_output, ns=_namespaces() is not None)
+def run_python(program: str, timeout_s: float = 10.0, memory_mb: int = 1024, max_output: int = 10_000,
+               tests: str | None = None) -> ExecResult:
+    """Run `program` as __main__ in a fresh sandboxed interpreter. Without `tests`, exit status 0 is a
+    pass. With `tests`, they run after the program in its namespace and the process, and the run passes
+    only when they ran to their end: exiting early in any way (sys.exit, os._exit, an atexit hook, a
+    signal, a closed stdout) is a failure whatever the exit status."""
+    return _run(program, timeout_s, memory_mb, max_output, ns=_namespaces() is not None, tests=tests)
 
 
 def run_many(programs: list[str], timeout_s: float = 10.0, memory_mb: int = 1024, workers: int | None = None,
-             max_output: int = 10_000) -> list[ExecResult]:
-    """run_python over many programs in parallel (threads driving subprocesses); results in input order."""
+             max_output: int = 10_000, tests: list[str] | None = None) -> list[ExecResult]:
+    """run_python over many programs (and their tests) in parallel (threads driving subprocesses);
+    results in input order."""
     _namespaces()  # probe once, before the threads race to
+    pairs = list(zip(programs, tests, strict=True)) if tests is not None else [(p, None) for p in programs]
     with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
-        return list(pool.map(lambda p: run_python(p, timeout_s, memory_mb, max_output), programs))
+        return list(pool.map(lambda pt: run_python(pt[0], timeout_s, memory_mb, max_output, pt[1]), pairs))

@@ -141,8 +141,8 @@ def make_code(rng: random.Random) -> tuple[str, str, dict]:
     return prompt, target, {"tests": tests, "entry_point": name}
 
 
-def _program(ex: Example, output: str) -> str:
-    return extract_code(output) + "\n\n" + ex.answer["tests"] + "\n"
+def _program(ex: Example, output: str) -> tuple[str, str]:
+    return extract_code(output) + "\n", ex.answer["tests"] + "\n"
 
 
 score_code, score_code_many = sandbox_scorers(_program, timeout_s=5)
