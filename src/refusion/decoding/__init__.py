@@ -23,17 +23,19 @@ from typing import TYPE_CHECKING
 from refusion.decoding import model_settings
 from refusion.decoding import params as _builtin  # noqa: F401  (registers the built-in decoders)
 from refusion.decoding.params import ARParams, MDMParams, ReFusionParams, SpeculativeParams, check_seed
-from refusion.decoding.registry import Decoder, default_decoder, get, make_params, mismatch, register, unregister
+from refusion.decoding.registry import (Decoder, default_decoder, get, make_params, mismatch, names, register,
+                                       unregister)
 
 if TYPE_CHECKING:
     from refusion.decoding.common import DecodeResult
+    from refusion.decoding.controls import Controls
     from refusion.model.transformer import Transformer
 
 
 def decode(model: Transformer, prompts: list[list[int]], decoder: str | None = None,
            eos_ids: list[int] | None = None, seed: int | None = None,
-           on_commit: Callable[[int, list[int], list[int]], None] | None = None,
-           **params) -> list[DecodeResult]:
+           on_commit: Callable[..., None] | None = None,
+           controls: Controls | list[Controls | None] | None = None, **params) -> list[DecodeResult]:
     """Run a registered decoder. Parameters it does not take are an error, not silently ignored;
     so are bad values, and a prompt + gen_length beyond the model's positions (checked before
     anything is allocated).
@@ -45,6 +47,13 @@ def decode(model: Transformer, prompts: list[list[int]], decoder: str | None = N
     the commits give when sorted by position and cut after the first EOS, so a streaming client
     should do the same.
 
+    controls: a Controls for every prompt, or a list of one (or None) per prompt (decoding/controls.py:
+    grammar, logit_bias, penalties, logprobs), honoured exactly by the decoders that take them (`ar`,
+    `speculative`; the registry record's `controls`); others refuse them. A row asking for logprobs
+    gets them in its result's `logprobs`, and when streaming, on_commit(row, positions, tokens,
+    logprobs) with a fourth argument for every row (a controls.Logprobs of those tokens, None for a
+    row that did not ask) whenever any row asked.
+
     decoder None: the model's own (its decoding.json, else the one its training objective fits).
     A model loaded with `load_model` starts from the settings in its decoding.json
     (decoding/model_settings.py); the parameters given here win over them.
@@ -52,23 +61,31 @@ def decode(model: Transformer, prompts: list[list[int]], decoder: str | None = N
     decoder, params = model_settings.resolve(model_settings.of_model(model), model.config, decoder, params)
     p = make_params(decoder, model.config, **params)
     check_seed(seed)
-    return get(decoder).runner()(model, prompts, p, eos_ids=eos_ids, seed=seed, on_commit=on_commit)
+    if controls is None:
+        return get(decoder).runner()(model, prompts, p, eos_ids=eos_ids, seed=seed, on_commit=on_commit)
+    from refusion.decoding.controls import as_list
+
+    per_row = as_list(controls, len(prompts))
+    if not get(decoder).controls and any(c is not None and c.active for c in per_row):
+        takes = [n for n in names() if get(n).controls]
+        raise ValueError(f"decoder {decoder!r} cannot apply grammar, logit_bias, penalties or logprobs exactly; "
+                         f"use one that does: {', '.join(takes)}")
+    return get(decoder).runner()(model, prompts, p, eos_ids=eos_ids, seed=seed, on_commit=on_commit,
+                                 controls=per_row)
 
 
-_LAZY = {"DecodeResult": "common", "generate_mdm": "mdm", "generate_refusion": "refusion",
+_LAZY = {"DecodeResult": "common", "Controls": "controls", "Logprobs": "controls", "generate_mdm": "mdm", "generate_refusion": "refusion",
          "SpeculativeBatch": "speculative", "generate_speculative": "speculative"}
 
 
 def __getattr__(name: str):
     if name == "DECODERS":  # the registered names, now
-        from refusion.decoding.registry import names
-
         return names()
     if name in _LAZY:
         return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["DECODERS", "ARParams", "DecodeResult", "Decoder", "MDMParams", "ReFusionParams", "SpeculativeBatch",
+__all__ = ["DECODERS", "ARParams", "Controls", "DecodeResult", "Logprobs", "Decoder", "MDMParams", "ReFusionParams", "SpeculativeBatch",
            "SpeculativeParams", "decode", "default_decoder", "generate_mdm", "generate_refusion",
            "generate_speculative", "make_params", "mismatch", "register", "unregister"]

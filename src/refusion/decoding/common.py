@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from refusion.decoding.controls import Logprobs
 
 
 @dataclass
@@ -27,6 +31,7 @@ class DecodeResult:
     tokens_fed: int = 0
     seconds: float = 0.0
     finished: bool = False  # ended with EOS (else it hit gen_length)
+    logprobs: Logprobs | None = None  # each token's, where its Controls asked (controls.py)
 
     @property
     def tpf(self) -> float:
@@ -39,7 +44,8 @@ class DecodeResult:
     def to_dict(self) -> dict:
         return dict(prompt=self.prompt, tokens=self.tokens, positions=self.positions, steps=self.steps,
                     forwards=self.forwards, tokens_fed=self.tokens_fed, seconds=self.seconds,
-                    finished=self.finished, tpf=self.tpf, tps=self.tps)
+                    finished=self.finished, tpf=self.tpf, tps=self.tps,
+                    **({} if self.logprobs is None else {"logprobs": self.logprobs.to_dict()}))
 
 
 def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device | str) -> tuple[Tensor, Tensor, Tensor]:

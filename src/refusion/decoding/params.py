@@ -230,7 +230,7 @@ class SpeculativeParams:
 
 register(Decoder("speculative", SpeculativeParams, "refusion.decoding.speculative:generate_speculative",
                  "self-speculative: the masks draft, causal predictions verify; greedy AR's exact output",
-                 fits=("refusion",), batch=lambda p, config: p))
+                 fits=("refusion",), batch=lambda p, config: p, controls=True))
 
 # ---- plan-and-infill ------------------------------------------------------------------------------
 
@@ -340,7 +340,7 @@ def ar_batch_params(p: ARParams, config) -> SpeculativeParams:
 
 register(Decoder("ar", ARParams, "refusion.decoding.speculative:generate_ar", "autoregressive with the KV cache",
                  fits=("refusion", "ar"), needs_mask=False, aliases={"max_new_tokens": "gen_length"},
-                 batch=ar_batch_params, seeds_per_row=True))
+                 batch=ar_batch_params, seeds_per_row=True, controls=True))
 
 # ---- masked diffusion -----------------------------------------------------------------------------
 

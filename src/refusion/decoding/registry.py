@@ -51,7 +51,8 @@ class Decoder:
     the server's continuous batch with, or None (it runs through decode() in static groups).
     seeds_per_row: a sampled row's draws depend on the seed alone (a generator of its own, or
     position-keyed uniforms), not on the other rows, so rows with the same seed may share one
-    decode() call.
+    decode() call. controls: its run takes `controls=` (a list, one Controls or None per prompt)
+    and honours them exactly; decode() refuses controls for a decoder without.
     """
 
     name: str
@@ -66,6 +67,7 @@ class Decoder:
     gen_unit: Callable[[Mapping[str, Any]], int] = lambda settings: 1
     batch: Callable[[Any, ModelConfig], Any] | None = None
     seeds_per_row: bool = False
+    controls: bool = False  # takes controls (decoding/controls.py: grammar, bias, penalties, logprobs) exactly
 
     def runner(self) -> Callable[..., list]:
         if isinstance(self.run, str):

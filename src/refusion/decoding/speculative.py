@@ -108,6 +108,7 @@ from torch import Tensor
 
 from refusion.decoding import costs
 from refusion.decoding.common import DecodeResult, packed_index
+from refusion.decoding.controls import Controls
 from refusion.decoding.lookup import lookup_by_default
 from refusion.decoding.params import ARParams, SpeculativeParams, ar_batch_params, check_prompts, check_seed
 from refusion.decoding.sampling import draw, greedy, position_uniforms, sampling_probs
@@ -167,10 +168,15 @@ class SpeculativeBatch:
         return len(self.running) + len(self.pending)
 
     def add(self, prompt: list[int], params: SpeculativeParams | None = None, seed: int | None = None,
-            on_commit: Callable[[list[int], list[int]], None] | None = None, plan: list[int] | None = None) -> int:
-        """Queue a sequence; it joins at the next step. on_commit(positions, tokens) streams commits.
-        plan: a draft of the whole answer (response positions 0, 1, ...), offered as the draft at
-        the positions each step reaches, verified like any draft (the output does not depend on it)."""
+            on_commit: Callable[..., None] | None = None, plan: list[int] | None = None,
+            controls: Controls | None = None) -> int:
+        """Queue a sequence; it joins at the next step. on_commit(positions, tokens) streams commits;
+        with controls asking for logprobs, on_commit(positions, tokens, logprobs), logprobs a
+        controls.Logprobs of exactly those tokens. plan: a draft of the whole answer (response
+        positions 0, 1, ...), offered as the draft at the positions each step reaches, verified like
+        any draft (the output does not depend on it). controls: a grammar, logit bias, penalties and
+        logprobs (controls.py), applied at every verified position, so the output is what `ar`
+        with the same controls gives; rows with and without controls share a step."""
         p = params or SpeculativeParams()
         p.check_model(self.model.config)
         if not prompt:
@@ -180,6 +186,10 @@ class SpeculativeBatch:
         check_seed(seed)
         if plan is not None and any(not 0 <= t < self.vocab for t in plan):
             raise ValueError(f"plan token ids must lie in [0, {self.vocab})")
+        if controls is not None:
+            controls.check_vocab(self.vocab)
+            if not controls.active:
+                controls = None
         cfg = self.model.config
         first_from_mask = (p.first_from_mask if p.first_from_mask is not None
                            else self.mask_id is not None and not cfg.causal_first_token)
@@ -195,7 +205,7 @@ class SpeculativeBatch:
                            causal_first=not first_from_mask, plan=plan, lookup=lookup,
                            fresh_after_miss=(p.fresh_after_miss if p.fresh_after_miss is not None
                                              else fresh_after_miss_by_default(cfg)),
-                           fork=p.fork)
+                           fork=p.fork, controls=controls)
         self.next_id += 1
         self.pending.append(q)
         return q.sid
@@ -603,17 +613,31 @@ class _PlainRun:
 
 
 def _decode(model: Transformer, prompts: list[list[int]], p: SpeculativeParams, seeds: list[int],
-            eos_ids: list[int] | None, on_commit: Callable[[int, list[int], list[int]], None] | None,
-            cost: costs.CostModel | None = None, plans: list[list[int]] | None = None) -> list[DecodeResult]:
-    """Every prompt in one batch, row r with seeds[r], until none is left; every result's seconds the
-    whole decode's."""
+            eos_ids: list[int] | None, on_commit: Callable[..., None] | None,
+            cost: costs.CostModel | None = None, plans: list[list[int]] | None = None,
+            controls: list[Controls | None] | None = None) -> list[DecodeResult]:
+    """Every prompt in one batch, row r with seeds[r] and controls[r], until none is left; every
+    result's seconds the whole decode's. on_commit(row, positions, tokens), with a fourth argument
+    (the tokens' Logprobs, None for a row that did not ask) where any row asks for logprobs."""
     batch = SpeculativeBatch(model, eos_ids, cost=cost)
     p.check_model(model.config)
     check_prompts(model.config, prompts, p.gen_length)
     if plans is not None and len(plans) != len(prompts):
         raise ValueError(f"{len(plans)} plans for {len(prompts)} prompts")
-    sids = [batch.add(q, p, seed=seeds[r], on_commit=None if on_commit is None else
-                      (lambda pos, tok, r=r: on_commit(r, pos, tok)), plan=None if plans is None else plans[r])
+    if controls is not None and len(controls) != len(prompts):
+        raise ValueError(f"{len(controls)} controls for {len(prompts)} prompts")
+    ctl = controls if controls is not None else [None] * len(prompts)
+    lp = any(c is not None and c.logprobs is not None for c in ctl)
+
+    def stream(r: int) -> Callable[..., None] | None:
+        if on_commit is None:
+            return None
+        if not lp:
+            return lambda pos, tok: on_commit(r, pos, tok)
+        return lambda pos, tok, logprobs=None: on_commit(r, pos, tok, logprobs)
+
+    sids = [batch.add(q, p, seed=seeds[r], on_commit=stream(r), plan=None if plans is None else plans[r],
+                      controls=ctl[r])
             for r, q in enumerate(prompts)]
     start = time.perf_counter()
     results: dict[int, DecodeResult] = {}
@@ -628,7 +652,8 @@ def _decode(model: Transformer, prompts: list[list[int]], p: SpeculativeParams, 
 @torch.inference_mode()
 def generate_ar(model: Transformer, prompts: list[list[int]], params: ARParams | None = None, *,
                 eos_ids: list[int] | None = None, seed: int | None = None,
-                on_commit: Callable[[int, list[int], list[int]], None] | None = None) -> list[DecodeResult]:
+                on_commit: Callable[..., None] | None = None,
+                controls: list[Controls | None] | None = None) -> list[DecodeResult]:
     """Autoregressive decoding (the `ar` decoder): the batch with no drafts, one token per forward
     (params.ar_batch_params), whose steps are plain (SpeculativeBatch._plain_forward).
 
@@ -639,25 +664,27 @@ def generate_ar(model: Transformer, prompts: list[list[int]], params: ARParams |
     prompt's last token. A sampled row's token at response position t is drawn with the uniform of
     (seed, t) (sampling.position_uniforms), so a row's output does not depend on the batch and equals
     `speculative`'s with the same seed; every row uses `seed`, or, when None, a seed of its own from
-    torch's global generator. on_commit(row, [position], [token]) for every token (streaming)."""
+    torch's global generator. on_commit(row, [position], [token]) for every token (streaming).
+    controls: one per prompt (or None), as decode() takes them."""
     p = params or ARParams()
     check_seed(seed)
     if seed is None and p.temperature > 0:
         seeds = torch.randint(0, 2**63 - 1, (len(prompts),)).tolist()
     else:
         seeds = [seed or 0] * len(prompts)
-    return _decode(model, prompts, ar_batch_params(p, model.config), seeds, eos_ids, on_commit)
+    return _decode(model, prompts, ar_batch_params(p, model.config), seeds, eos_ids, on_commit, controls=controls)
 
 
 @torch.inference_mode()
 def generate_speculative(model: Transformer, prompts: list[list[int]], params: SpeculativeParams | None = None, *,
                          eos_ids: list[int] | None = None, seed: int | None = None,
-                         on_commit: Callable[[int, list[int], list[int]], None] | None = None,
+                         on_commit: Callable[..., None] | None = None,
                          cost: costs.CostModel | None = None,
-                         plans: list[list[int]] | None = None) -> list[DecodeResult]:
+                         plans: list[list[int]] | None = None,
+                         controls: list[Controls | None] | None = None) -> list[DecodeResult]:
     """Self-speculative decoding of a batch of prompts; on_commit(row, positions, tokens) streams.
     Every sampled sequence draws with the uniforms of `seed` (0 when None), as it would alone.
     cost: what a forward costs, for the cost policy (default: measured). plans: a draft answer
-    per prompt (SpeculativeBatch.add)."""
+    per prompt (SpeculativeBatch.add). controls: one per prompt (or None), as decode() takes them."""
     p = params or SpeculativeParams()
-    return _decode(model, prompts, p, [seed] * len(prompts), eos_ids, on_commit, cost, plans)
+    return _decode(model, prompts, p, [seed] * len(prompts), eos_ids, on_commit, cost, plans, controls)

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from refusion.decoding import widths
 from refusion.decoding.common import DecodeResult
+from refusion.decoding.controls import Controls
 from refusion.decoding.lookup import NgramIndex
 from refusion.decoding.params import MAX_DRAFT, SpeculativeParams
 
@@ -24,9 +25,12 @@ class SpeculativeSeq:
     def __init__(self, sid: int, prompt: list[int], p: SpeculativeParams, mask_id: int, eos: set[int],
                  seed: int, on_commit: Callable[[list[int], list[int]], None] | None,
                  causal_first: bool = False, plan: list[int] | None = None, lookup: bool = False,
-                 fresh_after_miss: bool = False, fork: bool = False) -> None:
+                 fresh_after_miss: bool = False, fork: bool = False, controls: Controls | None = None) -> None:
         self.sid, self.prompt, self.p, self.mask_id, self.eos = sid, prompt, p, mask_id, eos
         self.seed, self.on_commit, self.fresh_after_miss, self.fork = seed, on_commit, fresh_after_miss, fork
+        self.controls = controls
+        if controls is not None:
+            raise NotImplementedError("controls: in progress")
         self.P = len(prompt)
         # the first token from the prompt's last token (a model trained for it: causal_first_token),
         # else from the first mask; either way the masks fed after the prompt draft from position P on
