@@ -36,10 +36,8 @@ CACHE_PER_TOKENIZER = 256  # compiled grammars kept per tokenizer (a server sees
 
 
 def _llg():
-    try:
-        import llguidance
-    except ImportError:  # (a base install without the extra)
-        raise ValueError("grammar constraints need the llguidance package: pip install 'refusion[grammar]'") from None
+    import llguidance  # (imported on first use: `refusion --help` and unconstrained decoding never need it)
+
     return llguidance
 
 
