@@ -161,7 +161,8 @@ def test_seeds_reproduce(client):
 def test_errors_through_the_openai_client(client):
     msgs = [{"role": "user", "content": "hi"}]
     cases = [
-        (openai.BadRequestError, dict(n=2), "n must be 1"),
+        (openai.BadRequestError, dict(n=200), "n must be in [1, 128]"),
+        (openai.BadRequestError, dict(logprobs=True, extra_body={"decoder": "refusion"}), "the decoders that can"),
         (openai.NotFoundError, dict(model="gpt-4"), "does not exist"),
         (openai.BadRequestError, dict(max_tokens=100000), "exceeds this server's cap"),
         (openai.BadRequestError, dict(extra_body={"decoder": "refusion", "slot_size": 0}), "slot_size must be"),

@@ -1,12 +1,15 @@
 """The server's pieces without a server: request parsing, decoder choice, text assembly."""
 
+import json
+
 import pytest
 
 pytest.importorskip("starlette")
 
 from refusion.bundled import BUNDLED  # noqa: E402
 from refusion.serve.params import choose  # noqa: E402
-from refusion.serve.schemas import RequestError, loads, parse_chat, parse_completion  # noqa: E402
+from refusion.decoding.model_settings import ModelSettings  # noqa: E402
+from refusion.serve.schemas import Constraint, RequestError, loads, parse_chat, parse_completion  # noqa: E402
 from refusion.serve.text import TextAssembler  # noqa: E402
 from refusion.model.tokenizer import Tokenizer  # noqa: E402
 from tests.helpers.serving import CFG, NO_MASK  # noqa: E402
@@ -42,12 +45,36 @@ def test_loads_refuses_what_is_not_json(body, fragment):
     ({"prompt": "hi", "temperature": "hot"}, "temperature must be a number"),
     ({"prompt": "hi", "temperature": 10**400}, "temperature must lie in"),
     ({"prompt": "hi", "top_p": 0}, "top_p must be greater than 0"),
-    ({"prompt": "hi", "n": 2}, "n must be 1"),
+    ({"prompt": "hi", "n": 0}, "n must be in [1, 128]"),
+    ({"prompt": "hi", "n": 129}, "n must be in [1, 128]"),
     ({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "at most 4"),
     ({"prompt": "hi", "stop": [""]}, "must not be empty"),
     ({"prompt": "hi", "stop": 3}, "stop must be a string"),
-    ({"prompt": "hi", "logprobs": 3}, "logprobs is not supported"),
-    ({"prompt": "hi", "echo": True}, "echo is not supported"),
+    ({"prompt": "hi", "logprobs": 21}, "logprobs must be in [0, 20]"),
+    ({"prompt": "hi", "logprobs": True}, "logprobs must be an integer"),
+    ({"prompt": "hi", "top_logprobs": 2}, "unrecognized request argument: 'top_logprobs'"),
+    ({"prompt": "hi", "echo": 1}, "echo must be a boolean"),
+    ({"prompt": "hi", "max_tokens": 0, "echo": False}, "max_tokens must be >= 1"),
+    ({"prompt": "hi", "logit_bias": [1]}, "logit_bias must be an object"),
+    ({"prompt": "hi", "logit_bias": {"a": 1}}, "keys must be token ids"),
+    ({"prompt": "hi", "logit_bias": {"5": 101}}, "must be a number in [-100, 100]"),
+    ({"prompt": "hi", "logit_bias": {"5": "1"}}, "must be a number in [-100, 100]"),
+    ({"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty must lie in [-2, 2]"),
+    ({"prompt": "hi", "frequency_penalty": "1"}, "frequency_penalty must be a number"),
+    ({"prompt": "hi", "response_format": "json"}, "response_format must be an object with a type"),
+    ({"prompt": "hi", "response_format": {"type": "xml"}}, "must be text, json_object or json_schema"),
+    ({"prompt": "hi", "response_format": {"type": "json_schema"}}, "json_schema must be an object"),
+    ({"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "schema is missing"),
+    ({"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {"schema": []}}},
+     "json_schema.schema must be an object"),
+    ({"prompt": "hi", "response_format": {"type": "json_object", "json_schema": {}}}, "takes no field"),
+    ({"prompt": "hi", "structured_outputs": {"regex": "a", "choice": ["a"]}}, "exactly one of"),
+    ({"prompt": "hi", "structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs.grammar is not supported"),
+    ({"prompt": "hi", "structured_outputs": {"choice": []}}, "non-empty list"),
+    ({"prompt": "hi", "structured_outputs": {"json": "{"}}, "structured_outputs.json is not valid JSON"),
+    ({"prompt": "hi", "structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "not both"),
+    ({"prompt": "hi", "guided_regex": "a+"}, "guided_regex is now structured_outputs.regex"),
+    ({"prompt": "hi", "tools": [{"type": "function"}]}, "tools is not supported"),
     ({"prompt": "hi", "slot_sise": 8}, "unrecognized request argument: 'slot_sise'"),
     ({"prompt": "\ud800"}, "lone surrogate"),
     ({"prompt": "hi", "seed": 2**70}, "seed must be in"),
@@ -67,6 +94,11 @@ def test_completion_bodies_refused_with_a_reason(body, fragment):
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "must be a text part"),
     ({"messages": [{"role": "user", "content": ""}]}, "no content"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "max_completion_tokens": 3}, "not both"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs needs logprobs: true"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "in [0, 20]"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, "logprobs must be a boolean"),
+    ({"messages": [{"role": "user", "content": "x"}], "echo": True}, "unrecognized request argument: 'echo'"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens must be >= 1"),
 ])
 def test_chat_bodies_refused_with_a_reason(body, fragment):
     code, msg = status(parse_chat, body)
@@ -81,6 +113,56 @@ def test_accepted_bodies():
     c = parse_chat({"messages": [{"role": "developer", "content": [{"type": "text", "text": "a"}]},
                                  {"role": "user", "content": "b"}], "max_completion_tokens": 5})
     assert c.messages == [{"role": "system", "content": "a"}, {"role": "user", "content": "b"}] and c.max_tokens == 5
+
+
+def test_accepted_controls():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    r = parse_completion({"prompt": "x", "n": 3, "logprobs": 2, "echo": True, "max_tokens": 0,
+                          "logit_bias": {"17": -100, "5": 2.5}, "presence_penalty": 0.5, "frequency_penalty": -1,
+                          "structured_outputs": {"json": json.dumps(schema)}})
+    assert (r.n, r.logprobs, r.echo, r.max_tokens) == (3, 2, True, 0)
+    assert r.logit_bias == {17: -100.0, 5: 2.5} and (r.presence_penalty, r.frequency_penalty) == (0.5, -1.0)
+    assert r.constraint == Constraint("json_schema", schema, "structured_outputs.json")
+    assert r.control_fields() == ["structured_outputs", "logprobs", "logit_bias", "presence_penalty",
+                                  "frequency_penalty"]
+    c = parse_chat({"messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                    "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema,
+                                                                               "strict": True}}})
+    assert c.logprobs == 0 and c.constraint == Constraint("json_schema", schema, "response_format")
+    assert parse_chat({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 5}).logprobs == 5
+    assert parse_chat({"messages": [{"role": "user", "content": "x"}], "logprobs": False}).logprobs is None
+    # OpenAI's defaults ask for nothing
+    d = parse_completion({"prompt": "x", "response_format": {"type": "text"}, "logit_bias": {}, "presence_penalty": 0,
+                          "n": 1, "echo": False, "tool_choice": "none"})
+    assert d.control_fields() == [] and d.constraint is None
+    assert parse_completion({"prompt": "x", "structured_outputs": {"choice": ["a", "b"]}}).constraint == Constraint(
+        "choice", ["a", "b"], "structured_outputs.choice")
+
+
+@pytest.mark.parametrize("fields,decoder", [
+    ({"logprobs": 1}, "speculative"),
+    ({"logit_bias": {"3": 1}}, "speculative"),
+    ({"structured_outputs": {"regex": "[0-9]+"}}, "speculative"),
+    ({"logprobs": 1, "decoder": "ar"}, "ar"),
+    ({}, "refusion"),
+])
+def test_controls_run_speculative_where_the_default_cannot(tmp_path, fields, decoder):
+    # a model whose decoding.json chooses plan-and-infill, which applies no controls
+    settings = ModelSettings("refusion", {"slot_size": 4})
+    c = choose(parse_completion({"prompt": "x", **fields}), CFG, 16, settings)
+    assert c.decoder == decoder
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"decoder": "refusion", "logprobs": 1}, "logprobs"),
+    ({"decoder": "mdm", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"decoder": "mdm-threshold", "structured_outputs": {"choice": ["a"]}}, "structured_outputs"),
+    ({"decoder": "refusion-l2r", "presence_penalty": 1}, "presence_penalty"),
+])
+def test_a_named_decoder_that_cannot_apply_controls_is_refused(fields, param):
+    with pytest.raises(RequestError) as e:
+        choose(parse_completion({"prompt": "x", **fields}), CFG, 32)
+    assert e.value.param == param and "the decoders that can: speculative, ar" in e.value.message, e.value.message
 
 
 @pytest.mark.parametrize("fields,fragment", [

@@ -37,9 +37,9 @@ from refusion.serve import budget
 from refusion.serve.engine import Engine, Job, QueueFull
 from refusion.serve.metrics import Metrics
 from refusion.decoding import model_settings, registry
-from refusion.serve.params import DecoderChoice, choose
-from refusion.serve.schemas import (OPENAI_SET, ChatRequest, CompletionRequest, RequestError, loads, parse_chat,
-                                    parse_completion)
+from refusion.serve.params import DecoderChoice, choose, with_controls
+from refusion.serve.schemas import (MAX_SEED, OPENAI_SET, ChatRequest, CompletionRequest, RequestError, loads,
+                                    parse_chat, parse_completion)
 from refusion.serve.responses import RequestRun, StreamResponse
 
 log = logging.getLogger("refusion.serve")
@@ -60,7 +60,7 @@ class ServeConfig:
     body_timeout: float = 10.0  # seconds to receive a whole body (slow senders are cut off: 408)
     header_timeout: float = 10.0  # seconds to receive a request line and headers (connection.py)
     keep_alive_timeout: float = 5.0  # seconds an idle connection stays open between requests
-    max_queue: int = 256  # requests waiting for the engine before 429
+    max_queue: int = 256  # sequences waiting for the engine before 429 (a request with n choices is n)
     max_running: int = 64  # sequences in the continuous batch
     static_batch: int = 16  # jobs in one decode() group for the other decoders
     aliases: list[str] = field(default_factory=list)  # other names accepted in "model"
@@ -191,14 +191,10 @@ class Server:
             req, prompt, choice = await asyncio.to_thread(self._prepare, body, chat)
         except RequestError as e:
             return _error(e)
-        seed = req.seed
-        if seed is None and choice.temperature > 0:  # sampled and unseeded: a fresh seed per request
-            seed = int.from_bytes(os.urandom(7), "little")
         run = RequestRun(self, req, prompt, choice, chat, arrived)
-        job = Job(prompt=prompt, choice=choice, seed=seed, sink=run.sink)
-        run.job = job
+        jobs = run.jobs(_seeds(req.seed, req.n, choice.temperature > 0))
         try:
-            self.engine.submit(job)
+            self.engine.submit(*jobs)
         except QueueFull as e:
             return _error(RequestError(429, f"{e}; retry later", type="rate_limit_error", code="queue_full",
                                        headers={"Retry-After": "1"}))
@@ -254,18 +250,20 @@ class Server:
         cap = self._cap()
         if req.max_tokens is not None and req.max_tokens > cap:
             raise RequestError(400, f"max_tokens {req.max_tokens} exceeds this server's cap of {cap}", "max_tokens")
-        max_tokens = req.max_tokens or max(1, min(self.cfg.default_max_tokens, self.context - len(prompt)))
+        max_tokens = req.max_tokens if req.max_tokens is not None else max(
+            1, min(self.cfg.default_max_tokens, self.context - len(prompt)))
         if len(prompt) + max_tokens > self.context:
             raise RequestError(400, f"this model's maximum context length is {self.context} tokens; the prompt has "
                                     f"{len(prompt)} and max_tokens asks for {max_tokens}", "prompt",
                                code="context_length_exceeded")
         choice = choose(req, self.model.config, max_tokens, model_settings.of_model(self.model))
+        choice = with_controls(choice, req, self.tok, self.model.config.vocab_size)
         if choice.gen_length != max_tokens and len(prompt) + choice.gen_length > self.context:
             raise RequestError(400, f"this model's maximum context length is {self.context} tokens; decoder "
                                     f"{choice.decoder!r} decodes max_tokens {max_tokens} in whole blocks, "
                                     f"{choice.gen_length} tokens, and the prompt has {len(prompt)}: lower max_tokens",
                                "max_tokens", code="context_length_exceeded")
-        budget.check(len(prompt), choice, self.context, self.max_request_tokens)
+        budget.check(len(prompt), choice, self.context, self.max_request_tokens, n=req.n)
         return req, prompt, choice
 
     def _prompt_ids(self, req: CompletionRequest | ChatRequest) -> list[int]:
@@ -324,6 +322,16 @@ class _CountRequests:
             self.metrics.requests.labels(endpoint, str(status[0] or 499)).inc()
             if scope["method"] != "GET":  # health checks and scrapes alone never trigger the idle trim
                 self.metrics.served += 1
+
+
+def _seeds(seed: int | None, n: int, sampled: bool) -> list[int | None]:
+    """Each choice's seed: seed + i for choice i (wrapping within the seed range), so a seeded
+    request repeats choice by choice; unseeded and sampled, a fresh seed each; greedy, none."""
+    if seed is not None:
+        return [(seed + i) % (MAX_SEED + 1) if seed >= 0 else seed + i for i in range(n)]
+    if sampled:
+        return [int.from_bytes(os.urandom(7), "little") for _ in range(n)]
+    return [None] * n
 
 
 def _too_large(limit: int) -> RequestError:

@@ -7,7 +7,7 @@ A request's memory is its rows of KV cache and what one step feeds. Counted in t
 The extra columns are `max_width + 1` for a job in the continuous batch (the SpeculativeBatch
 reserves them for x, the draft, the masks and any branches the model's settings feed), and none for the
 other decoders, whose caches hold prompt + gen_length columns and whose steps feed only tokens
-within them. One completion per request (n = 1, no best_of), so one row.
+within them. A request with n choices holds n rows.
 
 Two refusals, each a 400 naming the field and the limit: a step that feeds more tokens than the
 model has positions (draft_length), and a request whose tokens exceed the server's
@@ -35,14 +35,18 @@ def request_tokens(prompt_len: int, choice: DecoderChoice) -> int:
     return prompt_len + choice.gen_length + (width + 1 if width else 0)
 
 
-def check(prompt_len: int, choice: DecoderChoice, context: int, limit: int) -> None:
-    """Refuse a request whose step is wider than the context or whose tokens exceed `limit`."""
+def check(prompt_len: int, choice: DecoderChoice, context: int, limit: int, n: int = 1) -> None:
+    """Refuse a request whose step is wider than the context or whose tokens (n rows) exceed `limit`."""
     width = step_width(choice)
     if width > context:
         param = "draft_length"  # (the request field that sizes a step: its masks and branches follow)
         raise RequestError(400, f"{_width_terms(choice)} = {width} tokens fed per step exceeds the model's context "
                                 f"of {context} tokens; lower {param}", param, code="step_too_wide")
     need = request_tokens(prompt_len, choice)
+    if n > 1 and n * need > limit:
+        raise RequestError(400, f"this request needs {n} x {need} tokens (n = {n} choices of {need}); this server "
+                                f"admits at most {limit} tokens per request: lower n or max_tokens", "n",
+                           code="request_too_large")
     if need > limit:
         L = choice.gen_length
         parts = f"prompt {prompt_len} + max_tokens {L}" if L == choice.cut else (

@@ -19,6 +19,10 @@ Requests from the HTTP layer are `Job`s. The loop takes new jobs between steps:
   so a job's output is what `decode()` gives it alone. A group is abandoned early only when every
   job in it is cancelled.
 
+A job may also ask for its prompt's logprobs (`score`: OpenAI's echo with logprobs): one causal
+forward on this thread (decoding.scoring) before it decodes, sent as a "prompt" event. A job with
+max_tokens 0 does only that, without taking a row.
+
 Everything a job learns comes back through its `sink`, called on this thread: it must not block
 (the HTTP layer hands events to its event loop with call_soon_threadsafe). Nothing a job does can
 stop the loop: an error in adding it fails that job; when a batched step or a decode() group
@@ -39,6 +43,8 @@ from typing import Any
 
 from refusion.decoding import SpeculativeBatch, decode, registry
 from refusion.decoding.common import DecodeResult
+from refusion.decoding.controls import Logprobs
+from refusion.decoding.scoring import prompt_logprobs
 from refusion.model.transformer import Transformer
 from refusion.serve.params import DecoderChoice
 
@@ -47,8 +53,10 @@ log = logging.getLogger("refusion.serve")
 
 @dataclass
 class Event:
-    """commit: positions/tokens just committed, `step` the job's forward that committed them.
-    done: the final result (`cancelled` when it was stopped early). error: `message`."""
+    """commit: positions/tokens just committed, `step` the job's forward that committed them, and
+    their `logprobs` where the job's controls ask. prompt: the prompt's `logprobs` (of its tokens
+    after the first). done: the final result (`cancelled` when it was stopped early). error:
+    `message`."""
 
     kind: str
     positions: list[int] = field(default_factory=list)
@@ -57,6 +65,7 @@ class Event:
     result: DecodeResult | None = None
     cancelled: bool = False
     message: str = ""
+    logprobs: Logprobs | None = None
 
 
 @dataclass
@@ -71,6 +80,12 @@ class Job:
     steps: int = 0  # forwards this job has taken part in (speculative) / of its decode() group (static)
     closed: bool = False  # a done or error event was sent; nothing more follows
     sent: set[int] = field(default_factory=set)  # positions whose commits were sent
+    score: int | None = None  # the prompt's logprobs with this many alternatives (None: not asked)
+
+    @property
+    def answers(self) -> bool:
+        """Whether it decodes (max_tokens 0 asks only for the prompt's logprobs)."""
+        return self.choice.gen_length > 0
 
 
 class QueueFull(Exception):
@@ -103,11 +118,12 @@ class Engine:
 
     # ---- called from other threads --------------------------------------------------------
 
-    def submit(self, job: Job) -> None:
+    def submit(self, *jobs: Job) -> None:
+        """Queue a request's jobs (one per choice), all or none."""
         with self.cond:
-            if len(self.waiting) >= self.max_queue:
-                raise QueueFull(f"the queue is full ({self.max_queue} requests waiting)")
-            self.waiting.append(job)
+            if len(self.waiting) + len(jobs) > self.max_queue:
+                raise QueueFull(f"the queue is full ({self.max_queue} sequences waiting)")
+            self.waiting.extend(jobs)
             self.cond.notify()
 
     def cancel(self, job: Job) -> None:
@@ -168,6 +184,8 @@ class Engine:
             job = self.waiting.popleft()
             if job.cancelled:
                 self._emit(job, Event("done", result=DecodeResult(prompt=job.prompt), cancelled=True))
+            elif not job.answers:
+                admitted.append(job)  # scored in the turn, without a row
             elif job.choice.spec is not None:
                 grown = max(longest, _extent(job)), max(widest, job.choice.spec.max_width)
                 full = full or len(self.live) + len(admitted) >= self.max_running or (
@@ -197,8 +215,13 @@ class Engine:
         if cancels and not len(self.batch) and not admitted:
             self.batch = self._new_batch()  # its cache goes with it (see _step)
         for job in admitted:
+            if job.score is not None and not self._score(job):
+                continue
+            if not job.answers:
+                self._emit(job, Event("done", result=DecodeResult(prompt=job.prompt, finished=False)))
+                continue
             try:
-                sid = self.batch.add(job.prompt, job.choice.spec, seed=job.seed, on_commit=self._committer(job))
+                sid = self._add(self.batch, job)
             except Exception as e:  # a request the decoder refuses fails alone
                 log.warning("job %d refused by the decoder: %s", job.id, e)
                 self._emit(job, Event("error", message=f"the decoder refused this request: {e}"))
@@ -211,6 +234,21 @@ class Engine:
                 self._run_static(static)
             finally:
                 self.static_running = 0
+
+    def _add(self, batch, job: Job) -> int:
+        kw = {"controls": job.choice.controls} if job.choice.controls is not None else {}
+        return batch.add(job.prompt, job.choice.spec, seed=job.seed, on_commit=self._committer(job), **kw)
+
+    def _score(self, job: Job) -> bool:
+        """Send the job's prompt logprobs; False (and the job failed) when the forward fails."""
+        try:
+            lp = prompt_logprobs(self.model, job.prompt, top=job.score or 0)
+        except Exception as e:
+            log.exception("job %d: scoring its prompt failed", job.id)
+            self._emit(job, Event("error", message=f"scoring the prompt failed: {type(e).__name__}: {e}"))
+            return False
+        self._emit(job, Event("prompt", logprobs=lp))
+        return True
 
     def _step(self) -> None:
         t0 = time.perf_counter()
@@ -249,7 +287,7 @@ class Engine:
         job.steps = 0
         batch = self._new_batch()
         try:
-            sid = batch.add(job.prompt, job.choice.spec, seed=job.seed, on_commit=self._committer(job))
+            sid = self._add(batch, job)
             while len(batch):
                 if job.cancelled:
                     res = batch.cancel(sid) or DecodeResult(prompt=job.prompt)
@@ -264,11 +302,14 @@ class Engine:
 
     def _committer(self, job: Job) -> Callable[..., None]:
         """on_commit for one job; positions it has already sent (before a retry) are not sent again."""
-        def on_commit(positions: list[int], tokens: list[int]) -> None:
-            fresh = [(q, t) for q, t in zip(positions, tokens) if q not in job.sent]
-            if fresh:
-                job.sent.update(q for q, _ in fresh)
-                self._emit(job, Event("commit", [q for q, _ in fresh], [t for _, t in fresh], step=job.steps))
+        def on_commit(positions: list[int], tokens: list[int], logprobs: Logprobs | None = None) -> None:
+            keep = [i for i, q in enumerate(positions) if q not in job.sent]
+            if keep:
+                job.sent.update(positions[i] for i in keep)
+                if logprobs is not None and len(keep) < len(positions):
+                    logprobs = Logprobs([logprobs.chosen[i] for i in keep], [logprobs.top[i] for i in keep])
+                self._emit(job, Event("commit", [positions[i] for i in keep], [tokens[i] for i in keep],
+                                      step=job.steps, logprobs=logprobs))
         return on_commit
 
     def _run_static(self, jobs: list[Job]) -> None:
@@ -322,7 +363,7 @@ class Engine:
     def _emit(self, job: Job, ev: Event) -> None:
         if job.closed:
             return
-        if ev.kind != "commit":
+        if ev.kind in ("done", "error"):
             job.closed = True
         try:
             job.sink(ev)

@@ -11,6 +11,12 @@ max_tokens is the API's word for gen_length. A decoder that decodes in whole blo
 rounded up to a whole number of them, and the answer is cut at max_tokens (app.py), as lm-eval's
 adapter does with max_gen_toks; so any max_tokens works with any block size, and the answer is
 exactly the first max_tokens tokens of that decode.
+
+Controls (a grammar from response_format / structured_outputs, logit_bias, penalties, logprobs)
+apply only in the decoders whose record says `controls` (ar and speculative: their verify pass sees
+the causal logits AR decoding sees, so a control there is exact). A request that asks for one and
+names no decoder runs speculative (its answers are AR's) when the model's default cannot apply it;
+one that names such a decoder is refused, naming the decoders that can.
 """
 
 from __future__ import annotations
@@ -20,8 +26,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from refusion.decoding import SpeculativeParams, make_params, model_settings, registry
+from refusion.decoding.controls import Controls
 from refusion.model.config import ModelConfig
-from refusion.serve.schemas import OPENAI_SET, GenerationRequest, RequestError
+from refusion.model.tokenizer import Tokenizer
+from refusion.serve.schemas import OPENAI_SET, Constraint, GenerationRequest, RequestError
 
 
 @dataclass
@@ -29,12 +37,15 @@ class DecoderChoice:
     """decoder: a registered name. params: the keyword arguments decode() takes for it
     (gen_length included: max_tokens rounded up to the decoder's unit). spec: set when the job runs
     in the engine's continuous batch (a SpeculativeBatch), with the validated SpeculativeParams it
-    is added with. max_tokens: where the answer is cut (gen_length when None)."""
+    is added with. max_tokens: where the answer is cut (gen_length when None); 0 asks for no
+    answer (the prompt's logprobs alone). controls: what applies to each verified position
+    (set by `with_controls` once the tokenizer is at hand)."""
 
     decoder: str
     params: dict[str, Any]
     spec: SpeculativeParams | None = None
     max_tokens: int | None = None
+    controls: Controls | None = None
 
     @property
     def temperature(self) -> float:
@@ -58,6 +69,15 @@ def choose(req: GenerationRequest, config: ModelConfig, max_tokens: int,
     if decoder not in registry.names():
         raise RequestError(400, f"unknown decoder {decoder!r}; choose one of {', '.join(registry.names())}",
                            "decoder")
+    if max_tokens == 0:  # no answer: nothing is decoded (the engine scores the prompt)
+        return DecoderChoice(decoder, {"gen_length": 0}, None, 0)
+    asked = req.control_fields()
+    if asked and not registry.get(decoder).controls:
+        able = [n for n in registry.available(config) if registry.get(n).controls]
+        if req.decoder is not None or not able:
+            raise RequestError(400, f"decoder {decoder!r} cannot apply {asked[0]}; the decoders that can: "
+                                    f"{', '.join(able)} (their verify pass sees the causal distribution)", asked[0])
+        decoder = "speculative" if "speculative" in able else able[0]
     record = registry.get(decoder)
     if record.needs_mask and config.mask_token_id is None:
         raise RequestError(400, f"decoder {decoder!r} needs a model with a mask token; this one has none "
@@ -86,6 +106,37 @@ def choose(req: GenerationRequest, config: ModelConfig, max_tokens: int,
         raise _refusal(str(e), params, max_tokens) from None
     spec = record.batch(p, config) if record.batch is not None else None
     return DecoderChoice(decoder, params, spec, max_tokens)
+
+
+def with_controls(choice: DecoderChoice, req: GenerationRequest, tok: Tokenizer, vocab_size: int) -> DecoderChoice:
+    """The choice with the request's Controls (None when it asks for none); the grammar is compiled
+    here, off the engine's thread, and an invalid schema or pattern is a 400 naming its field."""
+    if not req.control_fields():
+        return choice
+    try:
+        grammar = _grammar(req.constraint, tok) if req.constraint is not None else None
+    except ValueError as e:
+        raise RequestError(400, f"{req.constraint.param}: {e}", req.constraint.param) from None
+    try:
+        controls = Controls(grammar=grammar, logit_bias=req.logit_bias, presence_penalty=req.presence_penalty,
+                            frequency_penalty=req.frequency_penalty, logprobs=req.logprobs)
+        controls.check_vocab(vocab_size)
+    except ValueError as e:
+        field = next((k for k in ("logit_bias", "presence_penalty", "frequency_penalty", "logprobs")
+                      if k in str(e)), None)
+        raise RequestError(400, str(e), field) from None
+    choice.controls = controls
+    return choice
+
+
+def _grammar(c: Constraint, tok: Tokenizer):
+    from refusion.decoding import grammar
+
+    if c.kind == "json_object":
+        return grammar.json_object(tok)
+    if c.kind == "json_schema":
+        return grammar.json_schema(tok, c.value)
+    return grammar.regex(tok, c.value) if c.kind == "regex" else grammar.choice(tok, c.value)
 
 
 def _refusal(message: str, params: dict[str, Any], max_tokens: int) -> RequestError:

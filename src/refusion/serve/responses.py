@@ -1,6 +1,11 @@
 """One generation request on the asyncio side: the engine's events in, OpenAI's shapes out, as one
 JSON object (`RequestRun.collect`) or as SSE chunks (`RequestRun.sse`, sent by `StreamResponse`).
 
+A request with n choices is n engine jobs, one per choice; their events come through one queue,
+tagged with the choice's index. A stream's chunks each carry one choice (its `index`), as
+OpenAI's do. Logprobs follow the text: a token's entry goes out once it is in the complete prefix
+(never past a stop string or the EOS), with the prompt's entries first under echo.
+
 A RequestRun knows its server only through what `ServerView` names, so this module imports nothing
 from the app (which imports it).
 """
@@ -11,15 +16,17 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import replace
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from starlette.requests import Request
 
 from refusion.decoding.common import DecodeResult
+from refusion.decoding.controls import Logprobs
 from refusion.model.tokenizer import Tokenizer
 from refusion.serve.engine import Engine, Event, Job
+from refusion.serve.logprobs import TokenText, merge_completion
 from refusion.serve.metrics import Metrics
 from refusion.serve.params import DecoderChoice
 from refusion.serve.schemas import ChatRequest, CompletionRequest, RequestError
@@ -36,6 +43,39 @@ class ServerView(Protocol):
     cfg: Any  # ServeConfig: its model_name
 
 
+@dataclass
+class _Choice:
+    """One choice's state: its job, its text so far, its tokens' logprobs by position."""
+
+    index: int
+    text: TextAssembler
+    job: Job | None = None
+    logprobs: dict[int, tuple[float, Any]] = field(default_factory=dict)  # position -> (logprob, top)
+    emitted: int = 0  # prefix tokens whose logprobs were handed out
+    prompt: Logprobs | None = None  # the prompt's (echo)
+    started: bool = False  # its first chunk went out
+    done: bool = False
+    result: DecodeResult | None = None
+
+    def note(self, positions: list[int], lp: Logprobs | None) -> None:
+        if lp is not None:
+            for q, c, t in zip(positions, lp.chosen, lp.top, strict=True):
+                self.logprobs[q] = (c, t)
+
+    def fresh(self) -> tuple[list[int], list[float], list[Any]]:
+        """The prefix tokens whose logprobs are due: in the text's prefix, up to a stop string."""
+        prefix = self.text.prefix
+        end = self.text.tokens_at_stop if self.text.stopped else len(prefix)
+        toks, chosen, top = [], [], []
+        while self.emitted < end and (q := self.text.start + self.emitted) in self.logprobs:
+            c, t = self.logprobs[q]
+            toks.append(prefix[self.emitted])
+            chosen.append(c)
+            top.append(t)
+            self.emitted += 1
+        return toks, chosen, top
+
+
 class RequestRun:
     """One generation request on the asyncio side: events in, OpenAI shapes out."""
 
@@ -44,44 +84,63 @@ class RequestRun:
         self.server, self.req, self.prompt, self.choice, self.chat = server, req, prompt, choice, chat
         self.arrived = arrived
         self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue[Event] = asyncio.Queue()
-        self.job: Job | None = None
-        self.text = TextAssembler(server.tok, len(prompt), server.eos_ids, req.stop)
+        self.queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+        self.choices = [_Choice(i, TextAssembler(server.tok, len(prompt), server.eos_ids, req.stop))
+                        for i in range(req.n)]
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.watcher: asyncio.Task | None = None
         self.first_token: float | None = None
+        self.shapes = TokenText(server.tok) if req.logprobs is not None else None
+        self.echo = not chat and getattr(req, "echo", False)
 
-    def sink(self, ev: Event) -> None:
-        """Called on the engine thread."""
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, ev)
+    def sink(self, index: int) -> Callable[[Event], None]:
+        """The sink of choice `index`'s job; called on the engine thread."""
+        return lambda ev: self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, ev))
+
+    def jobs(self, seeds: list[int | None]) -> list[Job]:
+        """One job per choice (the app submits them)."""
+        score = self.req.logprobs if self.echo else None
+        for c, seed in zip(self.choices, seeds, strict=True):
+            c.job = Job(prompt=self.prompt, choice=self.choice, seed=seed, sink=self.sink(c.index), score=score)
+        return [c.job for c in self.choices]
+
+    def cancel(self) -> None:
+        for c in self.choices:
+            if c.job is not None and not c.job.closed:
+                self.server.engine.cancel(c.job)
 
     def watch(self, request: Request) -> None:
         async def wait_gone() -> None:
             while (await request.receive())["type"] != "http.disconnect":
                 pass
-            self.queue.put_nowait(Event("gone"))
+            self.queue.put_nowait((-1, Event("gone")))
         self.watcher = asyncio.create_task(wait_gone())
 
-    async def events(self) -> AsyncIterator[tuple[str, Any]]:
-        """("commit", (delta_text, commits)) ... then ("done", (result, finish_reason)) or ("error", message).
-
-        Events that arrived together are merged into one, so a slow reader gets fewer, larger chunks.
-        """
-        server, job = self.server, self.job
+    async def events(self) -> AsyncIterator[tuple]:
+        """("commit", choice, delta_text, commits, logprobs) ... ("done", choice, result,
+        finish_reason, logprobs) for each choice, or ("error", message), which ends the request.
+        logprobs: (tokens, logprobs, tops) newly due. Events that arrived together are merged per
+        choice, so a slow reader gets fewer, larger chunks."""
+        server = self.server
         try:
-            while True:
+            while not all(c.done for c in self.choices):
                 evs = [await self.queue.get()]
                 while not self.queue.empty():
                     evs.append(self.queue.get_nowait())
-                commits, delta = [], ""
-                for ev in evs:
+                pending: dict[int, tuple[str, list]] = {}
+                for i, ev in evs:
                     if ev.kind == "gone":
-                        server.engine.cancel(job)
+                        self.cancel()
                         return
                     if ev.kind == "error":
                         yield "error", ev.message
                         return
+                    c = self.choices[i]
+                    delta, commits = pending.get(i, ("", []))
+                    if ev.kind == "prompt":
+                        c.prompt = ev.logprobs
+                        continue
                     if ev.kind == "commit":
                         ev = self._within(ev)
                         if not ev.positions:
@@ -91,26 +150,31 @@ class RequestRun:
                             server.metrics.ttft.observe(self.first_token - self.arrived)
                         commits.append({"positions": ev.positions, "tokens": ev.tokens, "step": ev.step,
                                         "pieces": [server.tok.decode([t]) for t in ev.tokens]})
-                        delta += self.text.add(ev.positions, ev.tokens)
-                        if self.text.stopped:
-                            server.engine.cancel(job)  # the answer is complete: free the sequence now
+                        c.note(ev.positions, ev.logprobs)
+                        delta += c.text.add(ev.positions, ev.tokens)
+                        pending[i] = (delta, commits)
+                        if c.text.stopped:
+                            server.engine.cancel(c.job)  # the answer is complete: free the sequence now
                     elif ev.kind == "done":
+                        pending.pop(i, None)
                         res = _cut(ev.result, self.choice.cut)
-                        if not self.text.stopped and not ev.cancelled:
-                            delta += self.text.add(res.positions, res.tokens) + self.text.finish()
+                        c.note(res.positions, res.logprobs)
+                        if not c.text.stopped and not ev.cancelled:
+                            delta += c.text.add(res.positions, res.tokens) + c.text.finish()
+                        due = c.fresh()
                         if commits or delta:
-                            yield "commit", (delta, commits)
-                        reason = "stop" if self.text.stopped or res.finished else "length"
+                            yield "commit", c, delta, commits, ([], [], [])
+                        reason = "stop" if c.text.stopped or res.finished else "length"
                         server.metrics.finished(len(res.tokens), res.forwards)
-                        yield "done", (res, reason)
-                        return
-                if commits or delta:
-                    yield "commit", (delta, commits)
+                        c.done, c.result = True, res
+                        yield "done", c, res, reason, due
+                for i, (delta, commits) in pending.items():
+                    c = self.choices[i]
+                    yield "commit", c, delta, commits, c.fresh()
         finally:
             if self.watcher is not None:
                 self.watcher.cancel()
-            if job is not None and not job.closed:
-                server.engine.cancel(job)
+            self.cancel()
 
     def _within(self, ev: Event) -> Event:
         """A commit event without the positions past max_tokens (a decoder that works in whole
@@ -119,71 +183,130 @@ class RequestRun:
         if all(q < end for q in ev.positions):
             return ev
         keep = [i for i, q in enumerate(ev.positions) if q < end]
-        return Event("commit", [ev.positions[i] for i in keep], [ev.tokens[i] for i in keep], step=ev.step)
+        lp = ev.logprobs
+        if lp is not None:
+            lp = Logprobs([lp.chosen[i] for i in keep], [lp.top[i] for i in keep])
+        return Event("commit", [ev.positions[i] for i in keep], [ev.tokens[i] for i in keep], step=ev.step,
+                     logprobs=lp)
+
+    # ---- echo and logprobs ----------------------------------------------------------------------
+
+    def _echo_text(self) -> str:
+        p = self.req.prompt  # (echo is a completions field)
+        return p if isinstance(p, str) else self.server.tok.decode(p)
+
+    def _prompt_logprobs(self, c: _Choice) -> dict | None:
+        """Completions' logprobs of the prompt's tokens (echo), the first with none."""
+        if self.shapes is None or c.prompt is None:
+            return None
+        chosen: list[float | None] = [None, *c.prompt.chosen]
+        top: list = [None, *c.prompt.top]
+        return self.shapes.completion(self.prompt, chosen, top, 0)[0]
+
+    def _answer_logprobs(self, due: tuple, offset: int) -> tuple[Any, int]:
+        """The due tokens' logprobs in the endpoint's shape, and the text offset after them."""
+        if self.chat:
+            return self.shapes.chat(*due), offset
+        return self.shapes.completion(*due, offset)
 
     # ---- non-streaming ------------------------------------------------------------------------
 
     async def collect(self) -> dict | RequestError:
-        result, reason = None, "length"
-        async for kind, payload in self.events():
+        reasons: dict[int, str] = {}
+        logprobs: dict[int, Any] = {}
+        offsets = {c.index: len(self._echo_text()) if self.echo else 0 for c in self.choices}
+        async for kind, *payload in self.events():
             if kind == "error":
-                return RequestError(500, payload, type="server_error")
+                return RequestError(500, payload[0], type="server_error")
+            c, due = payload[0], payload[-1]
+            if self.shapes is not None and due[0]:
+                part, offsets[c.index] = self._answer_logprobs(due, offsets[c.index])
+                logprobs[c.index] = (logprobs.get(c.index, []) + part if self.chat
+                                     else merge_completion(logprobs.get(c.index), part))
             if kind == "done":
-                result, reason = payload
-        if result is None:  # the client went away; nobody reads this
+                reasons[c.index] = payload[2]
+        if len(reasons) < len(self.choices):  # the client went away; nobody reads this
             return RequestError(499, "client closed the request")
-        text = self.text.sent
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        out = []
+        for c in self.choices:
+            text, lp = c.text.sent, logprobs.get(c.index)
+            if self.chat:
+                if self.shapes is not None:
+                    lp = {"content": lp or [], "refusal": None}
+                out.append({"index": c.index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+                            "finish_reason": reasons[c.index]})
+                continue
+            if self.echo:
+                text = self._echo_text() + text
+                if self.shapes is not None:
+                    lp = merge_completion(self._prompt_logprobs(c), lp or self.shapes.completion([], [], [], 0)[0])
+            elif self.shapes is not None and lp is None:
+                lp = self.shapes.completion([], [], [], 0)[0]
+            out.append({"index": c.index, "text": text, "logprobs": lp, "finish_reason": reasons[c.index]})
+        first = self.choices[0].result
+        ext = self._stats(first, full=True)
+        if len(self.choices) > 1:
+            ext["choices"] = [self._stats(c.result, full=True) for c in self.choices]
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.server.cfg.model_name, "choices": [choice],
-                "usage": self._usage(result), "refusion": self._stats(result, full=True)}
+                "created": self.created, "model": self.server.cfg.model_name, "choices": out,
+                "usage": self._usage(), "refusion": ext}
 
     # ---- streaming ----------------------------------------------------------------------------
 
     async def sse(self) -> AsyncIterator[bytes | RequestError]:
         first = True
-        async for kind, payload in self.events():
+        offsets = {c.index: len(self._echo_text()) if self.echo else 0 for c in self.choices}
+        async for kind, *payload in self.events():
             if kind == "error":
                 if first:
-                    yield RequestError(500, payload, type="server_error")
+                    yield RequestError(500, payload[0], type="server_error")
                 else:  # headers are out: OpenAI's way is an error object in the stream
-                    yield _sse({"error": {"message": payload, "type": "server_error", "param": None, "code": None}})
+                    yield _sse({"error": {"message": payload[0], "type": "server_error", "param": None,
+                                          "code": None}})
                 return
+            first = False
+            c, due = payload[0], payload[-1]
             ext: dict[str, Any] = {}
-            if first:
+            prefix, lp = "", None
+            if not c.started:
                 ext = {"decoder": self.choice.decoder, "prompt_tokens": len(self.prompt),
                        "gen_length": self.choice.gen_length}
+                if self.echo:
+                    prefix, lp = self._echo_text(), self._prompt_logprobs(c)
+            if self.shapes is not None and (due[0] or lp is not None):
+                part, offsets[c.index] = self._answer_logprobs(due, offsets[c.index])
+                lp = {"content": part, "refusal": None} if self.chat else merge_completion(lp, part)
             if kind == "commit":
-                delta, commits = payload
-                yield _sse(self._chunk(delta, None, {**ext, "commits": commits}, role=first))
+                delta, commits = payload[1], payload[2]
+                yield _sse(self._chunk(c, prefix + delta, None, lp, {**ext, "commits": commits}))
             else:
-                res, reason = payload
-                out = _sse(self._chunk("", reason, {**ext, "commits": [], "stats": self._stats(res)}, role=first))
-                if self.req.include_usage:
-                    out += _sse({"id": self.id, "object": self._object(), "created": self.created,
-                                 "model": self.server.cfg.model_name, "choices": [], "usage": self._usage(res)})
-                yield out + b"data: [DONE]\n\n"
-            first = False
+                res, reason = payload[1], payload[2]
+                yield _sse(self._chunk(c, prefix, reason, lp, {**ext, "commits": [], "stats": self._stats(res)}))
+        if first:
+            return
+        out = b""
+        if self.req.include_usage:
+            out += _sse({"id": self.id, "object": self._object(), "created": self.created,
+                         "model": self.server.cfg.model_name, "choices": [], "usage": self._usage()})
+        yield out + b"data: [DONE]\n\n"
 
-    def _chunk(self, delta: str, reason: str | None, ext: dict, role: bool) -> dict:
+    def _chunk(self, c: _Choice, delta: str, reason: str | None, logprobs: Any, ext: dict) -> dict:
+        role, c.started = not c.started, True
         if self.chat:
             d: dict[str, Any] = {"role": "assistant", "content": delta} if role else (
                 {"content": delta} if delta else {})
-            choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": reason}
+            choice = {"index": c.index, "delta": d, "logprobs": logprobs, "finish_reason": reason}
         else:
-            choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": reason}
+            choice = {"index": c.index, "text": delta, "logprobs": logprobs, "finish_reason": reason}
         return {"id": self.id, "object": self._object(), "created": self.created,
                 "model": self.server.cfg.model_name, "choices": [choice], "refusion": ext}
 
     def _object(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
-    def _usage(self, res: DecodeResult) -> dict:
-        n = self.text.tokens_at_stop if self.text.stopped else len(res.tokens)
+    def _usage(self) -> dict:
+        n = sum((c.text.tokens_at_stop if c.text.stopped else len(c.result.tokens)) for c in self.choices
+                if c.result is not None)
         return {"prompt_tokens": len(self.prompt), "completion_tokens": n, "total_tokens": len(self.prompt) + n}
 
     def _stats(self, res: DecodeResult, full: bool = False) -> dict:
@@ -224,7 +347,9 @@ def _cut(res: DecodeResult, n: int) -> DecodeResult:
     n there is no EOS before the cut, so a cut result did not finish."""
     if len(res.tokens) <= n:
         return res
-    return replace(res, tokens=res.tokens[:n], positions=res.positions[:n], steps=res.steps[:n], finished=False)
+    lp = res.logprobs and Logprobs(res.logprobs.chosen[:n], res.logprobs.top[:n])
+    return replace(res, tokens=res.tokens[:n], positions=res.positions[:n], steps=res.steps[:n], finished=False,
+                   logprobs=lp)
 
 
 def _sse(obj: dict) -> bytes:

@@ -3,9 +3,13 @@
 Hand-written rather than a pydantic model so that every malformed body gets one precise message
 naming the offending field, in OpenAI's error shape, and so that type checks are strict: JSON
 `true` is not an integer, `"5"` is not a number, NaN and Infinity are not numbers at all. Fields
-that OpenAI defines but this server cannot honour (n > 1, logprobs, echo, penalties, tools) are
-refused rather than silently ignored; unknown fields are refused too, because a misspelt decoder
-parameter would otherwise change nothing and look like it worked.
+that OpenAI defines but this server cannot honour (best_of, suffix, tools) are refused rather than
+silently ignored; unknown fields are refused too, because a misspelt decoder parameter would
+otherwise change nothing and look like it worked.
+
+Structured outputs come as OpenAI's `response_format` or as vLLM's `structured_outputs` object
+(`json`, `regex`, `choice`, `json_object`); vLLM's older `guided_*` fields get a 400 naming their
+replacement, as vLLM's own server does since it removed them.
 """
 
 from __future__ import annotations
@@ -21,16 +25,31 @@ from refusion.decoding.params import GUARDS
 # Decoder parameters set from the OpenAI fields (max_tokens, temperature, top_p), not extra fields.
 OPENAI_SET = ("gen_length", "temperature", "top_p")
 # OpenAI fields that change nothing here at their default and are refused otherwise.
-_UNSUPPORTED_UNLESS_DEFAULT = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
-                               "best_of": (None, 1), "suffix": (None, ""), "presence_penalty": (None, 0, 0.0),
-                               "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "tools": (None, []),
-                               "functions": (None, []), "tool_choice": (None, "none", "auto"),
-                               "response_format": (None, {"type": "text"})}
+_UNSUPPORTED_UNLESS_DEFAULT = {"best_of": (None, 1), "suffix": (None, ""), "tools": (None, []),
+                               "functions": (None, []), "tool_choice": (None, "none", "auto")}
 # Accepted and ignored: bookkeeping fields that do not affect the output.
 _IGNORED = ("user", "store", "metadata", "service_tier", "parallel_tool_calls")
-_COMMON = ("model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed")
+_COMMON = ("model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
+           "logit_bias", "presence_penalty", "frequency_penalty", "response_format", "structured_outputs")
+# vLLM's structured-output fields before 0.12, and what replaced them
+_RENAMED = {f"guided_{k}": f"structured_outputs.{k}" for k in ("json", "regex", "choice", "grammar")}
 MAX_STOP = 4  # OpenAI's limit on stop sequences
 MAX_SEED = 2**63 - 1
+MAX_N = 128  # OpenAI's limit on choices per request
+MAX_TOP_LOGPROBS = 20  # OpenAI's chat limit, here for completions too (OpenAI's legacy limit there is 5)
+MAX_BIAS = 100.0  # logit_bias values lie in [-100, 100]
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2]
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What the answer must match: kind json_object (any JSON object), json_schema (value: the schema,
+    a dict), regex (value: the pattern) or choice (value: the list of allowed answers). param: the
+    request field it came from, named in any error about it."""
+
+    kind: str
+    value: Any
+    param: str
 
 
 class RequestError(Exception):
@@ -61,11 +80,25 @@ class GenerationRequest:
     seed: int | None = None
     decoder: str | None = None
     decoder_params: dict[str, Any] = field(default_factory=dict)  # the extra body fields, by name
+    n: int = 1
+    logprobs: int | None = None  # None: none; k: each token's logprob and the k most likely alternatives
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    constraint: Constraint | None = None
+
+    def control_fields(self) -> list[str]:
+        """The request fields that ask for per-token controls (what only some decoders apply)."""
+        named = [("logprobs", self.logprobs is not None), ("logit_bias", bool(self.logit_bias)),
+                 ("presence_penalty", self.presence_penalty != 0), ("frequency_penalty", self.frequency_penalty != 0)]
+        out = [self.constraint.param.split(".")[0]] if self.constraint is not None else []
+        return out + [k for k, on in named if on]
 
 
 @dataclass
 class CompletionRequest(GenerationRequest):
     prompt: str | list[int] = ""
+    echo: bool = False  # the prompt comes back before the answer (with its tokens' logprobs if asked)
 
 
 @dataclass
@@ -93,18 +126,21 @@ def _no_constant(name: str) -> None:
 
 def parse_completion(body: Any) -> CompletionRequest:
     d = _object(body)
-    _known(d, _COMMON + ("prompt",))
+    _known(d, _COMMON + ("prompt", "logprobs", "echo"))
     req = CompletionRequest()
-    _common(d, req)
+    req.echo = _opt(d, "echo", bool) or False
+    # max_tokens 0 asks for no answer: with echo, the prompt's logprobs alone (how lm-eval scores)
+    _common(d, req, min_tokens=0 if req.echo else 1)
     if "prompt" not in d:
         raise RequestError(400, "missing required field: prompt", "prompt")
     req.prompt = _prompt(d["prompt"])
+    req.logprobs = _opt_int(d, "logprobs", lo=0, hi=MAX_TOP_LOGPROBS)
     return req
 
 
 def parse_chat(body: Any) -> ChatRequest:
     d = _object(body)
-    _known(d, _COMMON + ("messages", "max_completion_tokens"))
+    _known(d, _COMMON + ("messages", "max_completion_tokens", "logprobs", "top_logprobs"))
     if "max_completion_tokens" in d:  # the newer name of max_tokens in chat
         if d.get("max_tokens") is not None:
             raise RequestError(400, "give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
@@ -114,6 +150,11 @@ def parse_chat(body: Any) -> ChatRequest:
     if "messages" not in d:
         raise RequestError(400, "missing required field: messages", "messages")
     req.messages = _messages(d["messages"])
+    top = _opt_int(d, "top_logprobs", lo=0, hi=MAX_TOP_LOGPROBS)
+    if _opt(d, "logprobs", bool):
+        req.logprobs = top or 0
+    elif top is not None:
+        raise RequestError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     return req
 
 
@@ -150,6 +191,8 @@ def _object(body: Any) -> dict:
 def _known(d: dict, fields: tuple[str, ...]) -> None:
     allowed = set(fields) | set(decoder_fields()) | set(_IGNORED) | set(_UNSUPPORTED_UNLESS_DEFAULT)
     for k in d:
+        if k in _RENAMED:
+            raise RequestError(400, f"{k} is now {_RENAMED[k]} (vLLM's name since its 0.12)", k)
         if k not in allowed:
             raise RequestError(400, _python_only(k) or f"unrecognized request argument: {k!r}", k)
     for k, defaults in _UNSUPPORTED_UNLESS_DEFAULT.items():
@@ -157,16 +200,14 @@ def _known(d: dict, fields: tuple[str, ...]) -> None:
             raise RequestError(400, f"{k} is not supported by this server (leave it out)", k)
 
 
-def _common(d: dict, req: GenerationRequest) -> None:
+def _common(d: dict, req: GenerationRequest, min_tokens: int = 1) -> None:
     req.model = _opt(d, "model", str)
-    req.max_tokens = _opt_int(d, "max_tokens", lo=1)
+    req.max_tokens = _opt_int(d, "max_tokens", lo=min_tokens)
     req.temperature = _opt_number(d, "temperature", 0.0, 2.0)
     req.top_p = _opt_number(d, "top_p", 0.0, 1.0)
     if req.top_p is not None and req.top_p == 0.0:
         raise RequestError(400, "top_p must be greater than 0", "top_p")
-    n = _opt_int(d, "n", lo=0)
-    if n is not None and n != 1:
-        raise RequestError(400, f"n must be 1 (one completion per request), got {n}", "n")
+    req.n = _opt_int(d, "n", lo=1, hi=MAX_N) or 1
     req.stream = _opt(d, "stream", bool) or False
     so = d.get("stream_options")
     if so is not None:
@@ -179,6 +220,103 @@ def _common(d: dict, req: GenerationRequest) -> None:
     req.seed = _opt_int(d, "seed", lo=-MAX_SEED - 1, hi=MAX_SEED)
     req.decoder = _opt(d, "decoder", str)
     req.decoder_params = {k: d[k] for k in decoder_fields() if k != "decoder" and k in d and d[k] is not None}
+    req.logit_bias = _logit_bias(d.get("logit_bias"))
+    req.presence_penalty = _opt_number(d, "presence_penalty", -MAX_PENALTY, MAX_PENALTY) or 0.0
+    req.frequency_penalty = _opt_number(d, "frequency_penalty", -MAX_PENALTY, MAX_PENALTY) or 0.0
+    formats = [c for c in (_response_format(d.get("response_format")), _structured(d.get("structured_outputs")))
+               if c is not None]
+    if len(formats) > 1:
+        raise RequestError(400, "give response_format or structured_outputs, not both", "structured_outputs")
+    req.constraint = formats[0] if formats else None
+
+
+def _logit_bias(v: Any) -> dict[int, float]:
+    """{token id: bias}; JSON object keys are strings, so ids come as "123" (OpenAI's shape)."""
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise RequestError(400, f"logit_bias must be an object mapping token ids to numbers, got {_kind(v)}",
+                           "logit_bias")
+    out = {}
+    for k, b in v.items():
+        if not (isinstance(k, str) and k.isascii() and k.isdigit()):
+            raise RequestError(400, f"logit_bias keys must be token ids (strings of digits), got {k!r}", "logit_bias")
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not -MAX_BIAS <= b <= MAX_BIAS:
+            raise RequestError(400, f"logit_bias[{k!r}] must be a number in [-100, 100], got {b!r}", "logit_bias")
+        out[int(k)] = float(b)
+    return out
+
+
+def _response_format(v: Any) -> Constraint | None:
+    if v is None:
+        return None
+    if not isinstance(v, dict) or not isinstance(v.get("type"), str):
+        raise RequestError(400, "response_format must be an object with a type", "response_format")
+    kind = v["type"]
+    extra = set(v) - {"type", "json_schema"}
+    if kind not in ("text", "json_object", "json_schema"):
+        raise RequestError(400, f"response_format.type must be text, json_object or json_schema, got {kind!r}",
+                           "response_format")
+    if extra or ("json_schema" in v and kind != "json_schema"):
+        raise RequestError(400, f"response_format of type {kind} takes no field {sorted(extra or {'json_schema'})[0]!r}",
+                           "response_format")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Constraint("json_object", None, "response_format")
+    js = v.get("json_schema")
+    if not isinstance(js, dict):
+        raise RequestError(400, "response_format.json_schema must be an object with the schema", "response_format")
+    bad = sorted(set(js) - {"name", "description", "schema", "strict"})
+    if bad:
+        raise RequestError(400, f"response_format.json_schema takes no field {bad[0]!r}", "response_format")
+    for k, typ in (("name", str), ("description", str), ("strict", bool), ("schema", dict)):
+        _opt(js, k, typ, f"response_format.json_schema.{k}")
+    if "schema" not in js:
+        raise RequestError(400, "response_format.json_schema.schema is missing", "response_format")
+    return Constraint("json_schema", js["schema"], "response_format")
+
+
+def _structured(v: Any) -> Constraint | None:
+    """vLLM's structured_outputs: exactly one of json (a schema, or its JSON text), regex, choice,
+    json_object."""
+    if v is None:
+        return None
+    where = "structured_outputs"
+    if not isinstance(v, dict):
+        raise RequestError(400, f"{where} must be an object, got {_kind(v)}", where)
+    given = {k: x for k, x in v.items() if x is not None and x is not False}
+    unknown = sorted(set(given) - {"json", "regex", "choice", "json_object"})
+    if unknown:
+        raise RequestError(400, f"{where}.{unknown[0]} is not supported here (use json, regex, choice or "
+                                "json_object)", where)
+    if len(given) != 1:
+        raise RequestError(400, f"{where} must set exactly one of json, regex, choice, json_object", where)
+    (k, x), = given.items()
+    param = f"{where}.{k}"
+    if k == "json_object":
+        if x is not True:
+            raise RequestError(400, f"{param} must be true", param)
+        return Constraint("json_object", None, param)
+    if k == "json":
+        if isinstance(x, str):
+            try:
+                x = json.loads(x)
+            except ValueError as e:
+                raise RequestError(400, f"{param} is not valid JSON: {e}", param) from None
+        if not isinstance(x, dict):
+            raise RequestError(400, f"{param} must be a JSON schema (an object), got {_kind(x)}", param)
+        return Constraint("json_schema", x, param)
+    if k == "regex":
+        if not isinstance(x, str) or not x:
+            raise RequestError(400, f"{param} must be a non-empty string", param)
+        _no_surrogates(x, param)
+        return Constraint("regex", x, param)
+    if not (isinstance(x, list) and x and all(isinstance(c, str) and c for c in x)):
+        raise RequestError(400, f"{param} must be a non-empty list of non-empty strings", param)
+    for c in x:
+        _no_surrogates(c, param)
+    return Constraint("choice", list(x), param)
 
 
 def _prompt(v: Any) -> str | list[int]:
