@@ -69,7 +69,8 @@ def rss_mb(pid: int) -> float:
 
 def start_server(args, port: int, log: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "refusion.cli", "serve", "--port", str(port), "--threads", str(args.server_threads),
-           "--body-timeout", str(args.body_timeout), "--max-queue", "512", "--log-level", "warning"]
+           "--body-timeout", str(args.body_timeout), "--max-queue", "512", "--log-level", "warning",
+           "--device", args.device, "--dtype", args.dtype]
     if args.model:
         cmd += ["--model", args.model]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
@@ -390,18 +391,22 @@ def main() -> None:
     ap.add_argument("--body-timeout", type=float, default=2.0, help="the server's --body-timeout (stalled bodies)")
     ap.add_argument("--tasks", help="prompt families (default: those the model's recipe.toml trains on, "
                                     "else the synthetic ones)")
+    ap.add_argument("--prompts", help="a JSON list of prompts (default: the test splits of --tasks)")
+    ap.add_argument("--device", default="cpu", help="the server's and the reference answers' device")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the weights' dtype")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/serve_load.json"))
     ap.add_argument("--screenshot", default=str(ROOT / "benchmarks/results/serve_page.png"))
     args = ap.parse_args()
 
     model_dir = Path(args.model) if args.model else BUNDLED
     name = model_dir.name
-    model, tok = load_model(model_dir), Tokenizer.from_dir(model_dir)
+    model, tok = load_model(model_dir, dtype=args.dtype, device=args.device), Tokenizer.from_dir(model_dir)
     recipe = model_dir / "recipe.toml"
     names = (args.tasks.split(",") if args.tasks
              else trained_tasks(tomllib.loads(recipe.read_text())["data"]) if recipe.is_file() else None)
     names = names or trained_tasks("synthetic")
-    texts = [ex.prompt for t in names for ex in get_task(t).load("test", n=16, seed=2)]
+    texts = ([ex.prompt for t in names for ex in get_task(t).load("test", n=16, seed=2)] if not args.prompts
+             else json.loads(Path(args.prompts).read_text()))
     # the correct answers: decode() in this process, the server's default decoder and settings
     ids = [tok.chat_prompt_ids(t) for t in texts]
     eos = sorted(set(model.config.eos_ids) | {tok.eos_id})
@@ -416,6 +421,7 @@ def main() -> None:
     t_start = time.time()
     proc = start_server(args, port, log)
     out: dict = {"model": name, "server_threads": args.server_threads, "max_tokens": args.max_tokens,
+                 "device": args.device, "dtype": args.dtype,
                  "cpus": os.cpu_count(), "decoder": "speculative (the default)"}
     try:
         out["rss_start_mb"] = rss_mb(proc.pid)
