@@ -41,18 +41,19 @@ def check_seed(seed: int | None) -> None:
 
 def check_probability(name: str, value: float) -> None:
     # written so that NaN fails too (every comparison with NaN is false)
-    if not (isinstance(value, (int, float)) and 0.0 <= value <= 1.0):
+    if isinstance(value, bool) or not (isinstance(value, (int, float)) and 0.0 <= value <= 1.0):
         raise ValueError(f"{name} must lie in [0, 1], got {value!r}")
 
 
 def check_sampling(temperature: float, top_k: int | None = None, top_p: float | None = None) -> None:
     """temperature finite and >= 0 (0 = greedy); top_k >= 1; top_p in (0, 1]; and top_k / top_p only
     when sampling, since greedy decoding would ignore them without a word."""
-    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+    if isinstance(temperature, bool) or not (isinstance(temperature, (int, float)) and math.isfinite(temperature)
+                                              and temperature >= 0):
         raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
     if top_k is not None:
         check_positive("top_k", top_k)
-    if top_p is not None and not (isinstance(top_p, (int, float)) and 0.0 < top_p <= 1.0):
+    if top_p is not None and (isinstance(top_p, bool) or not (isinstance(top_p, (int, float)) and 0.0 < top_p <= 1.0)):
         # top_p = 0 would keep no token at all (every probability -inf, then NaN)
         raise ValueError(f"top_p must lie in (0, 1], got {top_p!r}")
     if temperature == 0 and (top_k is not None or top_p is not None):

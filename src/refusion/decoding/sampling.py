@@ -75,6 +75,26 @@ def nucleus_cut(sorted_logits: Tensor, top_p: float | Tensor) -> Tensor:
     return cut
 
 
+# Temperatures are held in [TEMPERATURE_MIN, TEMPERATURE_MAX] where logits are divided by them. Below
+# the floor the distribution is already the limit, its top token (ties shared), for float32 logits
+# (their spacing over the floor overflows exp), while a smaller one could make logits / temperature
+# overflow to inf (then NaN) or divide by a temperature that rounds to 0 in float32; above the ceiling
+# it is uniform over the tokens not cut (-inf stays -inf, where inf / inf would be NaN).
+TEMPERATURE_MIN = torch.finfo(torch.float32).tiny ** 0.5
+TEMPERATURE_MAX = 1 / TEMPERATURE_MIN
+
+
+def scaled(logits: Tensor, temperature: Tensor | float) -> Tensor:
+    """logits / temperature with the temperature held in its range (a [B] tensor divides [B, ...]
+    rows); float16 logits are divided in float32, whose range the floor is for."""
+    if logits.dtype == torch.float16:
+        logits = logits.float()
+    if isinstance(temperature, Tensor):
+        t = temperature.clamp(TEMPERATURE_MIN, TEMPERATURE_MAX)
+        return logits / t.view(-1, *([1] * (logits.dim() - 1)))
+    return logits / min(max(temperature, TEMPERATURE_MIN), TEMPERATURE_MAX)
+
+
 def sampling_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, filtered: bool = True
                    ) -> Tensor:
     """The distributions [B, N, V] that `sample` draws from, with per-row settings (temperature
@@ -82,7 +102,7 @@ def sampling_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Te
     with. One sort serves both cuts (tied tokens may fall on either side of a cut in another order
     than in `sample`). filtered=False: no row uses top-k or top-p (known on the host, so the sort
     is skipped without a device sync)."""
-    x = logits / temperature[:, None, None]
+    x = scaled(logits, temperature)
     if filtered:
         srt, order = x.sort(-1, descending=True)
         V = x.shape[-1]
@@ -98,7 +118,7 @@ def gumbel_argmax(logits: Tensor, temperature: float, generator: torch.Generator
     with uniforms from `generator` (one per logit): a sequence with its own generator samples the
     same tokens whatever else is in the batch."""
     u = torch.rand(logits.shape, generator=generator, device=logits.device).clamp(1e-20, 1 - 1e-7)
-    return (logits / temperature - torch.log(-torch.log(u))).argmax(-1)
+    return (scaled(logits, temperature) - torch.log(-torch.log(u))).argmax(-1)
 
 
 GREEDY_BLOCK = 1024  # greedy searches the vocabulary in blocks of this many logits
