@@ -25,8 +25,8 @@ def prompt_logprobs(model: Transformer, ids: list[int], top: int = 0) -> Logprob
         return Logprobs()
     device = model.embed_tokens.weight.device
     x = torch.tensor([ids], device=device)
-    logits = model(x, torch.arange(len(ids), device=device)[None], num_logits=len(ids) - 1)
-    logp = logits[0].float().log_softmax(-1)
+    logits = model(x, torch.arange(len(ids), device=device)[None])
+    logp = logits[0, :-1].float().log_softmax(-1)  # position i - 1 predicts token i
     chosen = logp.gather(-1, x[0, 1:, None])[:, 0]
     if top:
         values, idx = logp.topk(top, dim=-1)
