@@ -12,7 +12,7 @@ import gc
 import os
 import sys
 
-from refusion.cli import data, evaluate, generate, models, serve, train, train_sampler
+from refusion.cli import adapt, data, evaluate, generate, models, serve, train, train_sampler
 from refusion.cli.args import Parser
 from refusion.model.fetch import FetchError
 
@@ -36,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_parser(sub)
     train_sampler.add_parser(sub)
     data.add_parser(sub)
+    adapt.add_parser(sub)
     serve.add_parser(sub)
     return p
 

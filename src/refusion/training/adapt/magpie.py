@@ -1,0 +1,118 @@
+"""A model's own user turns, as Magpie makes them (Xu et al. 2024, arXiv 2406.08464): the chat template
+up to where a user's message begins, and nothing after, so that an instruct model writes the question
+it expects to be asked. Sampled (each row with a seed of its own, so a resumed run draws the same
+questions), then kept only when the model ended the turn, it reads as a request, and it is new.
+
+The raw samples are appended to a JSONL file batch by batch ({"seed", "text", "finished"}); seeds
+already there are not drawn again.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from refusion.model.tokenizer import Tokenizer
+    from refusion.model.transformer import Transformer
+
+_SENTINEL = "\u2063REFUSION-USER-TURN\u2063"
+MIN_CHARS, MAX_CHARS = 16, 600
+
+
+def user_prefix_ids(tok: Tokenizer) -> list[int]:
+    """The token ids of the chat template up to the start of a user's message (its system turn, if the
+    template adds one by default, included). A ValueError when the template has no place for one."""
+    text = tok.apply_chat_template([{"role": "user", "content": _SENTINEL}], add_generation_prompt=False)
+    if text.count(_SENTINEL) != 1:
+        raise ValueError("the chat template does not show the user's message once: it cannot prompt the model "
+                         "for a user turn (give --mix without prose, or --prompts-file)")
+    return tok.encode(text.split(_SENTINEL)[0])
+
+
+def normalized(text: str) -> str:
+    """Lower-case words only: two questions that differ in case, spacing or punctuation are one."""
+    return " ".join(re.findall(r"[a-z0-9]+", text.lower()))
+
+
+def acceptable(text: str, specials: list[str]) -> bool:
+    """Whether a sampled user turn reads as a request: not too short or long, a few words, no chat
+    markup leaking in."""
+    t = text.strip()
+    return (MIN_CHARS <= len(t) <= MAX_CHARS and len(t.split()) >= 4 and not any(s in t for s in specials)
+            and any(c.isalpha() for c in t[:3]))
+
+
+def sample_user_turns(model: Transformer, tok: Tokenizer, out: Path, seeds: range, max_tokens: int = 96,
+                      temperature: float = 1.0, top_p: float = 0.95, batch_size: int = 32,
+                      progress: bool = True) -> None:
+    """Draw one user turn per seed not yet in `out` (appended to it batch by batch)."""
+    from refusion.decoding import ARParams
+    from refusion.decoding.params import ar_batch_params
+    from refusion.decoding.speculative import SpeculativeBatch
+
+    done = _done_seeds(out)
+    todo = [s for s in seeds if s not in done]
+    if not todo:
+        return
+    prefix = user_prefix_ids(tok)
+    eos = sorted(set(model.config.eos_ids) | ({tok.eos_id} if tok.eos_id is not None else set()))
+    params = ar_batch_params(ARParams(gen_length=max_tokens, temperature=temperature, top_p=top_p), model.config)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(todo), desc="user turns", unit="turn", dynamic_ncols=True)
+    with open(out, "a", encoding="utf-8") as f:
+        for lo in range(0, len(todo), batch_size):
+            batch = SpeculativeBatch(model, eos)
+            chunk = todo[lo:lo + batch_size]
+            ids = {batch.add(prefix, params, seed=s): s for s in chunk}
+            results = {}
+            while len(batch):
+                results.update(batch.step())
+            for sid, seed in ids.items():
+                r = results[sid]
+                text = tok.decode(r.tokens[:-1] if r.finished else r.tokens)
+                f.write(json.dumps({"seed": seed, "text": text, "finished": bool(r.finished)}) + "\n")
+            f.flush()
+            if bar is not None:
+                bar.update(len(chunk))
+    if bar is not None:
+        bar.close()
+
+
+def kept_user_turns(out: Path, specials: list[str]) -> list[str]:
+    """The sampled turns worth asking, in seed order: ended by the model, acceptable, each once."""
+    seen, kept = set(), []
+    recs = sorted((json.loads(line) for line in _lines(out)), key=lambda r: r["seed"])
+    for r in recs:
+        text = r["text"].strip()
+        key = normalized(text)
+        if r["finished"] and acceptable(text, specials) and key not in seen:
+            seen.add(key)
+            kept.append(text)
+    return kept
+
+
+def _lines(out: Path) -> list[str]:
+    if not out.exists():
+        return []
+    lines = out.read_text(encoding="utf-8").splitlines()
+    good = []
+    for i, line in enumerate(lines):
+        try:
+            json.loads(line)["seed"]
+            good.append(line)
+        except (ValueError, KeyError, TypeError):
+            if i < len(lines) - 1:
+                raise ValueError(f"{out}:{i + 1}: not a record of sampled user turns; delete the file to sample "
+                                 "afresh") from None
+            out.write_text("".join(x + "\n" for x in good), encoding="utf-8")  # a torn last line (a kill) goes
+    return good
+
+
+def _done_seeds(out: Path) -> set[int]:
+    return {json.loads(line)["seed"] for line in _lines(out)}

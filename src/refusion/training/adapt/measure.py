@@ -1,0 +1,161 @@
+"""The adapter measured on held-out prompts of each domain, and its best decoding settings chosen.
+
+Held-out sets (never training prompts): the chat requests written for this project (tasks/chat.py),
+GSM8K test, HumanEval and MBPP test (refusion.tasks' copies; `refusion data` downloads them once).
+Each candidate setting decodes every prompt at batch 1 and is compared, output by output, with the
+base's greedy AR output, timed in the same run. `choose` picks the setting written into the adapter's
+decoding.json: among those that kept every output the base's, the ones within 3% of the fastest (speed
+over AR on each one's slowest domain) tie on the machine, and of them the one with the most tokens per
+forward wins, since a forward's cost grows less with its width on an accelerator than on a CPU.
+
+Rows are written to a JSON file as they finish; a rerun measures only the rows it lacks.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+HELD_OUT = ("chat", "gsm8k", "humaneval", "mbpp")
+_POLICY = {"fork": False, "width_price": 1.0}  # every candidate names its policy whole (decoding.json changes none)
+CANDIDATES: dict[str, dict] = {
+    "speculative": {**_POLICY, "lookup": False},
+    "speculative +lookup": {**_POLICY, "lookup": True},
+    "speculative +lookup +fork": {**_POLICY, "lookup": True, "fork": True},
+    **{f"speculative +lookup +fork price {share}": {"lookup": True, "fork": True, "width_price": share}
+       for share in (0.25, 0.5)},
+}
+QUICK_CANDIDATES = ("speculative", "speculative +lookup")
+TIE = 0.97
+
+
+def held_out_examples(domain: str, n: int, seed: int = 0) -> list:
+    """A seeded sample of n prompts of a held-out set (refusion.tasks Examples)."""
+    if domain == "chat":
+        from refusion.tasks.chat import load_chat
+
+        return load_chat("test", n=n, seed=seed)
+    if domain not in HELD_OUT:
+        raise ValueError(f"unknown held-out set {domain!r}; sets: {', '.join(HELD_OUT)}")
+    from refusion.tasks import get_task
+
+    return get_task(domain).load("test", n=n, seed=seed)
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per (threads, batch, setting, domain): outputs identical to the base AR's at the same threads and
+    batch, TPF, TPS and TPS / AR."""
+    key = {(r["threads"], r["batch_size"], r["name"], r["bench"]): r for r in rows}
+    out = []
+    for r in rows:
+        ar = key.get((r["threads"], r["batch_size"], "base ar", r["bench"]))
+        tokens = sum(map(len, r["outputs"]))
+        tps = tokens / r["seconds"] if r["seconds"] else 0.0
+        ar_tps = sum(map(len, ar["outputs"])) / ar["seconds"] if ar and ar["seconds"] else None
+        out.append(dict(threads=r["threads"], batch_size=r["batch_size"], name=r["name"], bench=r["bench"],
+                        n=len(r["outputs"]),
+                        identical=sum(a == b for a, b in zip(r["outputs"], ar["outputs"], strict=True)) if ar else None,
+                        tokens=tokens, tpf=tokens / max(r["forwards"], 1), tps=tps,
+                        tps_vs_ar=tps / ar_tps if ar_tps else None))
+    return out
+
+
+def choose(summary: list[dict], threads: int, names: set[str] | None = None) -> str | None:
+    """The setting for decoding.json (module docstring), among the rows at batch 1 and `threads` of the
+    settings in `names` (default: every one but base ar); None when none kept every output."""
+    by_name: dict[str, list[dict]] = {}
+    for s in summary:
+        if (s["threads"] == threads and s["batch_size"] == 1 and s["tps_vs_ar"] and s["name"] != "base ar"
+                and (names is None or s["name"] in names)):
+            by_name.setdefault(s["name"], []).append(s)
+    kept = {n: rs for n, rs in by_name.items() if all(s["identical"] == s["n"] for s in rs)}
+    if not kept:
+        return None
+    speed = {n: min(s["tps_vs_ar"] for s in rs) for n, rs in kept.items()}
+    tied = [n for n in kept if speed[n] >= TIE * max(speed.values())]
+    return max(tied, key=lambda n: min(s["tpf"] for s in kept[n]))
+
+
+def note(summary: list[dict], name: str, threads: int) -> str:
+    rows = [s for s in summary if s["name"] == name and s["threads"] == threads and s["batch_size"] == 1]
+    figures = ", ".join(f"{s['bench']} TPF {s['tpf']:.2f} at {s['tps_vs_ar']:.2f}x AR" for s in rows)
+    return f"{name!r}: {figures} (batch 1, {threads} thread(s), every output the base's)"
+
+
+def measure(adapter_dir: Path, base_dir: Path, out: Path, n: int, max_tokens: int, quick: bool = False,
+            threads: int | None = None, seed: int = 0, progress: bool = True,
+            log: Callable[[str], None] = print, command: str | None = None) -> str | None:
+    """Measure the candidates on the held-out sets (chat only with `quick`, which needs no download),
+    write the chosen one into adapter_dir/decoding.json; its name (None: none kept every output)."""
+    import torch
+
+    from refusion.bundled import resolve_model
+    from refusion.decoding import decode, model_settings
+    from refusion.model.checkpoint import load_model
+    from refusion.model.tokenizer import Tokenizer
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    threads = torch.get_num_threads()
+    names = list(QUICK_CANDIDATES if quick else CANDIDATES)
+    domains = ("chat",) if quick else HELD_OUT
+    state = json.loads(out.read_text()) if out.is_file() else {}
+    if state.get("key") != [n, max_tokens, seed, list(domains)]:
+        state = {"key": [n, max_tokens, seed, list(domains)], "rows": []}
+    rows = state["rows"]
+    done = {(r["threads"], r["name"], r["bench"]) for r in rows}
+    base, adapted = load_model(base_dir), load_model(resolve_model(str(adapter_dir)))
+    tok = Tokenizer.from_dir(base_dir)
+    eos = sorted(set(base.config.eos_ids) | ({tok.eos_id} if tok.eos_id is not None else set()))
+    prompts = {d: [tok.chat_prompt_ids(e.prompt) for e in held_out_examples(d, n, seed)] for d in domains}
+    todo = [(name, d) for d in domains for name in ["base ar", *names] if (threads, name, d) not in done]
+    bar = None
+    if progress and todo:
+        from tqdm import tqdm
+
+        bar = tqdm(total=sum(len(prompts[d]) for _, d in todo), desc="measure", unit="prompt", dynamic_ncols=True)
+    if todo:  # first calls allocate and pick kernels
+        decode(base, prompts[domains[0]][:1], "ar", gen_length=8)
+        decode(adapted, prompts[domains[0]][:1], "speculative", gen_length=8, **CANDIDATES[names[0]])
+    for name, d in todo:
+        model, decoder, params = (base, "ar", {}) if name == "base ar" else (adapted, "speculative", CANDIDATES[name])
+        outputs, forwards, seconds = [], 0, 0.0
+        for p in prompts[d]:
+            t = time.perf_counter()
+            (r,) = decode(model, [p], decoder, eos_ids=eos, gen_length=max_tokens, **params)
+            seconds += time.perf_counter() - t
+            outputs.append(r.tokens)
+            forwards += r.forwards
+            if bar is not None:
+                bar.update(1)
+        rows.append(dict(threads=threads, batch_size=1, name=name, bench=d, outputs=outputs, forwards=forwards,
+                         seconds=seconds))
+        _write(out, state)
+    if bar is not None:
+        bar.close()
+    summary = summarize(rows)
+    state["summary"] = summary
+    _write(out, state)
+    for s in summary:
+        if s["name"] != "base ar":
+            log(f"measure: {s['name']:<36} {s['bench']:<9} identical {s['identical']}/{s['n']} TPF {s['tpf']:.2f} "
+                f"{s['tps_vs_ar']:.2f}x AR")
+    best = choose(summary, threads, set(names))
+    if best is None:
+        log("measure: no setting kept every output the base's: no decoding.json written (the decoder's defaults hold)")
+        return None
+    settings = model_settings.ModelSettings("speculative", CANDIDATES[best],
+                                            measured_by=command or "refusion adapt " + " ".join(sys.argv[2:]),
+                                            note=note(summary, best, threads))
+    model_settings.write(adapter_dir, settings)
+    log(f"measure: decoding.json <- {settings.note}")
+    return best
+
+
+def _write(path: Path, state: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(state))
+    tmp.replace(path)

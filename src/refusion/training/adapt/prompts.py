@@ -1,0 +1,112 @@
+"""What the adapter learns from: prompts of the kinds a model is asked, in a set mix, none from a hub or
+a test split.
+
+    prose   the model's own user turns (magpie.py): it writes the questions it expects
+    maths   GSM8K's train questions (shipped in the package), as the GSM8K benchmark asks them
+    code    public functions of the Python standard library, as HumanEval asks for a function
+    user    the user's own prompts (--prompts-file: one per line, or JSONL with a "query" or "prompt"),
+            all of them, beside the mix
+
+`parse_mix("prose=1,maths=1,code=1")` gives each domain's share of the budget. Every training prompt
+that nearly repeats a held-out chat request (tasks/chat.py) is dropped and counted: the measurement
+must see requests the masks never learned from.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+from refusion.training.self_generate import Prompt, load_prompts
+
+DOMAINS = ("prose", "maths", "code")
+DEFAULT_MIX = "prose=1,maths=1,code=1"
+_SOURCE = {"maths": "gsm8k-train", "code": "stdlib-functions"}  # (self_generate's source names)
+
+
+def parse_mix(text: str) -> dict[str, float]:
+    """{"prose": 1.0, ...} from "prose=1,maths=1,code=1"; a ValueError names a bad item."""
+    mix: dict[str, float] = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        name, eq, share = item.partition("=")
+        try:
+            value = float(share) if eq else 1.0
+        except ValueError:
+            value = -1.0
+        if name not in DOMAINS or not math.isfinite(value) or value < 0:
+            raise ValueError(f"--mix: {item!r} is not DOMAIN=SHARE with a domain of {', '.join(DOMAINS)} and a share "
+                             ">= 0, e.g. {DEFAULT_MIX}")
+        mix[name] = value
+    if not mix or sum(mix.values()) <= 0:
+        raise ValueError(f"--mix: no domain has a share above 0, e.g. {DEFAULT_MIX}")
+    return {k: v for k, v in mix.items() if v > 0}
+
+
+def domain_counts(mix: dict[str, float], total: int) -> dict[str, int]:
+    """How many prompts each domain gets of `total` (largest remainders, so they add up to it)."""
+    whole = sum(mix.values())
+    exact = {k: total * v / whole for k, v in mix.items()}
+    counts = {k: int(x) for k, x in exact.items()}
+    for k in sorted(exact, key=lambda k: counts[k] - exact[k])[:total - sum(counts.values())]:
+        counts[k] += 1
+    return counts
+
+
+def user_prompts(path: str | Path) -> list[str]:
+    """A prompts file: JSONL of {"query"} or {"prompt"} where every line is such an object, else one
+    prompt per non-empty line."""
+    path = Path(path)
+    try:
+        lines = [x for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+    except OSError as e:
+        raise ValueError(f"--prompts-file {path}: cannot read it ({e.strerror})") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"--prompts-file {path}: not UTF-8 text") from None
+    out = []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            return lines  # plain text
+        if not isinstance(rec, dict) or not isinstance(rec.get("query", rec.get("prompt")), str):
+            return lines
+        out.append(rec.get("query", rec.get("prompt")))
+    if not out:
+        raise ValueError(f"--prompts-file {path}: no prompt in it")
+    return out
+
+
+def fixed_prompts(domain: str, n: int, seed: int) -> list[Prompt]:
+    """The maths or code domain's n prompts (a seeded sample, as self-generate takes it)."""
+    return [Prompt(domain, p.query) for p in load_prompts(_SOURCE[domain], n, seed)] if n else []
+
+
+# ---- near-duplicates of the held-out chat requests ------------------------------------------------
+
+
+def _bigrams(text: str) -> set[tuple[str, str]]:
+    words = re.findall(r"[a-z0-9]+", text.lower())
+    return {(words[i], words[i + 1]) for i in range(len(words) - 1)} or {(w, "") for w in words}
+
+
+class HeldOut:
+    """Held-out requests, to find training prompts that nearly repeat one: most of the request's word
+    pairs in the prompt, or most of a short prompt's in the request."""
+
+    def __init__(self, requests: list[str], share: float = 0.7) -> None:
+        self.grams = [g for g in map(_bigrams, requests) if g]
+        self.share = share
+
+    def repeats(self, prompt: str) -> bool:
+        g = _bigrams(prompt)
+        if not g:
+            return False
+        return any(len(g & h) >= self.share * min(len(g), len(h)) for h in self.grams)
+
+
+def held_out_chat() -> HeldOut:
+    from refusion.tasks.chat import load_chat
+
+    return HeldOut([e.prompt for e in load_chat()])
