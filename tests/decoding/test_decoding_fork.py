@@ -30,11 +30,11 @@ def forks(monkeypatch):
     seen = dict(fed=0, several=0, won=0)
     plain = spec.SpeculativeSeq.advance
 
-    def advance(self, j, extra, mask_preds, redrafted=None, branch=None):
+    def advance(self, j, extra, mask_preds, redrafted=None, branch=None, **kw):
         seen["fed"] += len(self.fed_branches) > 0
         seen["several"] += len(self.fed_branches) > 1
         seen["won"] += branch is not None
-        plain(self, j, extra, mask_preds, redrafted, branch)
+        plain(self, j, extra, mask_preds, redrafted, branch, **kw)
 
     monkeypatch.setattr(spec.SpeculativeSeq, "advance", advance)
     return seen

@@ -61,8 +61,8 @@ def oracle(monkeypatch):
     o = Oracle()
     plain = spec.SpeculativeSeq.advance
 
-    def advance(self, j, extra, mask_preds):
-        plain(self, j, extra, mask_preds)
+    def advance(self, j, extra, mask_preds, **kw):
+        plain(self, j, extra, mask_preds, **kw)
         g = len(self.res.tokens)
         draft = list(o.truth[tuple(self.prompt)][g: g + o.rng.randrange(o.min_len, 20)])
         if draft and o.rng.random() < o.p_corrupt:
@@ -433,9 +433,9 @@ def test_the_masks_draft_their_argmax_or_the_draw_with_their_own_positions_unifo
     seen = []
     plain = spec.SpeculativeSeq.advance
 
-    def advance(self, j, extra, mask_preds):
+    def advance(self, j, extra, mask_preds, **kw):
         seen.append(list(mask_preds))
-        plain(self, j, extra, mask_preds)
+        plain(self, j, extra, mask_preds, **kw)
 
     monkeypatch.setattr(spec.SpeculativeSeq, "advance", advance)
     params = SpeculativeParams(gen_length=8, widths="fixed", draft_length=3, temperature=temperature,

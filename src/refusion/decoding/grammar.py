@@ -116,6 +116,10 @@ class Matcher:
         """Whether `token` (a text token) may come next; the state does not change."""
         return self._m.validate_tokens([token]) == 1
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of tokens, from the first, the grammar allows in turn; the state does not change."""
+        return self._m.validate_tokens(tokens) if tokens else 0
+
     def accept(self, token: int) -> bool:
         """Advance over `token`; False (and no change) where the grammar does not allow it."""
         if self._m.validate_tokens([token]) != 1:

@@ -106,7 +106,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from refusion.decoding import costs
+from refusion.decoding import controlled, costs
 from refusion.decoding.common import DecodeResult, packed_index
 from refusion.decoding.controls import Controls
 from refusion.decoding.lookup import lookup_by_default
@@ -205,7 +205,8 @@ class SpeculativeBatch:
                            causal_first=not first_from_mask, plan=plan, lookup=lookup,
                            fresh_after_miss=(p.fresh_after_miss if p.fresh_after_miss is not None
                                              else fresh_after_miss_by_default(cfg)),
-                           fork=p.fork, controls=controls)
+                           fork=p.fork,
+                           control=None if controls is None else controlled.RowControl(controls, self.eos, self.vocab))
         self.next_id += 1
         self.pending.append(q)
         return q.sid
@@ -332,6 +333,10 @@ class SpeculativeBatch:
         if not prefill:
             self._flush()  # (a generic step of rows that stepped plainly before)
         seqs = self.running[lo:hi]
+        ruled = [b for b, q in enumerate(seqs) if q.control is not None]  # controlled rows (controlled.py)
+        for b in ruled:  # (their drafts: what the grammar forces first, cut where it stops allowing them)
+            q = seqs[b]
+            q.draft = q.control.prepare(q.draft, jump=q.p.draft_length > 0 and (q.x is not None or q.causal_first))
         feeds = [q.next_feed() for q in seqs]
         B = len(seqs)
         W = max(len(ids) for ids, _ in feeds)
@@ -374,9 +379,13 @@ class SpeculativeBatch:
         out = self.model(ids_t, pos_t, attn_mask=mask[:, None], cache=cache, num_logits=need, real=real,
                          states=chained is not None)
         logits, states = (out[0].float(), out[1]) if chained is not None else (out.float(), None)
+        plan = None
+        if ruled:
+            logits, plan = controlled.apply(seqs, ruled, logits, meta[0], ids_t[:, W - need:])
         j, extra, drafts, went = self._judge(seqs, logits, ids_t[:, W - need:], pos_t[:, W - need:] - prompt_t[:, None],
                                              anchor_t, k_t, seed_t, g_t, branch_t if S else None,
                                              int(meta[5 + 2 * S:].max(initial=0)))
+        lps = {} if plan is None else controlled.logprobs(seqs, ruled, logits, ids_t[:, W - need:], extra, plan)
         if chained is not None:
             drafts = self._chain(drafts, logits, states, j, k_t, extra, *chained)
         # the step's one transfer: j, extra, how far each branch went, the drafts (from column h)
@@ -401,10 +410,12 @@ class SpeculativeBatch:
             elif q.redraft_len:  # (the blocks after the draft's own masks: block j drafts from the accepted tokens)
                 r, first = q.redraft_len, a + q.redraft_from
                 redrafted = host[b, h + first + j * r + 1: h + first + (j + 1) * r].tolist() if j < k else None
-                q.advance(j, int(host[b, 1]), host[b, h + masks_from: h + first].tolist(), redrafted)
+                q.advance(j, int(host[b, 1]), host[b, h + masks_from: h + first].tolist(), redrafted,
+                          logprobs=lps[b].cut(j) if b in lps else None)
             else:
                 end = a + q.fed_branches[0][0] if q.fed_branches else need
-                q.advance(j, int(host[b, 1]), host[b, h + masks_from: h + end].tolist())
+                q.advance(j, int(host[b, 1]), host[b, h + masks_from: h + end].tolist(),
+                          logprobs=lps[b].cut(j) if b in lps else None)
         self.policy.offer_drafts(seqs)
         if not prefill:
             self.policy.prior.record_many(kinds, host[:, 0], meta[1], predicted)

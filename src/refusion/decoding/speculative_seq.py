@@ -10,7 +10,8 @@ from collections.abc import Callable
 
 from refusion.decoding import widths
 from refusion.decoding.common import DecodeResult
-from refusion.decoding.controls import Controls
+from refusion.decoding.controlled import RowControl
+from refusion.decoding.controls import Logprobs
 from refusion.decoding.lookup import NgramIndex
 from refusion.decoding.params import MAX_DRAFT, SpeculativeParams
 
@@ -20,17 +21,16 @@ class SpeculativeSeq:
     in cache columns [0, c)), the draft for the positions after x, its width (the most draft tokens
     its next step feeds) and how far its drafts were accepted. seed: the key of its sampled draws;
     lookup: whether it also drafts copies of earlier text (p.lookup as the batch settled it);
-    fresh_after_miss: p.fresh_after_miss, settled the same way; fork: p.fork."""
+    fresh_after_miss: p.fresh_after_miss, settled the same way; fork: p.fork (off for a row with
+    control: its controls' state, controlled.py)."""
 
     def __init__(self, sid: int, prompt: list[int], p: SpeculativeParams, mask_id: int, eos: set[int],
                  seed: int, on_commit: Callable[[list[int], list[int]], None] | None,
                  causal_first: bool = False, plan: list[int] | None = None, lookup: bool = False,
-                 fresh_after_miss: bool = False, fork: bool = False, controls: Controls | None = None) -> None:
+                 fresh_after_miss: bool = False, fork: bool = False, control: RowControl | None = None) -> None:
         self.sid, self.prompt, self.p, self.mask_id, self.eos = sid, prompt, p, mask_id, eos
         self.seed, self.on_commit, self.fresh_after_miss, self.fork = seed, on_commit, fresh_after_miss, fork
-        self.controls = controls
-        if controls is not None:
-            raise NotImplementedError("controls: in progress")
+        self.control = control
         self.P = len(prompt)
         # the first token from the prompt's last token (a model trained for it: causal_first_token),
         # else from the first mask; either way the masks fed after the prompt draft from position P on
@@ -45,6 +45,10 @@ class SpeculativeSeq:
         self.drafts_tried = 0  # steps that fed a draft
         self.done = False
         self.res = DecodeResult(prompt=list(prompt))
+        if control is not None:
+            self.fork = False  # (controlled.py: a branch would need a grammar state of its own)
+            if control.c.logprobs is not None:
+                self.res.logprobs = Logprobs()
         self.start = time.perf_counter()
         self.fed_k = 0  # draft tokens fed in the step now running
         self.index = NgramIndex(prompt) if lookup else None  # the text lookup drafts copy from
@@ -65,7 +69,8 @@ class SpeculativeSeq:
         self.anchor = 0  # feed index whose logits give the first token of this step
         # plain AR: no draft budget, no masks, no plan; after its prefill each step feeds x alone, which
         # the batch runs without the policy or this row's bookkeeping (SpeculativeBatch._plain_forward)
-        self.plain = p.draft_length == 0 and not p.mask_length and plan is None
+        # (a controlled row steps generically: its verified column's logits are controlled)
+        self.plain = p.draft_length == 0 and not p.mask_length and plan is None and control is None
 
     def _masks(self) -> int:
         if self.bare:
@@ -77,7 +82,9 @@ class SpeculativeSeq:
     def _fed_draft(self, left: int) -> int:
         """How many draft tokens this step feeds: up to its width, but a plan whole (one forward
         verifies a right one, and the forwards saved are what a plan is asked for)."""
-        return min(len(self.draft), left - 1 if self.kind == widths.PLAN else self.width, left - 1)
+        k = min(len(self.draft), left - 1 if self.kind == widths.PLAN else self.width, left - 1)
+        # (the tokens a grammar forces are fed whatever the width: controlled.RowControl.prepare)
+        return k if self.control is None else max(k, min(self.control.forced, left - 1))
 
     def next_feed(self) -> tuple[list[int], list[int]]:
         """(ids, positions) of this step's feed; its cache columns are c, c+1, ..."""
@@ -119,11 +126,12 @@ class SpeculativeSeq:
         return ids, pos
 
     def advance(self, j: int, extra: int, mask_preds: list[int], redrafted: list[int] | None = None,
-                branch: tuple[list[int], int] | None = None) -> None:
+                branch: tuple[list[int], int] | None = None, logprobs: Logprobs | None = None) -> None:
         """Commit the first j draft tokens and `extra`; keep their KV; make the next draft (after a
         rejection, `redrafted` when this step fed redraft blocks: the draft from the accepted tokens).
         branch: (a branch's tokens, r) where that branch went further (j is its fork): its first r
-        tokens come after the draft's j (the decoder has moved their KV to the columns after those)."""
+        tokens come after the draft's j (the decoder has moved their KV to the columns after those).
+        logprobs: of the j draft tokens and extra, where the row's controls ask for them."""
         prefill = self.x is None
         k = self.fed_k
         run = self.draft[:j] + (branch[0][:branch[1]] if branch is not None else [])
@@ -133,6 +141,11 @@ class SpeculativeSeq:
             commit = commit[: eos_at + 1]
         g = len(self.res.tokens)
         positions = list(range(self.P + g, self.P + g + len(commit)))
+        if self.control is not None:
+            self.control.commit(commit)
+            if logprobs is not None:
+                logprobs = Logprobs(logprobs.chosen[: len(commit)], logprobs.top[: len(commit)])
+                self.res.logprobs.extend(logprobs)
         self.res.tokens += commit
         self.res.positions += positions
         self.res.steps += [self.res.forwards - 1] * len(commit)
@@ -169,7 +182,10 @@ class SpeculativeSeq:
         if self.index is not None:
             self.index.extend(commit)
         if self.on_commit is not None and commit:
-            self.on_commit(positions, commit)
+            if logprobs is not None:
+                self.on_commit(positions, commit, logprobs)
+            else:
+                self.on_commit(positions, commit)
 
     def draft_end(self) -> int:
         """How many draft tokens are worth feeding before the draft's own EOS (every one, with
