@@ -1,0 +1,66 @@
+"""lm-eval's `local-completions` model scoring a log-likelihood task through a live server: it sends
+each context + continuation as token ids with echo, logprobs 1 and max_tokens 1, and sums the
+continuation's echoed logprobs. Its results equal the in-process adapter's (`--model refusion`)
+on a causal model; on a model with a mask token the adapter reads a continuation's first token
+from a <|mask|>, which a prompt scored as a whole has no place for (docs/api.md).
+
+lm-eval needs the tokenizer to split context from continuation: `tokenizer_backend=huggingface`
+with `tokenizer=` the served model's directory (transformers reads its tokenizer.json).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("lm_eval")
+pytest.importorskip("tenacity", reason="lm-eval's API models need lm-eval[api]")
+pytest.importorskip("uvicorn")
+
+from lm_eval import simple_evaluate  # noqa: E402
+from lm_eval.models.openai_completions import LocalCompletionsAPI  # noqa: E402
+from lm_eval.tasks import TaskManager  # noqa: E402
+
+from refusion.evaluation.lm_eval import ReFusionLM  # noqa: E402
+from refusion.serve.app import ServeConfig, build  # noqa: E402
+from tests.helpers.serving import LiveServer  # noqa: E402
+from tests.helpers.tiny_causal_lm import base_dir  # noqa: E402, F401 (a fixture)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+DOCS = [{"q": f"What is {a} plus {b}?", "choices": [f" {a + b}.", f" {a + b + 1}.", f" {a * b}."], "gold": 0}
+        for a, b in ((3, 4), (10, 5), (7, 7), (21, 2))]
+
+
+@pytest.fixture(scope="module")
+def live(base_dir):  # noqa: F811
+    srv = LiveServer(build(base_dir, ServeConfig(model_name="base")))
+    yield srv
+    srv.close()
+
+
+def write_task(d) -> TaskManager:
+    (d / "add.jsonl").write_text("".join(json.dumps(r) + "\n" for r in DOCS))
+    (d / "add.yaml").write_text(
+        f"task: add_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {d / 'add.jsonl'}\n"
+        "test_split: test\noutput_type: multiple_choice\ndoc_to_text: \"{{q}}\"\ndoc_to_choice: choices\n"
+        "doc_to_target: gold\ntarget_delimiter: \"\"\n"
+        "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n")
+    return TaskManager(include_path=str(d))
+
+
+def test_local_completions_scores_as_the_in_process_adapter(live, base_dir, tmp_path):  # noqa: F811
+    tasks = write_task(tmp_path)
+    api = LocalCompletionsAPI(base_url=live.url + "/v1/completions", model="base", tokenizer_backend="huggingface",
+                              tokenizer=str(base_dir), max_retries=1)
+    local = ReFusionLM(pretrained=str(base_dir))
+    runs = [simple_evaluate(model=lm, tasks=["add_mc"], task_manager=tasks, log_samples=True, bootstrap_iters=0)
+            for lm in (api, local)]
+    resps = [[[r[0] for r in s["resps"]] for s in sorted(run["samples"]["add_mc"], key=lambda s: s["doc_id"])]
+             for run in runs]
+    assert len(resps[0]) == len(DOCS) and all(len(r) == 3 for r in resps[0])
+    for a, b in zip(*resps, strict=True):  # every choice's log-likelihood and greedy flag
+        for (lla, ga), (llb, gb) in zip(a, b, strict=True):
+            assert float(lla) == pytest.approx(float(llb), abs=1e-4) and ga == gb
+    assert runs[0]["results"]["add_mc"]["acc,none"] == runs[1]["results"]["add_mc"]["acc,none"]
