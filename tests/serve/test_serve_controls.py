@@ -148,3 +148,132 @@ def test_echo_with_an_answer_and_streamed(client, live):
     # the text offsets point into the text
     lp = whole.choices[0].logprobs
     assert all(whole.choices[0].text.startswith(t, o) for t, o in zip(lp.tokens, lp.text_offset, strict=True))
+
+
+# ---- logprobs -----------------------------------------------------------------------------------
+
+
+def chat_logprobs_of(res, tok) -> list[tuple[str, float, list[tuple[str, float]]]]:
+    """decode()'s logprobs as chat entries: (token text, logprob, [(alternative, logprob)])."""
+    n = len(answer_ids(res))
+    return [(tok.decode([t], skip_special_tokens=False), lp, [(tok.decode([a], skip_special_tokens=False), alp)
+                                                             for a, alp in top])
+            for t, lp, top in zip(res.tokens[:n], res.logprobs.chosen[:n], res.logprobs.top[:n], strict=True)]
+
+
+def entries(content) -> list[tuple[str, float, list[tuple[str, float]]]]:
+    return [(e.token, e.logprob, [(a.token, a.logprob) for a in e.top_logprobs]) for e in content]
+
+
+def assert_same_logprobs(got, want):
+    assert [g[0] for g in got] == [w[0] for w in want]
+    for g, w in zip(got, want, strict=True):
+        # (speculative's forwards are wider than ar's: the same numbers to float rounding)
+        assert g[1] == pytest.approx(w[1], rel=1e-5, abs=1e-5)
+        assert [a for a, _ in g[2]] == [a for a, _ in w[2]]
+        assert [x for _, x in g[2]] == pytest.approx([x for _, x in w[2]], rel=1e-5, abs=1e-5)
+
+
+@pytest.mark.parametrize("decoder,temperature", [("speculative", 0.0), ("speculative", 0.8), ("ar", 0.0)])
+def test_chat_logprobs_equal_ar_decodings(client, decoder, temperature):
+    _, tok = bundled()
+    msgs = [{"role": "user", "content": ADD}]
+    kw = dict(model=NAME, messages=msgs, max_tokens=24, logprobs=True, top_logprobs=3, temperature=temperature,
+              seed=5, extra_body={"decoder": decoder})
+    r = client.chat.completions.create(**kw)
+    want = ar(chat_ids(ADD), 24, Controls(logprobs=3), temperature=temperature, seed=5)
+    assert r.choices[0].message.content == tok.decode(answer_ids(want))
+    got = entries(r.choices[0].logprobs.content)
+    assert len(got) >= 5
+    assert_same_logprobs(got, chat_logprobs_of(want, tok))
+    assert all(bytes(e.bytes).decode() == e.token for e in r.choices[0].logprobs.content)
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert_same_logprobs(entries(streamed), got)
+
+
+def test_completion_logprobs_and_a_stop_string(client):
+    _, tok = bundled()
+    full = client.completions.create(model=NAME, prompt=CODE, max_tokens=24, logprobs=2)
+    text = full.choices[0].text
+    lp = full.choices[0].logprobs
+    assert "".join(lp.tokens) == text and len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs)
+    assert all(len(t) <= 3 and max(t.values()) >= x for t, x in zip(lp.top_logprobs, lp.token_logprobs, strict=True))
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    # a stop string: the logprobs end with the token that completes it, as the usage does
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    for stream in (False, True):
+        r = client.completions.create(model=NAME, prompt=CODE, max_tokens=24, logprobs=2, stop=[stop], stream=stream)
+        if stream:
+            cut = [t for c in r if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+        else:
+            cut = r.choices[0].logprobs.tokens
+        k = len(cut)
+        assert cut == lp.tokens[:k] and stop in "".join(cut) and stop not in "".join(cut[:-1])
+
+
+# ---- logit_bias and penalties -------------------------------------------------------------------
+
+
+def test_logit_bias_against_the_greedy_token(client):
+    _, tok = bundled()
+    ids = chat_ids(ADD)
+    plain = ar(ids, 16)
+    first = plain.tokens[0]
+    for bias in ({first: -100}, {first: -100, tok.encode(" 9")[0]: 30}):
+        body = {str(k): v for k, v in bias.items()}
+        r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": ADD}], max_tokens=16,
+                                           logit_bias=body)
+        want = ar(ids, 16, Controls(logit_bias=bias))
+        assert want.tokens[0] != first  # the banned token never comes first
+        assert r.model_extra["refusion"]["token_ids"] == want.tokens
+
+
+@pytest.mark.parametrize("prompt,presence,frequency", [
+    ("red red red red red red", 0.0, 2.0), ("red red red red red red", -1.0, 0.5), (CODE, 2.0, 0.0),
+    (CODE, -2.0, 0.0)])
+def test_penalties_equal_ar_with_the_same_penalties(client, prompt, presence, frequency):
+    ids = bundled()[1].encode(prompt)  # raw text: the model is less sure of itself than in its chat format
+    want = ar(ids, 32, Controls(presence_penalty=presence, frequency_penalty=frequency))
+    assert want.tokens != ar(ids, 32).tokens  # the penalties change the answer
+    kw = dict(model=NAME, prompt=prompt, max_tokens=32, presence_penalty=presence, frequency_penalty=frequency)
+    r = client.completions.create(**kw)
+    assert r.model_extra["refusion"]["token_ids"] == want.tokens
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices)
+    assert streamed == r.choices[0].text == bundled()[1].decode(answer_ids(want))
+
+
+# ---- structured outputs ---------------------------------------------------------------------------
+
+
+def test_regex_and_choice(client):
+    msgs = [{"role": "user", "content": ADD}]
+    r = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=24,
+                                       extra_body={"structured_outputs": {"regex": "[0-9]{1,3} is the sum"}})
+    assert re.fullmatch("[0-9]{1,3} is the sum", r.choices[0].message.content) and r.choices[0].finish_reason == "stop"
+    choices = ["forty-nine", "49", "fifty"]
+    for stream in (False, True):
+        r = client.completions.create(model=NAME, prompt=ADD + " =", max_tokens=12, stream=stream,
+                                      extra_body={"structured_outputs": {"choice": choices}})
+        text = "".join(c.choices[0].text for c in r) if stream else r.choices[0].text
+        assert text in choices
+
+
+def test_bad_controls_are_400s_and_the_server_stays_up(client, live):
+    msgs = [{"role": "user", "content": ADD}]
+    cases = [
+        (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}),
+         "response_format", "invalid json schema"),
+        (dict(extra_body={"structured_outputs": {"regex": "(["}}), "structured_outputs.regex", "invalid regex"),
+        (dict(logit_bias={"100000": 3}), "logit_bias", "outside the vocabulary"),
+        (dict(logprobs=True, top_logprobs=30), "top_logprobs", "top_logprobs must be in [0, 20]"),
+        (dict(extra_body={"guided_choice": ["a"]}), "guided_choice", "structured_outputs.choice"),
+        (dict(response_format={"type": "json_object"}, extra_body={"decoder": "mdm"}), "response_format",
+         "the decoders that can: speculative, ar"),
+    ]
+    for kw, param, fragment in cases:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=NAME, messages=msgs, max_tokens=8, **kw)
+        assert e.value.body["param"] == param and fragment in e.value.body["message"], e.value.body
+    assert httpx.get(live.url + "/health").json()["status"] == "ok"
+    assert client.chat.completions.create(model=NAME, messages=msgs, max_tokens=4).choices[0].message.content
