@@ -61,17 +61,18 @@ def decode(model: Transformer, prompts: list[list[int]], decoder: str | None = N
     decoder, params = model_settings.resolve(model_settings.of_model(model), model.config, decoder, params)
     p = make_params(decoder, model.config, **params)
     check_seed(seed)
-    if controls is None:
-        return get(decoder).runner()(model, prompts, p, eos_ids=eos_ids, seed=seed, on_commit=on_commit)
-    from refusion.decoding.controls import as_list
+    if controls is not None:
+        from refusion.decoding.controls import as_list
 
-    per_row = as_list(controls, len(prompts))
-    if not get(decoder).controls and any(c is not None and c.active for c in per_row):
-        takes = [n for n in names() if get(n).controls]
-        raise ValueError(f"decoder {decoder!r} cannot apply grammar, logit_bias, penalties or logprobs exactly; "
-                         f"use one that does: {', '.join(takes)}")
-    return get(decoder).runner()(model, prompts, p, eos_ids=eos_ids, seed=seed, on_commit=on_commit,
-                                 controls=per_row)
+        per_row = [c if c is not None and c.active else None for c in as_list(controls, len(prompts))]
+        if any(per_row):
+            if not get(decoder).controls:
+                takes = [n for n in names() if get(n).controls]
+                raise ValueError(f"decoder {decoder!r} cannot apply grammar, logit_bias, penalties or logprobs "
+                                 f"exactly; use one that does: {', '.join(takes)}")
+            return get(decoder).runner()(model, prompts, p, eos_ids=eos_ids, seed=seed, on_commit=on_commit,
+                                         controls=per_row)
+    return get(decoder).runner()(model, prompts, p, eos_ids=eos_ids, seed=seed, on_commit=on_commit)
 
 
 _LAZY = {"DecodeResult": "common", "Controls": "controls", "Logprobs": "controls", "generate_mdm": "mdm", "generate_refusion": "refusion",

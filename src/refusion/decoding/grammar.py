@@ -32,6 +32,10 @@ import numpy as np
 from refusion.model.tokenizer import Tokenizer
 
 KINDS = ("json_object", "json_schema", "regex", "choice")
+# JSON in one layout, `{"a": 1, "b": [2, 3]}`: with free whitespace a small model can pad forever
+# (newlines and spaces are always allowed between tokens), and one layout forces the punctuation,
+# which is then drafted for free (controlled.py)
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 CACHE_PER_TOKENIZER = 256  # compiled grammars kept per tokenizer (a server sees the same schemas again)
 
 
@@ -209,9 +213,8 @@ def json_schema(tokenizer: Tokenizer, schema: dict | str) -> Grammar:
     if not isinstance(schema, dict):
         raise ValueError(f"invalid JSON schema: a schema is a JSON object, got {type(schema).__name__}")
     source = json.dumps(schema, ensure_ascii=False)  # (key order kept: properties come in schema order)
-    # (one way to write it, `{"a": 1, "b": [2, 3]}`: a property's name and punctuation are then
-    # forced, and forced tokens are drafts that cannot be rejected)
-    return _compile(tokenizer, "json_schema", source, lambda llg: llg.LLMatcher.grammar_from_json_schema(source))
+    return _compile(tokenizer, "json_schema", source, lambda llg: llg.LLMatcher.grammar_from_json_schema(
+        source, defaults=JSON_STYLE))
 
 
 def regex(tokenizer: Tokenizer, pattern: str) -> Grammar:
