@@ -13,6 +13,7 @@ installs it).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -139,6 +140,55 @@ def test_the_controls_are_the_decoders_fields_from_the_server(live, page):
     assert (body["decoder"], body["slot_size"], body["checks"]) == ("refusion-l2r", 4, True)
     assert "block_length" not in body
     page.uncheck("#checks")
+
+
+SCHEMA = {"type": "object", "properties": {"op": {"enum": ["add", "sort"]},
+                                          "sum": {"type": "integer", "minimum": 0, "maximum": 999}},
+          "required": ["op", "sum"], "additionalProperties": False}
+
+
+def test_a_json_schema_and_token_probabilities_on_hover(live, page, shots):
+    """The schema box sends response_format json_schema; with probabilities on, hovering over a
+    cell shows its token's probability and the alternatives the API reports there."""
+    import math
+
+    jsonschema = pytest.importorskip("jsonschema")
+    page.select_option("#decoder", "speculative")
+    page.fill("#json_schema", json.dumps(SCHEMA))
+    page.check("#logprobs")
+    prompt = next(p for p in task_prompts(1) if p.startswith("Add"))
+    run_on_page(page, prompt, "speculative", {})
+    body = dict(page.evaluate("requestBody()"), stream=False)
+    assert body["response_format"] == {"type": "json_schema", "json_schema": {"name": "page", "schema": SCHEMA}}
+    assert (body["logprobs"], body["top_logprobs"]) == (True, 5)
+    api = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=60).json()
+    shown = page.inner_text("#answer")
+    assert shown == api["choices"][0]["message"]["content"]
+    jsonschema.validate(json.loads(shown), SCHEMA)
+    content = api["choices"][0]["logprobs"]["content"]
+    assert len(content) >= 5
+    for i in (0, 1, len(content) - 1):
+        page.hover(f"#slots span:nth-child({i + 1})")
+        page.wait_for_selector("#tip", state="visible")
+        rows = page.locator("#tip tr").evaluate_all("els => els.map(e => [...e.cells].map(c => c.textContent))")
+        entry = content[i]
+        assert rows[0] == [json.dumps(entry["token"]), f"{100 * math.exp(entry['logprob']):.1f}%"]
+        # the alternatives the distribution allows (-9999: excluded, by the grammar here)
+        alts = [a for a in entry["top_logprobs"] if a["token"] != entry["token"] and a["logprob"] > -9999]
+        assert rows[1:] == [[json.dumps(a["token"]), f"{100 * math.exp(a['logprob']):.1f}%"] for a in alts]
+    page.screenshot(path=str(shots / "json_schema_logprobs.png"), full_page=True)
+    # a decoder that cannot apply them: both controls off, and the request carries neither
+    page.select_option("#decoder", "refusion")
+    assert page.is_disabled("#json_schema") and page.is_disabled("#logprobs")
+    assert "response_format" not in page.evaluate("requestBody()")
+    page.select_option("#decoder", "speculative")
+    page.fill("#json_schema", "{not json")
+    page.click("#run")
+    page.wait_for_selector("body[data-state=error]", timeout=30_000)
+    assert "the JSON schema is not JSON" in page.inner_text("#error")
+    page.fill("#json_schema", "")
+    page.uncheck("#logprobs")
+    page.mouse.move(0, 0)
 
 
 # Records a view's state each time the page shows another step in it: the step, the answer cells

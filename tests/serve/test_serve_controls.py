@@ -277,3 +277,70 @@ def test_bad_controls_are_400s_and_the_server_stays_up(client, live):
         assert e.value.body["param"] == param and fragment in e.value.body["message"], e.value.body
     assert httpx.get(live.url + "/health").json()["status"] == "ok"
     assert client.chat.completions.create(model=NAME, messages=msgs, max_tokens=4).choices[0].message.content
+
+
+SCHEMAS = [
+    {"type": "object", "properties": {"sum": {"type": "integer", "minimum": 0, "maximum": 999},
+                                      "op": {"enum": ["add", "sort", "repeat"]}},
+     "required": ["sum", "op"], "additionalProperties": False},
+    {"type": "object", "properties": {"terms": {"type": "array", "items": {"type": "integer", "minimum": 0,
+                                                                           "maximum": 99},
+                                                "minItems": 2, "maxItems": 4},
+                                      "result": {"type": "object", "properties": {"value": {"type": "integer"},
+                                                                                  "checked": {"type": "boolean"}},
+                                                 "required": ["value", "checked"], "additionalProperties": False}},
+     "required": ["terms", "result"], "additionalProperties": False},
+    {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"},
+                                      "words": {"type": "array", "items": {"enum": ["sun", "moon", "star"]},
+                                                "maxItems": 3}},
+     "required": ["code", "words"], "additionalProperties": False},
+]
+
+
+@pytest.mark.parametrize("schema", SCHEMAS, ids=["enum", "nested-array-bounds", "pattern"])
+def test_response_format_json_schema_validates_and_equals_ar(client, schema):
+    jsonschema = pytest.importorskip("jsonschema")
+    _, tok = bundled()
+    rf = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+    kw = dict(model=NAME, messages=[{"role": "user", "content": ADD}], max_tokens=96, response_format=rf)
+    r = client.chat.completions.create(**kw)
+    text = r.choices[0].message.content
+    jsonschema.validate(json.loads(text), schema)
+    assert r.choices[0].finish_reason == "stop"
+    want = ar(chat_ids(ADD), 96, Controls(grammar=grammar.json_schema(tok, schema)))
+    assert r.model_extra["refusion"]["token_ids"] == want.tokens
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw)
+                       if c.choices)
+    assert streamed == text
+    # sampled, several choices: each one valid
+    many = client.chat.completions.create(n=3, temperature=1.0, seed=1, **kw)
+    for c in many.choices:
+        jsonschema.validate(json.loads(c.message.content), schema)
+
+
+def test_parse_with_a_pydantic_model(client):
+    pydantic = pytest.importorskip("pydantic")
+
+    from typing import Annotated, Literal
+
+    class Sum(pydantic.BaseModel):  # bounded: a tiny model may not stop a free list by itself
+        op: Literal["add", "sort"]
+        terms: Annotated[list[Annotated[int, pydantic.Field(ge=0, le=99)]], pydantic.Field(max_length=3)]
+        total: Annotated[int, pydantic.Field(ge=0, le=999)]
+
+    r = client.chat.completions.parse(model=NAME, messages=[{"role": "user", "content": ADD}], max_tokens=96,
+                                      response_format=Sum)
+    parsed = r.choices[0].message.parsed
+    assert isinstance(parsed, Sum) and parsed == Sum.model_validate_json(r.choices[0].message.content)
+
+
+def test_json_object_and_structured_outputs_json(client):
+    schema = SCHEMAS[0]
+    for kw in (dict(extra_body={"response_format": {"type": "json_object"}}),
+               dict(extra_body={"structured_outputs": {"json": schema}}),
+               dict(extra_body={"structured_outputs": {"json": json.dumps(schema)}})):
+        r = client.completions.create(model=NAME, prompt=ADD, max_tokens=64, **kw)
+        value = json.loads(r.choices[0].text)
+        assert isinstance(value, dict) and r.choices[0].finish_reason == "stop"
+        if "structured_outputs" in kw["extra_body"]:
+            pytest.importorskip("jsonschema").validate(value, schema)

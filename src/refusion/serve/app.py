@@ -163,10 +163,11 @@ class Server:
 
     async def decoders(self, request: Request) -> Response:
         """Every registered decoder and the extra request fields it takes (what the page's controls
-        are built from): name, JSON type, whether null is allowed, its default and a line of help."""
+        are built from): name, JSON type, whether null is allowed, its default and a line of help;
+        and whether it applies response_format, logit_bias, penalties and logprobs (`controls`)."""
         available = registry.available(self.model.config)
         data = [{"id": name, "object": "decoder", "description": d.description, "available": name in available,
-                 "needs_mask": d.needs_mask, "fits": list(d.fits),
+                 "needs_mask": d.needs_mask, "fits": list(d.fits), "controls": d.controls,
                  "fields": [{"name": o.name, "type": _JSON_TYPES.get(o.type, "string"), "nullable": o.optional,
                              "default": o.default, "help": o.help}
                             for o in registry.options(name) if o.name not in OPENAI_SET]}
