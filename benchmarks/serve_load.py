@@ -277,7 +277,7 @@ def hostile_kinds(model: str, max_tokens_cap: int) -> dict[str, list[bytes]]:
         "prompt_too_long": [http(path, chat("many words " * 2000, **ok))],
         "max_tokens_over_cap": [http(path, chat("hi", **ok, max_tokens=max_tokens_cap + 1))],
         "huge_integer": [http(path, chat("hi", **ok).replace(b'"max_tokens": 16', b'"max_tokens": ' + b"9" * 400))],
-        "n_not_1": [http(path, chat("hi", **ok, n=3))],
+        "n_over_128": [http(path, chat("hi", **ok, n=129))],
         "too_many_stops": [http(path, chat("hi", **ok, stop=["a", "b", "c", "d", "e"]))],
         "unknown_decoder": [http(path, chat("hi", **ok, decoder="beam-search"))],
         "bad_decoder_params": [http(path, chat("hi", **ok, decoder="refusion", slot_size=0))],
