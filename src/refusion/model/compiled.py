@@ -46,6 +46,7 @@ the recorded ones on the bundled model and the words fixture, every decoder, bat
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import time
 from dataclasses import dataclass, field
 
@@ -149,6 +150,16 @@ def _own(t: Tensor) -> Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
+def _recompile_limit(n: int) -> dict:
+    """torch.compile's recompile_limit=n where it takes one (newer torch); on an older torch (a GPU
+    machine's may be) the process-wide limit is raised to n instead."""
+    if "recompile_limit" in inspect.signature(torch.compile).parameters:
+        return {"recompile_limit": n}
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, n)
+    return {}
+
+
 def enable_compile(model: Transformer, on: bool = True, **options) -> CompiledForward | None:
     """Send `model`'s inference forwards through torch.compile'd graphs where a shape bucket fits,
     eager elsewhere (off: eager always). Sets and returns model.compiled, a CompiledForward (its
@@ -178,7 +189,7 @@ class CompiledForward:
         # dynamo's guards have just checked. A graph per shape class: more than dynamo's default
         # limit of 8 where several decoders share a model.
         compiled = torch.compile(graph, fullgraph=True, dynamic=False, options={"size_asserts": False},
-                                 recompile_limit=64)
+                                 **_recompile_limit(64))
         self._fn = compiled
         if mode == "max-autotune":
             # inductor reads freezing and autotuning from its global config while it compiles (passed
