@@ -86,7 +86,7 @@ class Pipeline:
         self.init, self.model_dir = base_of(model)
         gguf = self.model_dir is None
         ident = {"model": model, "init": self.init,
-                 "fingerprint": _file_fingerprint(Path(self.init)) if gguf else fingerprint(self.model_dir)}
+                 "fingerprint": fingerprint(Path(self.init) if gguf else self.model_dir)}
         self.run = RunDir(out, quiet=not progress)
         self.run.open(ident, opts.defining(sha))
         if gguf:
@@ -392,11 +392,3 @@ class Pipeline:
         self.run.log(f"done: {final}")
         return final
 
-
-def _file_fingerprint(path: Path) -> str:
-    import hashlib
-
-    h = hashlib.sha256(f"{path.name}:{path.stat().st_size}".encode())
-    with open(path, "rb") as f:
-        h.update(f.read(1 << 20))
-    return h.hexdigest()[:16]

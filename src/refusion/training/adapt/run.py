@@ -89,13 +89,23 @@ class RunDir:
         self.record(stage, done=True, seconds=round(prev + time.time() - started, 1), **fields)
 
 
-def fingerprint(model_dir: Path) -> str:
-    """What identifies a base: its config.json and its weight files' names and sizes (reading every
-    byte of a large model on each resume would cost more than it tells)."""
-    h = hashlib.sha256((model_dir / "config.json").read_bytes())
-    for p in sorted(model_dir.glob("*.safetensors")):
-        h.update(f"{p.name}:{p.stat().st_size}".encode())
+def fingerprint(path: Path) -> str:
+    """What identifies a base (a model directory or a GGUF file): its config.json, and each weight file's
+    name, size and first and last MiB, which differ between two trainings of one shape (reading every byte
+    of a large model on each resume would cost more than it tells)."""
+    h = hashlib.sha256()
+    files = [path] if path.is_file() else [path / "config.json", *sorted(path.glob("*.safetensors"))]
+    for p in files:
+        size = p.stat().st_size
+        h.update(f"{p.name}:{size}".encode())
+        with open(p, "rb") as f:
+            h.update(f.read(_MIB))
+            f.seek(max(size - _MIB, 0))
+            h.update(f.read(_MIB))
     return h.hexdigest()[:16]
+
+
+_MIB = 1 << 20
 
 
 def _same_file(stream, path: Path) -> bool:

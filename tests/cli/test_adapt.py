@@ -1,0 +1,163 @@
+"""`refusion adapt --quick` on a tiny causal LM: every stage runs, the adapter it exports names its base and
+decodes the base's own greedy answers, a cut run finishes to the same adapter, a second run redoes nothing,
+and what cannot be adapted (or resumed) is refused in one line. On SmolLM2 itself with -m slow."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from refusion.bundled import BUNDLED, resolve_model
+from refusion.cli import main
+from refusion.decoding import decode
+from refusion.decoding.corpus import read_corpus
+from refusion.model.checkpoint import LOOKUP_CORPUS, load_model
+from refusion.model.tokenizer import Tokenizer
+from refusion.training.adapt import Options
+from refusion.training.adapt.pipeline import Pipeline
+from refusion.training.adapt.recipe import QUICK_PROMPTS
+from tests.helpers.tiny_causal_lm import make_causal_lm
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+ROOT = Path(__file__).parents[2]
+STAGES = ("base", "prompts", "data", "train", "sampler", "export", "measure")
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("REFUSION_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    return make_causal_lm(tmp_path_factory.mktemp("adapt") / "base", std=0.3)
+
+
+def adapt(base, out, *extra) -> int:
+    return main(["adapt", str(base), "--out", str(out), "--quick", "--threads", "1", "--no-progress", *extra])
+
+
+@pytest.fixture(scope="module")
+def quick_run(base, tmp_path_factory):
+    out = tmp_path_factory.mktemp("quick") / "run"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("REFUSION_CACHE", str(out.parent / "cache"))
+        torch.set_num_threads(1)
+        assert adapt(base, out) == 0
+    return out
+
+
+def test_quick_run_exports_an_adapter_whose_output_is_the_bases(base, quick_run, capsys, monkeypatch):
+    out = quick_run
+    monkeypatch.setenv("REFUSION_CACHE", str(out.parent / "cache"))
+    state = json.loads((out / "state.json").read_text())
+    assert all(state["stages"][s]["done"] for s in STAGES)
+    prompts = [json.loads(x) for x in (out / "prompts.jsonl").read_text().splitlines()]
+    data = [json.loads(x) for x in (out / "data.jsonl").read_text().splitlines()]
+    assert len(prompts) == state["stages"]["prompts"]["count"] <= QUICK_PROMPTS
+    assert [r["query"] for r in data] != [] and {r["query"] for r in data} == {p["query"] for p in prompts}
+    assert {p["domain"] for p in prompts} <= {"prose", "maths", "code"} and {"maths", "code"} <= {
+        p["domain"] for p in prompts}
+    # the export: the mask path naming its base, and the answers kept as lookup drafts, one per record
+    adapter = out / "adapter"
+    meta = json.loads((adapter / "mask_adapter.json").read_text())
+    assert meta["base"] == str(base.resolve()) and meta["rank"] == 16
+    assert int((read_corpus(adapter / LOOKUP_CORPUS).tokens == -1).sum()) == len(data)
+    # the measurement: every candidate's every output the base's, and the settings it chose written
+    summary = json.loads((out / "measure.json").read_text())["summary"]
+    assert {s["name"] for s in summary} == {"base ar", "speculative", "speculative +lookup"}
+    assert all(s["identical"] == s["n"] == 2 for s in summary)
+    settings = json.loads((adapter / "decoding.json").read_text())
+    assert settings["decoder"] == "speculative" and settings["params"]["lookup"] in (True, False)
+    # `--model DIR/adapter` decodes with them, and its greedy answer is the base's, token for token
+    model, ref, tok = load_model(resolve_model(str(adapter))), load_model(base), Tokenizer.from_dir(base)
+    ids = [tok.chat_prompt_ids("Write a short email to my landlord.")]
+    assert decode(model, ids, gen_length=24)[0].tokens == decode(ref, ids, "ar", gen_length=24)[0].tokens
+    # the same command again finds every stage done and changes nothing
+    files = {p: p.read_bytes() for p in (out / "data.jsonl", adapter / "mask_adapter.safetensors",
+                                         adapter / "decoding.json")}
+    assert adapt(base, out) == 0
+    assert all(p.read_bytes() == b for p, b in files.items())
+    log = (out / "log").read_text()
+    assert log.count("starting") == 1 and log.count("resuming") == 1 and log.count("train: done") == 1
+
+
+def test_the_benchmark_counts_every_output_the_bases(quick_run, tmp_path):
+    env = {**os.environ, "REFUSION_CACHE": str(quick_run.parent / "cache"), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "adapt.py"), "--model", str(quick_run / "adapter"),
+                           "--quick", "--out", str(tmp_path / "adapt.json")], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads((tmp_path / "adapt.json").read_text())
+    rows = {(s["name"], s["batch_size"]): s for s in got["summary"]}
+    assert set(rows) == {(m, b) for m in ("base ar", "adapted") for b in (1, 2)}
+    assert all(s["identical"] == s["n"] == 2 and s["bench"] == "chat" for s in rows.values())
+    assert got["decoding"] == json.loads((quick_run / "adapter" / "decoding.json").read_text())
+    assert got["costs"]["extra_parameters"] > 0 and "chat: TPF" in proc.stdout
+
+
+def test_a_cut_run_finishes_to_the_adapter_of_an_uncut_one(base, quick_run, tmp_path):
+    whole, cut = quick_run, tmp_path / "cut"
+    opts = Options(prompts=QUICK_PROMPTS, quick=True, max_tokens=16)
+    Pipeline(str(base), cut, opts, threads=1, progress=False)(("base", "prompts", "data"))
+    # killed in the middle of answering: the last answers and a torn line lost
+    lines = (cut / "data.jsonl").read_text().splitlines()
+    (cut / "data.jsonl").write_text("\n".join(lines[:2]) + "\n" + lines[2][:7])
+    state = json.loads((cut / "state.json").read_text())
+    state["stages"]["data"]["done"] = False
+    (cut / "state.json").write_text(json.dumps(state))
+    assert adapt(base, cut) == 0
+    for f in ("prompts.jsonl", "data.jsonl", "adapter/mask_adapter.safetensors", "adapter/lookup_corpus.safetensors"):
+        assert (cut / f).read_bytes() == (whole / f).read_bytes(), f
+
+
+def test_what_cannot_be_adapted_or_resumed_is_refused_in_one_line(base, tmp_path, capsys):
+    out = tmp_path / "run"
+    Pipeline(str(base), out, Options(prompts=QUICK_PROMPTS, quick=True, max_tokens=16), threads=1,
+             progress=False)(("base",))
+    other = make_causal_lm(tmp_path / "other", seed=2)
+    cases = [
+        ([str(other), "--out", str(out), "--quick"], f"--out {out} holds a run of another model ({base})"),
+        ([str(base), "--out", str(out), "--quick", "--prompts", "9"], "holds a run with other prompts (prompts=6)"),
+        ([str(BUNDLED), "--out", str(tmp_path / "x")], "is a ReFusion model already (its masks draft), not a causal LM"),
+        ([str(base), "--out", str(tmp_path / "y"), "--mix", "poetry=1"], "--mix: 'poetry=1' is not DOMAIN=SHARE"),
+        ([str(base), "--out", str(tmp_path / "z"), "--hours", "-1"], "--hours -1.0: give a positive number"),
+        ([str(base), "--out", str(tmp_path / "w"), "--prompts-file", str(tmp_path / "none.txt")],
+         "--prompts-file " + str(tmp_path / "none.txt") + ": cannot read it"),
+        (["smollm2-refusion", "--out", str(tmp_path / "v")], "smollm2-refusion is a mask adapter already: adapt its "
+         "base (smollm2) instead"),
+    ]
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "notes.txt").write_text("mine")
+    cases.append(([str(base), "--out", str(tmp_path / "full")], "is a directory with other files in it"))
+    for argv, message in cases:
+        capsys.readouterr()
+        assert main(["adapt", *argv, "--no-progress"]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("refusion: error: ") and message in err, (argv, err)
+    assert not (tmp_path / "x").exists() and (tmp_path / "full" / "notes.txt").read_text() == "mine"
+
+
+def test_own_prompts_file_joins_the_mix(base, tmp_path):
+    (tmp_path / "mine.jsonl").write_text(json.dumps({"query": "What is 3 plus 4?"}) + "\n"
+                                         + json.dumps({"query": "How do I clean a cast iron pan?"}) + "\n")
+    out = tmp_path / "run"
+    assert adapt(base, out, "--mix", "code=1", "--prompts-file", str(tmp_path / "mine.jsonl")) == 0
+    prompts = [json.loads(x) for x in (out / "prompts.jsonl").read_text().splitlines()]
+    # the second repeats a held-out chat request, so it is dropped (and counted)
+    assert [p["query"] for p in prompts if p["domain"] == "user"] == ["What is 3 plus 4?"]
+    assert {p["domain"] for p in prompts} == {"code", "user"}
+    assert json.loads((out / "state.json").read_text())["stages"]["prompts"]["held_out_repeats_dropped"] == 1
+
+
+@pytest.mark.slow
+def test_quick_run_on_smollm2(tmp_path):
+    out = tmp_path / "run"
+    assert main(["adapt", "smollm2", "--out", str(out), "--quick", "--threads", "1", "--no-progress"]) == 0
+    summary = json.loads((out / "measure.json").read_text())["summary"]
+    assert all(s["identical"] == s["n"] == 2 for s in summary)
+    assert json.loads((out / "adapter" / "mask_adapter.json").read_text())["base"] == "smollm2"
