@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import sys
 from pathlib import Path
 
 from refusion.cli.args import MODEL_HELP, add_runtime_flags, positive_int, resolve_model_dir, utf8_text
@@ -30,7 +31,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                         "The decoder flags given outside apply to every setting (a setting's own win); "
                         "replaces --decoder and --tag")
     e.add_argument("--out", default="results", help="directory for <model>__<task>__<decoder>.json/.jsonl")
-    e.add_argument("--overwrite", action="store_true", help="replace results that exist")
+    e.add_argument("--overwrite", action="store_true", help="replace results that exist (and start afresh a task that "
+                   "an earlier run left part-way, which the same command otherwise continues)")
     add_runtime_flags(e)
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_decoder_flags(e)
@@ -51,6 +53,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from refusion.model.checkpoint import load_config
     from refusion.decoding import make_params
     from refusion.evaluation.evaluate import EvalConfig
+    from refusion.evaluation.records import EvalInterrupted
     from refusion.evaluation.run import eval_tasks, run_eval
     from refusion.runtime import resolve_device
 
@@ -65,9 +68,13 @@ def cmd_eval(args: argparse.Namespace) -> None:
         make_params(decoder, config, **params)
         cfgs.append(EvalConfig(decoder=decoder, params=params, n=args.n, split=args.split, batch_size=args.batch_size,
                                seed=args.seed, system=args.system, tag=setting.tag).validate())
-    run_eval(model_dir, tasks, cfgs, args.out, label=args.label, overwrite=args.overwrite, dtype=args.dtype,
-             device=device, compile=args.compile, threads=args.threads, progress=not args.no_progress,
-             on_summary=_print_summary)
+    try:
+        run_eval(model_dir, tasks, cfgs, args.out, label=args.label, overwrite=args.overwrite, dtype=args.dtype,
+                 device=device, compile=args.compile, threads=args.threads, progress=not args.no_progress,
+                 on_summary=_print_summary)
+    except EvalInterrupted as e:  # what was kept and how to go on; the exit status stays Ctrl-C's
+        print(f"refusion: {e}", file=sys.stderr)
+        raise
 
 
 class _SettingParser(argparse.ArgumentParser):

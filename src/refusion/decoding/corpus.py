@@ -166,16 +166,16 @@ def write_corpus(directory: str | Path, answers: Sequence[Sequence[int]]) -> Pat
     import torch
     from safetensors.torch import save_file
 
+    from refusion.files import atomic
     from refusion.model.checkpoint import LOOKUP_CORPUS
 
     flat = [t for a in answers for t in (*a, -1)]
     if any(t < -1 for t in flat):
         raise ValueError("corpus token ids must be >= 0")
     path = Path(directory) / LOOKUP_CORPUS
-    tmp = path.with_suffix(".tmp")
-    save_file({"tokens": torch.tensor(flat, dtype=torch.int32)}, str(tmp), metadata={"answers": str(len(answers))})
-    tmp.chmod(0o644)  # (the file ships with a model: readable like its weights)
-    tmp.replace(path)
+    with atomic(path) as tmp:  # a full disk: one line, and no half-written corpus
+        save_file({"tokens": torch.tensor(flat, dtype=torch.int32)}, str(tmp), metadata={"answers": str(len(answers))})
+        tmp.chmod(0o644)  # (the file ships with a model: readable like its weights)
     return path
 
 

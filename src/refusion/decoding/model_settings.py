@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from refusion.decoding import registry
+from refusion.files import write_text
 
 FILE = "decoding.json"
 
@@ -81,15 +80,7 @@ def write(model_dir: str | Path, settings: ModelSettings) -> Path:
     """Write `settings` (checked first) to `model_dir`/decoding.json, atomically."""
     check(settings)
     path = Path(model_dir) / FILE
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".decoding-", suffix=".json")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(settings.to_dict(), f, indent=2)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_text(path, json.dumps(settings.to_dict(), indent=2) + "\n")
     return path
 
 

@@ -9,7 +9,6 @@ above 1 the wall time of a batch is shared by its sequences, so TPS is the throu
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ import torch
 
 from refusion.decoding import decode, make_params, model_settings
 from refusion.decoding.params import MAX_SEED, check_prompts, check_seed
+from refusion.evaluation.records import EvalInterrupted, RecordsFile
 from refusion.model.transformer import Transformer
 from refusion.tasks import Example, Score, Task
 from refusion.model.tokenizer import Tokenizer
@@ -73,14 +73,16 @@ def wilson_interval(correct: int, n: int, z: float = 1.96) -> tuple[float, float
 def _score_all(task: Task, examples: list[Example], outputs: list[str]) -> list[Score]:
     if task.score_many is not None:
         return task.score_many(examples, outputs)
-    return [task.score(ex, out) for ex, out in zip(examples, outputs)]
+    return [task.score(ex, out) for ex, out in zip(examples, outputs, strict=True)]
 
 
 def evaluate(model: Transformer, tokenizer: Tokenizer, task: Task, cfg: EvalConfig, model_name: str = "model",
              records_path: str | Path | None = None, progress: bool = True,
-             examples: list[Example] | None = None) -> dict:
-    """Decode every example (`examples`, or the task's split as cfg says), score the outputs, write
-    records (if a path is given), return the summary."""
+             examples: list[Example] | None = None, overwrite: bool = False) -> dict:
+    """Decode every example (`examples`, or the task's split as cfg says), score the outputs batch by
+    batch, return the summary. With `records_path`, each batch's records are kept as it is scored
+    and an evaluation stopped part-way goes on from them when run again (evaluation/records.py;
+    `overwrite`: start afresh); Ctrl-C raises EvalInterrupted, whose message says what was kept."""
     cfg.validate()
     # what decode() will run (the model's decoding.json under cfg.params): bad parameters fail before
     # the first example, and prompts are checked against the gen_length it will use
@@ -100,40 +102,63 @@ def evaluate(model: Transformer, tokenizer: Tokenizer, task: Task, cfg: EvalConf
             check_prompts(model.config, [p], params.gen_length)
         except ValueError as e:
             raise ValueError(f"task {task.name!r} example {ex.id}: {e}") from None
-    results, batch_seconds = [], []
+    records: list[dict] = []
+    store = None
+    if records_path is not None:
+        evaluation = {"model": model_name, "task": task.name, "split": cfg.split, "decoder": cfg.label,
+                      "params": cfg.params, "n": len(examples), "seed": cfg.seed, "batch_size": cfg.batch_size,
+                      "system": cfg.system}
+        store = RecordsFile(records_path, evaluation, cfg.batch_size, overwrite=overwrite)
+        records = store.kept
+        if [r.get("id") for r in records] != [ex.id for ex in examples[:len(records)]]:
+            store.close()
+            raise ValueError(f"{store.partial} holds records of other examples; pass --overwrite to start afresh")
+    # each batch's wall time is in its records' "seconds"
+    wall = sum(records[i]["seconds"] for i in range(0, len(records), cfg.batch_size))
+    n_tok = sum(r["tokens"] for r in records)
     bar = None
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(examples), desc=f"{task.name} {cfg.decoder}", unit="sample", dynamic_ncols=True)
-    n_tok = 0
-    wall = 0.0
-    for start in range(0, len(prompts), cfg.batch_size):
-        chunk = prompts[start:start + cfg.batch_size]
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            res = decode(model, chunk, cfg.decoder, eos_ids=eos, seed=cfg.seed + start, **cfg.params)
-        dt = time.perf_counter() - t0
-        wall += dt
-        results += res
-        batch_seconds += [dt] * len(res)
-        n_tok += sum(len(r.tokens) for r in res)
+        bar = tqdm(total=len(examples), initial=len(records), desc=f"{task.name} {cfg.decoder}", unit="sample",
+                   dynamic_ncols=True)
+    try:
+        for start in range(len(records), len(prompts), cfg.batch_size):
+            chunk = prompts[start:start + cfg.batch_size]
+            exs = examples[start:start + cfg.batch_size]
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                res = decode(model, chunk, cfg.decoder, eos_ids=eos, seed=cfg.seed + start, **cfg.params)
+            dt = time.perf_counter() - t0
+            outputs = [tokenizer.decode([t for t in r.tokens if t not in eos]) for r in res]
+            batch = [{"id": ex.id, "task": task.name, "prompt": ex.prompt, "output": out, "extracted": sc.extracted,
+                      "answer": ex.answer if isinstance(ex.answer, (str, int, float)) else None,
+                      "correct": sc.correct, "tokens": len(r.tokens), "forwards": r.forwards, "seconds": dt,
+                      "finished": r.finished}
+                     for ex, out, sc, r in zip(exs, outputs, _score_all(task, exs, outputs), res, strict=True)]
+            if store is not None:
+                store.add(batch)
+            records += batch
+            wall += dt
+            n_tok += sum(len(r.tokens) for r in res)
+            if bar is not None:
+                bar.update(len(chunk))
+                bar.set_postfix(tps=f"{n_tok / wall:.0f}" if wall > 0 else "")
+    except KeyboardInterrupt:
+        if store is None:
+            raise
+        store.close()
+        raise EvalInterrupted(f"interrupted: {len(records)} of {len(examples)} records kept in {store.partial}; run "
+                              "the same command again to continue") from None
+    except BaseException:
+        if store is not None:
+            store.close()
+        raise
+    finally:
         if bar is not None:
-            bar.update(len(chunk))
-            bar.set_postfix(tps=f"{n_tok / wall:.0f}")
-    if bar is not None:
-        bar.close()
-    outputs = [tokenizer.decode([t for t in r.tokens if t not in eos]) for r in results]
-    scores = _score_all(task, examples, outputs)
-    records = [{"id": ex.id, "task": task.name, "prompt": ex.prompt, "output": out, "extracted": sc.extracted,
-                "answer": ex.answer if isinstance(ex.answer, (str, int, float)) else None, "correct": sc.correct,
-                "tokens": len(r.tokens), "forwards": r.forwards, "seconds": s, "finished": r.finished}
-               for ex, out, sc, r, s in zip(examples, outputs, scores, results, batch_seconds)]
-    if records_path is not None:
-        Path(records_path).parent.mkdir(parents=True, exist_ok=True)
-        with open(records_path, "w") as f:
-            for rec in records:
-                f.write(json.dumps(rec) + "\n")
+            bar.close()
+    if store is not None:
+        store.finish(records)
     return _summary(records, model_name, task, cfg, wall)
 
 

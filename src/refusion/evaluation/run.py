@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from refusion.evaluation.evaluate import EvalConfig, evaluate, model_label, result_stem
+from refusion.files import write_text
 from refusion.model.checkpoint import load_model
 from refusion.model.tokenizer import Tokenizer
 from refusion.runtime import count_parameters, resolve_device, set_threads
@@ -48,7 +49,8 @@ def run_eval(model_dir: str | Path, tasks: list[Task], cfg: EvalConfig | Sequenc
     and summary under `out`, call `on_summary(summary, path)` as each is written, return them all.
 
     `label` names the model in results (default: model_label); results that exist are replaced only
-    with `overwrite`."""
+    with `overwrite`. A task stopped part-way (Ctrl-C: EvalInterrupted; a kill; a full disk) goes on
+    from its kept records when run again (evaluation/records.py), unless `overwrite`."""
     cfgs = [cfg] if isinstance(cfg, EvalConfig) else list(cfg)
     if not cfgs:
         raise ValueError("run_eval needs at least one EvalConfig")
@@ -81,12 +83,13 @@ def run_eval(model_dir: str | Path, tasks: list[Task], cfg: EvalConfig | Sequenc
     for c, row in zip(cfgs, stems):
         for task, stem in zip(tasks, row):
             summary = evaluate(model, tok, task, c, model_name=name, records_path=out / f"{stem}.jsonl",
-                               progress=progress, examples=examples[task.name, c.split, c.n, c.seed])
+                               progress=progress, examples=examples[task.name, c.split, c.n, c.seed],
+                               overwrite=overwrite)
             summary["model_path"] = str(model_dir)
             if model.compiled is not None:  # compiling is inside the decode seconds: its share, separately
                 summary["compile"] = model.compiled.stats.as_dict()
             path = out / f"{stem}.json"
-            path.write_text(json.dumps(summary, indent=2))
+            write_text(path, json.dumps(summary, indent=2))
             summaries.append(summary)
             if on_summary is not None:
                 on_summary(summary, path)

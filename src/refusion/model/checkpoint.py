@@ -28,6 +28,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from refusion.files import writing
 from refusion.model.compiled import enable_compile
 from refusion.model.config import ConfigError, ModelConfig
 from refusion.model.size import check_memory
@@ -341,25 +342,33 @@ def write_model_dir(path: str | Path, cfg: ModelConfig, weights: Iterable[tuple[
     one group at a time (refusion.training.sharded_checkpoint's export streams them block by block):
     a shard is written as soon as it is full."""
     path = Path(path)
-    tmp = _atomic_dir(path, overwrite)
-    try:
-        tied = cfg.tie_word_embeddings
-        out_dtype = _write_weights(((k, (v.to(dtype) if dtype else v).detach().cpu().contiguous())
-                                    for k, v in weights if not (tied and k == "lm_head.weight")), tmp, max_shard_bytes)
-        hf = cfg.to_hf()
-        hf["torch_dtype"] = str(out_dtype).removeprefix("torch.")
-        (tmp / "config.json").write_text(json.dumps(hf, indent=2))
-        gen = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id}
-        (tmp / "generation_config.json").write_text(json.dumps({k: v for k, v in gen.items() if v is not None}, indent=2))
-        if tokenizer is not None:
-            tokenizer.save(tmp)
-        for name, data in (extra_files or {}).items():
-            (tmp / name).write_bytes(data if isinstance(data, bytes) else data.encode())
-        _commit_dir(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with writing(path):  # a full disk: one line naming the directory, and no half-written one
+        tmp = _atomic_dir(path, overwrite)
+        try:
+            _fill_model_dir(tmp, cfg, weights, tokenizer, dtype, max_shard_bytes, extra_files)
+            _commit_dir(tmp, path)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return path
+
+
+def _fill_model_dir(tmp: Path, cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]],
+                    tokenizer: Tokenizer | None, dtype: torch.dtype | None, max_shard_bytes: int,
+                    extra_files: dict[str, bytes | str] | None) -> None:
+    """The files of a model directory, written into the temporary directory `tmp`."""
+    tied = cfg.tie_word_embeddings
+    out_dtype = _write_weights(((k, (v.to(dtype) if dtype else v).detach().cpu().contiguous())
+                                for k, v in weights if not (tied and k == "lm_head.weight")), tmp, max_shard_bytes)
+    hf = cfg.to_hf()
+    hf["torch_dtype"] = str(out_dtype).removeprefix("torch.")
+    (tmp / "config.json").write_text(json.dumps(hf, indent=2))
+    gen = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id}
+    (tmp / "generation_config.json").write_text(json.dumps({k: v for k, v in gen.items() if v is not None}, indent=2))
+    if tokenizer is not None:
+        tokenizer.save(tmp)
+    for name, data in (extra_files or {}).items():
+        (tmp / name).write_bytes(data if isinstance(data, bytes) else data.encode())
 
 
 def check_mask_token(model_config: ModelConfig, tokenizer: Tokenizer, token: str = MASK_TOKEN,

@@ -23,6 +23,7 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 from tqdm import tqdm
 
+from refusion.files import write_error
 from refusion.model.checkpoint import _atomic_dir, _commit_dir
 from refusion.model.fetch import smollm2_gguf_file
 from refusion.model.tokenizer import Tokenizer
@@ -201,8 +202,11 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: torch.dtype =
         gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg[k] is not None}
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
         _commit_dir(tmp, out_dir)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        err = write_error(out_dir, e) if isinstance(e, Exception) else None
+        if err is not None and err is not e:
+            raise err from e
         raise
     return out_dir
 

@@ -22,13 +22,14 @@ corpus is found (decoding/corpus.py). Trained by refusion.training.mask_sampler.
 
 from __future__ import annotations
 
-import os
 import weakref
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from refusion.files import atomic
 
 MASK_SAMPLER = "mask_sampler.safetensors"
 
@@ -81,13 +82,12 @@ def save_sampler(sampler: MaskSampler, directory: str | Path) -> Path:
     from safetensors.torch import save_file
 
     path = Path(directory) / MASK_SAMPLER
-    tmp = path.with_name(path.name + ".tmp")
     tensors = {k: v.detach().float().contiguous() for k, v in sampler.state_dict().items()}
     meta = {"hidden_size": str(sampler.hidden_size), "width": str(sampler.width),
             "candidates": str(sampler.candidates)}
-    save_file(tensors, str(tmp), metadata=meta)
-    tmp.chmod(0o644)  # (the file ships with a model: readable like its weights)
-    os.replace(tmp, path)
+    with atomic(path) as tmp:
+        save_file(tensors, str(tmp), metadata=meta)
+        tmp.chmod(0o644)  # (the file ships with a model: readable like its weights)
     return path
 
 

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from refusion.files import atomic
 from refusion.model.mask_adapter import adapted_from
 from refusion.model.transformer import Transformer, linear, rms_norm
 from refusion.training.data import Example
@@ -167,9 +168,8 @@ def prepare_features(model: Transformer, examples: list[Example], out: Path, P: 
                                 f"{e}.labels": f.labels, f"{e}.prompt_len": torch.tensor(f.prompt_len)})
                 if bar is not None:
                     bar.update(1)
-            tmp = d / f".{lo:06d}.safetensors.tmp"
-            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
-            tmp.replace(d / f"{lo:06d}.safetensors")
+            with atomic(d / f"{lo:06d}.safetensors") as tmp:
+                save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
         model.train(was_training)
         if bar is not None:
             bar.close()

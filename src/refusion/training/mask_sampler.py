@@ -14,6 +14,7 @@ whose held-out chain, the masks' drafts accepted in a row, was longest at a chec
 
 from __future__ import annotations
 
+import io
 import random
 import sys
 import time
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from refusion.files import write_bytes
 from refusion.model.cache import KVCache
 from refusion.model.mask_sampler import MaskSampler
 from refusion.model.transformer import Transformer
@@ -123,9 +125,9 @@ def _feature_key(cfg: SamplerTraining, n: int) -> dict:
 
 
 def _save(path: Path, obj: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    tmp.replace(path)
+    buf = io.BytesIO()  # (torch.save to a file reports a full disk as a RuntimeError without its cause)
+    torch.save(obj, buf)
+    write_bytes(path, buf.getvalue())
 
 
 def chain_lengths(sampler: MaskSampler | None, model: Transformer, f: dict[str, Tensor]) -> Tensor:

@@ -25,6 +25,7 @@ reads just that unit's tensors, LoRA is merged into them), into safetensors file
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 import warnings
@@ -37,6 +38,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from refusion.files import writing
 from refusion.model.checkpoint import (SHARDED_DIR, STATE_FILE, CheckpointError, _commit_dir, load_config, to_hf,
                                        write_model_dir)
 from refusion.model.lora import apply_lora, merged_state_dict
@@ -61,15 +63,19 @@ def save_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
     dist.barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp / SHARDED_DIR)
-    torch.save(rng, tmp / f"rng-{rank}.pt")
+    buf = io.BytesIO()  # (torch.save to a file reports a full disk as a RuntimeError without its cause)
+    torch.save(rng, buf)
+    with writing(path):
+        (tmp / f"rng-{rank}.pt").write_bytes(buf.getvalue())
     dist.barrier()  # every process's files are on disk before the directory is declared complete
     if rank == 0:
         try:
-            (tmp / "config.json").write_text(_config_json(model))
-            tokenizer.save(tmp)
-            for name, data in files.items():
-                (tmp / name).write_bytes(data)
-            _commit_dir(tmp, path)
+            with writing(path):
+                (tmp / "config.json").write_text(_config_json(model))
+                tokenizer.save(tmp)
+                for name, data in files.items():
+                    (tmp / name).write_bytes(data)
+                _commit_dir(tmp, path)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

@@ -1,0 +1,176 @@
+"""No lost work in `refusion eval`: records are kept as each batch is scored, Ctrl-C says what was kept,
+and the same command run again goes on from them to the records an uninterrupted run writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import refusion.evaluation.evaluate as evaluate_module
+from refusion.cli import main
+from refusion.evaluation.evaluate import EvalConfig, evaluate
+from refusion.evaluation.records import EvalInterrupted, partial_path
+from refusion.files import WriteError
+from refusion.model.config import ModelConfig
+from refusion.model.transformer import Transformer
+from refusion.tasks import Example, Score, Task
+from refusion.training.data import train_bpe_tokenizer
+from tests.helpers.full_disk import full_disk
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+N = 7  # examples: with batches of 2, the last batch is short
+CFG = EvalConfig("ar", {"max_new_tokens": 8, "temperature": 1.0}, batch_size=2, seed=5)  # sampled: seeds matter
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    tok = train_bpe_tokenizer([f"what is {i} plus {i + 1}? {2 * i + 1}" for i in range(50)], vocab_size=280)
+    cfg = ModelConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+                      num_kv_heads=1, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id, mask_token_id=tok.mask_id)
+    return Transformer(cfg).init_weights(seed=0).eval(), tok
+
+
+def echo_task(n: int = N) -> Task:
+    exs = [Example(f"echo/test/{i}", f"what is {i} plus {i}?", None, i) for i in range(n)]
+    return Task("echo", "math", ("test",), lambda split, n=None, seed=0: exs[:n],
+                lambda ex, out: Score(str(len(out)), len(out) % 2 == 0))
+
+
+def lines(path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def without_time(recs: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k != "seconds"} for r in recs]
+
+
+def interrupt_at_batch(monkeypatch, k: int) -> None:
+    """decode() raises KeyboardInterrupt (as Ctrl-C would) on its k-th call (from 1)."""
+    real, calls = evaluate_module.decode, [0]
+
+    def decode(*a, **kw):
+        calls[0] += 1
+        if calls[0] == k:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+    monkeypatch.setattr(evaluate_module, "decode", decode)
+
+
+def test_interrupted_eval_keeps_its_records_and_goes_on_to_the_same_result(tiny, tmp_path, monkeypatch):
+    model, tok = tiny
+    whole = evaluate(model, tok, echo_task(), CFG, records_path=tmp_path / "whole.jsonl", progress=False)
+    expected = lines(tmp_path / "whole.jsonl")
+    assert len(expected) == N and not partial_path(tmp_path / "whole.jsonl").exists()
+
+    path = tmp_path / "r.jsonl"
+    interrupt_at_batch(monkeypatch, 3)
+    with pytest.raises(EvalInterrupted) as e:
+        evaluate(model, tok, echo_task(), CFG, records_path=path, progress=False)
+    partial = partial_path(path)
+    assert str(e.value) == (f"interrupted: 4 of {N} records kept in {partial}; run the same command again to "
+                            "continue")
+    assert not path.exists()
+    kept = lines(partial)
+    assert kept[0]["evaluation"]["task"] == "echo" and without_time(kept[1:]) == without_time(expected[:4])
+    monkeypatch.undo()
+
+    again = evaluate(model, tok, echo_task(), CFG, records_path=path, progress=False)
+    assert without_time(lines(path)) == without_time(expected) and not partial.exists()
+    assert {k: again[k] for k in ("accuracy", "tokens", "forwards", "n")} == \
+           {k: whole[k] for k in ("accuracy", "tokens", "forwards", "n")}
+
+
+def test_a_torn_line_and_part_of_a_batch_are_dropped(tiny, tmp_path):
+    model, tok = tiny
+    evaluate(model, tok, echo_task(), CFG, records_path=tmp_path / "whole.jsonl", progress=False)
+    expected = lines(tmp_path / "whole.jsonl")
+    path = tmp_path / "r.jsonl"
+    evaluation = {"model": "model", "task": "echo", "split": "test", "decoder": "ar", "params": CFG.params, "n": N,
+                  "seed": CFG.seed, "batch_size": 2, "system": None}
+    # a kill in the middle of writing the third record: 2 whole records, one whole of the next batch, one torn
+    text = "".join(json.dumps(x) + "\n" for x in [{"evaluation": evaluation}, *expected[:3]]) + '{"id": "echo/te'
+    partial_path(path).write_text(text)
+    evaluate(model, tok, echo_task(), CFG, records_path=path, progress=False)
+    assert without_time(lines(path)) == without_time(expected)
+
+
+def test_records_of_another_evaluation_are_not_mixed_in(tiny, tmp_path, monkeypatch):
+    model, tok = tiny
+    path = tmp_path / "r.jsonl"
+    interrupt_at_batch(monkeypatch, 2)
+    with pytest.raises(EvalInterrupted):
+        evaluate(model, tok, echo_task(), CFG, records_path=path, progress=False)
+    monkeypatch.undo()
+    other = EvalConfig("ar", {"max_new_tokens": 8, "temperature": 1.0}, batch_size=2, seed=6)
+    with pytest.raises(ValueError, match="holds the records of another evaluation.*--overwrite"):
+        evaluate(model, tok, echo_task(), other, records_path=path, progress=False)
+    evaluate(model, tok, echo_task(), other, records_path=path, progress=False, overwrite=True)
+    fresh = evaluate(model, tok, echo_task(), other, records_path=tmp_path / "fresh.jsonl", progress=False)
+    assert without_time(lines(path)) == without_time(lines(tmp_path / "fresh.jsonl")) and fresh["n"] == N
+
+
+@pytest.mark.parametrize("real", [True, False], ids=["tmpfs", "patched"])
+def test_a_full_disk_keeps_whole_batches_and_a_rerun_goes_on(tiny, tmp_path, monkeypatch, real):
+    model, tok = tiny
+    evaluate(model, tok, echo_task(), CFG, records_path=tmp_path / "whole.jsonl", progress=False)
+    expected = lines(tmp_path / "whole.jsonl")
+    long_task = Task("echo", "math", ("test",), lambda split, n=None, seed=0: [
+        Example(e.id, e.prompt, None, "x" * 1500) for e in echo_task().load("test")], echo_task().score)
+    with full_disk(tmp_path, monkeypatch, size_kb=4, real=real) as disk:
+        path = disk.path / "r.jsonl"
+        with pytest.raises(WriteError, match=f"could not write {partial_path(path)}: No space left"):
+            evaluate(model, tok, long_task, CFG, records_path=path, progress=False)
+        kept = lines(partial_path(path))[1:]
+        assert 0 < len(kept) < N and len(kept) % 2 == 0
+        assert without_time(kept) == [dict(r, answer="x" * 1500) for r in without_time(expected[:len(kept)])]
+        saved = partial_path(path).read_text()
+    roomy = tmp_path / "roomy" / "r.jsonl"
+    roomy.parent.mkdir()
+    partial_path(roomy).write_text(saved)
+    evaluate(model, tok, long_task, CFG, records_path=roomy, progress=False)
+    assert without_time(lines(roomy)) == [dict(r, answer="x" * 1500) for r in without_time(expected)]
+
+
+def test_ctrl_c_in_a_real_eval_says_what_was_kept_and_the_same_command_finishes(tmp_path):
+    out = tmp_path / "out"
+    argv = [sys.executable, "-m", "refusion.cli", "eval", "--task", "sort", "--n", "60", "--gen-length", "32",
+            "--decoder", "ar", "--out", str(out), "--no-progress", "--threads", "1"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    partial = out / "refusion-tiny__sort__ar.partial.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and (not partial.exists() or len(partial.read_text().splitlines()) < 3):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    kept = len(partial.read_text().splitlines()) - 1
+    assert 2 <= kept < 60, err
+    assert err.strip().splitlines()[-1] == (f"refusion: interrupted: {kept} of 60 records kept in {partial}; run the "
+                                            "same command again to continue"), err
+    assert "Traceback" not in err
+    done = subprocess.run(argv, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr
+    recs = lines(out / "refusion-tiny__sort__ar.jsonl")
+    assert not partial.exists() and len(recs) == 60 and len({r["id"] for r in recs}) == 60
+    summary = json.loads((out / "refusion-tiny__sort__ar.json").read_text())
+    assert summary["n"] == 60 and summary["accuracy"] == sum(r["correct"] for r in recs) / 60
+
+
+def test_the_cli_prints_what_was_kept_on_ctrl_c(tmp_path, monkeypatch, capsys):
+    interrupt_at_batch(monkeypatch, 2)
+    out = tmp_path / "out"
+    rc = main(["eval", "--task", "sort", "--n", "3", "--gen-length", "32", "--decoder", "ar", "--out", str(out),
+               "--no-progress"])
+    err = capsys.readouterr().err
+    partial = out / "refusion-tiny__sort__ar.partial.jsonl"
+    assert rc == 130 and err.strip().splitlines()[-1] == (
+        f"refusion: interrupted: 1 of 3 records kept in {partial}; run the same command again to continue")
