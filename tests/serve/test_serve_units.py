@@ -246,3 +246,24 @@ def test_stop_strings_cut_and_hold_back(tok):
         assert "\n" not in out
     assert a.stopped and out == "Answer: 42"
     assert tok.decode(ids[:a.tokens_at_stop]).startswith("Answer: 42\nmore")
+
+
+def test_each_choice_gets_its_seed():
+    from refusion.serve.app import _seeds
+    from refusion.serve.schemas import MAX_SEED
+
+    assert _seeds(7, 3, sampled=True) == [7, 8, 9]
+    assert _seeds(MAX_SEED - 1, 3, sampled=False) == [MAX_SEED - 1, MAX_SEED, 0]  # wraps within the range
+    assert _seeds(None, 2, sampled=False) == [None, None]  # greedy: no seed needed
+    fresh = _seeds(None, 4, sampled=True)
+    assert len(set(fresh)) == 4 and all(0 <= s <= MAX_SEED for s in fresh)
+
+
+def test_n_rows_count_against_the_request_limit():
+    from refusion.serve import budget
+
+    c = choose(parse_completion({"prompt": "x", "decoder": "refusion", "slot_size": 8}), CFG, 64)
+    budget.check(100, c, 512, 400, n=2)  # 2 x (100 + 64) = 328 fits
+    with pytest.raises(RequestError) as e:
+        budget.check(100, c, 512, 400, n=3)
+    assert e.value.param == "n" and e.value.message.startswith("this request needs 3 x 164 tokens")
