@@ -19,7 +19,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--model", help=MODEL_HELP)
     g.add_argument("--prompt-ids", type=_parse_ids, help="exact prompt token ids, e.g. 1,2,3 (instead of text)")
     g.add_argument("--system", type=utf8_text, help="system message for the chat template")
-    g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    g.add_argument("--raw", action="store_true", help="the prompt is the model's raw input: no chat template, and the "
+                   "strings of special tokens in it (<|im_end|>) are those tokens; without it they are plain text")
     add_decoder_flags(g)
     add_runtime_flags(g)
     g.add_argument("--json", action="store_true", help="machine-readable output")

@@ -1,10 +1,18 @@
 """Tokenizer: a Hugging Face `tokenizers` tokenizer plus what tokenizer_config.json adds
-(special tokens, chat template rendered with Jinja2 the way transformers does)."""
+(special tokens, chat template rendered with Jinja2 the way transformers does).
+
+Text is text: the content of chat messages (`chat_ids`, `chat_prompt_ids`) and training responses
+is encoded with special-token strings read as ordinary text, so "<|im_end|>" or "<|mask|>" typed by
+a user never becomes an end-of-turn, a role marker or the mask id; only the chat template puts
+control tokens in a prompt. `encode(text)` reads them as control tokens (parse_special=True): the
+raw prompt, which a caller opts into (`refusion generate --raw`, the completions endpoint).
+"""
 
 from __future__ import annotations
 
 import functools
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -28,6 +36,8 @@ class Tokenizer:
     def __init__(self, tok: HFTokenizer, config: dict[str, Any] | None = None) -> None:
         self.tok = tok
         self.config = dict(config or {})
+        self._text_tok: HFTokenizer | None = None  # a copy that reads special-token strings as text
+        self._specials: re.Pattern | None = None
 
     # ---- loading / saving ---------------------------------------------------------
 
@@ -57,7 +67,8 @@ class Tokenizer:
 
     def save(self, path: str | Path) -> None:
         path = Path(path)
-        self.tok.save(str(path / "tokenizer.json"))
+        # written by Python, so that a failed write is an OSError (the Rust library's is a bare Exception)
+        (path / "tokenizer.json").write_text(self.tok.to_str(pretty=True), encoding="utf-8")
         cfg = dict(self.config)
         decoder = dict(cfg.get("added_tokens_decoder") or {})
         for tid, t in self.tok.get_added_tokens_decoder().items():
@@ -112,15 +123,41 @@ class Tokenizer:
         missing = [t for t in tokens if self.tok.token_to_id(t) is None]
         if missing:
             self.tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
+            self._text_tok = self._specials = None
         return [self.tok.token_to_id(t) for t in tokens]
 
     # ---- text -----------------------------------------------------------------------
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    def _text_tokenizer(self) -> HFTokenizer:
+        if self._text_tok is None:
+            t = HFTokenizer.from_str(self.tok.to_str())
+            t.encode_special_tokens = True  # the library's switch: special tokens are split like any text
+            self._text_tok = t
+        return self._text_tok
+
+    def holds_special(self, text: str) -> bool:
+        """Whether `text` holds the string of one of the special tokens (which encode() would read as
+        that token)."""
+        if self._specials is None:
+            strings = sorted((t.content for t in self.tok.get_added_tokens_decoder().values() if t.special and t.content),
+                             key=len, reverse=True)
+            self._specials = re.compile("|".join(map(re.escape, strings))) if strings else re.compile(r"(?!)")
+        return self._specials.search(text) is not None
+
+    def encode(self, text: str, add_special_tokens: bool = False, parse_special: bool = True) -> list[int]:
+        """Token ids of `text`. parse_special=False: the strings of special tokens in it are ordinary
+        text (split into ordinary tokens), as message content and training text are read."""
+        return self.encode_many([text], add_special_tokens, parse_special)[0]
+
+    def encode_many(self, texts: list[str], add_special_tokens: bool = False, parse_special: bool = True
+                    ) -> list[list[int]]:
+        tok = self.tok if parse_special else self._text_tokenizer()
         try:
-            return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+            if len(texts) == 1:
+                return [tok.encode(texts[0], add_special_tokens=add_special_tokens).ids]
+            return [e.ids for e in tok.encode_batch(texts, add_special_tokens=add_special_tokens)]
         except TypeError:
-            if isinstance(text, str):  # the library's own message: "TextInputSequence must be str"
+            if all(isinstance(t, str) for t in texts):  # the library's own message: "TextInputSequence must be str"
                 raise TokenizerError("the text is not valid Unicode (it holds lone surrogates, as undecodable bytes "
                                      "become in Python); pass UTF-8 text") from None
             raise
@@ -141,7 +178,46 @@ class Tokenizer:
 
     def chat_prompt_ids(self, user_text: str, system: str | None = None, **kwargs: Any) -> list[int]:
         msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user_text}]
-        return self.encode(self.apply_chat_template(msgs, **kwargs))
+        return self.chat_ids(msgs, **kwargs)
+
+    def chat_ids(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
+        """The chat template over `messages`, encoded with every message's content read as text: a
+        special token's string in it stays text (module docstring)."""
+        return self.chat_ids_many([messages], **kwargs)[0]
+
+    def chat_ids_many(self, conversations: list[list[dict[str, Any]]], **kwargs: Any) -> list[list[int]]:
+        """chat_ids of many conversations (encoded together, as a training set is)."""
+        out: list[list[int] | None] = [None] * len(conversations)
+        plain = [i for i, msgs in enumerate(conversations)
+                 if not any(isinstance(m.get("content"), str) and self.holds_special(m["content"]) for m in msgs)]
+        # content without a special token's string encodes the same either way: the whole text at once
+        texts = [self.apply_chat_template(conversations[i], **kwargs) for i in plain]
+        for i, ids in zip(plain, self.encode_many(texts), strict=True):
+            out[i] = ids
+        for i, msgs in enumerate(conversations):
+            if out[i] is None:
+                out[i] = self._chat_ids_split(msgs, **kwargs)
+        return out
+
+    def _chat_ids_split(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
+        """The template rendered around a placeholder for each message's content, its own text
+        encoded with special tokens read, each content encoded as text in its place."""
+        marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
+        shown = [dict(m, content=mark) if isinstance(m.get("content"), str) else m
+                 for m, mark in zip(messages, marks, strict=True)]
+        pieces = re.split("(\ue000\\d+\ue001)", self.apply_chat_template(shown, **kwargs))
+        wanted = [mark for m, mark in zip(messages, marks, strict=True) if isinstance(m.get("content"), str)]
+        if sorted(pieces[1::2]) != sorted(wanted):
+            raise TokenizerError("a message holds the text of a special token (such as an end-of-turn marker), and "
+                                 "this model's chat template changes message text, so it cannot be kept as text; "
+                                 "remove it from the message")
+        ids: list[int] = []
+        for k, piece in enumerate(pieces):
+            if k % 2:
+                ids += self.encode(messages[marks.index(piece)]["content"], parse_special=False)
+            elif piece:
+                ids += self.encode(piece)
+        return ids
 
 
 def _raise(msg: str) -> None:

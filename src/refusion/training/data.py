@@ -113,15 +113,16 @@ def _jsonl_records(text: str, path: Path) -> list[dict]:
 
 def encode_records(records: list[dict], tokenizer: Tokenizer) -> list[Example]:
     """Chat template on each query, EOS after each response (but a response marked "finished": false,
-    cut at a length limit, which must not teach an end the text never had)."""
+    cut at a length limit, which must not teach an end the text never had). Queries and responses are
+    text: a special token's string in them ("<|mask|>", "<|im_end|>") is read as ordinary text, so it
+    never becomes a control id in a prompt, nor the mask id (or EOS) as a target."""
     eos = tokenizer.eos_id
     if eos is None:
         raise DataError("the tokenizer has no eos_token; set one in tokenizer_config.json")
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": r["query"]}]) for r in records]
-    p_ids = tokenizer.tok.encode_batch(prompts, add_special_tokens=False)
-    r_ids = tokenizer.tok.encode_batch([r["response"] for r in records], add_special_tokens=False)
-    return [Example(p.ids, r.ids + ([eos] if rec.get("finished", True) else []))
-            for p, r, rec in zip(p_ids, r_ids, records)]
+    p_ids = tokenizer.chat_ids_many([[{"role": "user", "content": r["query"]}] for r in records])
+    r_ids = tokenizer.encode_many([r["response"] for r in records], parse_special=False)
+    return [Example(p, r + ([eos] if rec.get("finished", True) else []))
+            for p, r, rec in zip(p_ids, r_ids, records, strict=True)]
 
 
 def filter_by_length(examples: list[Example], max_length: int) -> tuple[list[Example], int]:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from refusion.files import Appender, write_text
 from refusion.training.data import DataError, load_records
 
 if TYPE_CHECKING:  # (torch is imported when decoding starts: `refusion --help` shows this module's docstring)
@@ -112,7 +113,7 @@ def done_queries(out: Path) -> set[str]:
         except (ValueError, KeyError, TypeError):
             if i < len(lines) - 1:
                 raise DataError(f"{out}:{i + 1}: not a record of a self-generated file") from None
-            out.write_text("".join(x + "\n" for x in lines[:-1]), encoding="utf-8")  # the torn line goes
+            write_text(out, "".join(x + "\n" for x in lines[:-1]))  # the torn line goes
     return done
 
 
@@ -136,18 +137,20 @@ def self_generate(model: Transformer, tok: Tokenizer, prompts: list[Prompt], out
         from tqdm import tqdm
 
         bar = tqdm(total=len(todo), desc="self-generate", unit="prompt", dynamic_ncols=True)
-    with open(out, "a", encoding="utf-8") as f:
+    # a batch's lines go in whole or not at all: a full disk leaves the file at the last whole batch
+    with Appender(out) as f:
         for lo in range(0, len(todo), batch_size):
             batch = todo[lo:lo + batch_size]
             results = decode(model, [ids[p.query] for p in batch], "ar", eos_ids=eos, gen_length=max_tokens)
-            for p, r in zip(batch, results):
+            lines = []
+            for p, r in zip(batch, results, strict=True):
                 tokens = r.tokens[:-1] if r.finished else r.tokens
                 text = tok.decode(tokens)
                 counts["finished"] += r.finished
-                counts["retokenized"] += tok.encode(text) != tokens
-                f.write(json.dumps({"query": p.query, "response": text, "finished": r.finished,
-                                    "source": p.source}) + "\n")
-            f.flush()
+                counts["retokenized"] += tok.encode(text, parse_special=False) != tokens  # as training reads it
+                lines.append(json.dumps({"query": p.query, "response": text, "finished": r.finished,
+                                         "source": p.source}) + "\n")
+            f.write("".join(lines))
             counts["written"] += len(batch)
             if bar is not None:
                 bar.update(len(batch))
