@@ -411,30 +411,20 @@ def main() -> None:
 
 
 def write_settings(adapter_dir: Path | None, summary: list[dict], threads: int) -> None:
-    """The adapter's decoding.json. Among the settings that kept every answer, those within 3% of the
-    fastest (speed / AR on each one's slowest benchmark, batch 1) are a tie on this machine; of them
-    the one with the most tokens per forward wins, since a forward's cost grows less with its width
-    on an accelerator than on a CPU."""
+    """The adapter's decoding.json: the speculative setting refusion.training.adapt.measure.choose picks
+    (every answer kept; within 3% of the fastest a tie, broken by tokens per forward)."""
     from refusion.decoding import model_settings
+    from refusion.training.adapt.measure import choose, note
 
     if adapter_dir is None:
         sys.exit("--write-settings needs --model to be a mask adapter (a directory or a shipped name)")
-    rows = [s for s in summary if s["threads"] == threads and s["batch_size"] == 1 and s["tps_vs_ar"]
-            and OURS.get(s["name"], ("", ""))[1] == "speculative" and not s["name"].endswith(" compiled")
-            and s["name"] != "speculative (model's settings)"]
-    by_name: dict[str, list[dict]] = {}
-    for s in rows:
-        by_name.setdefault(s["name"], []).append(s)
-    kept = {n: rs for n, rs in by_name.items() if all(s["identical"] == s["n"] for s in rs)}
-    if not kept:
+    names = {n for n, (_, decoder, _) in OURS.items() if decoder == "speculative" and not n.endswith(" compiled")
+             and n != "speculative (model's settings)"}
+    best = choose(summary, threads, names)
+    if best is None:
         sys.exit("no speculative setting kept every answer: decoding.json not written")
-    speed = {n: min(s["tps_vs_ar"] for s in rs) for n, rs in kept.items()}
-    tied = [n for n in kept if speed[n] >= 0.97 * max(speed.values())]
-    best = max(tied, key=lambda n: min(s["tpf"] for s in kept[n]))
-    figures = ", ".join(f"{s['bench']} TPF {s['tpf']:.2f} at {s['tps_vs_ar']:.2f}x AR" for s in kept[best])
-    settings = model_settings.ModelSettings(
-        "speculative", OURS[best][2], measured_by="python " + " ".join(sys.argv),
-        note=f"{best!r}: {figures} (batch 1, {threads} thread(s), every output the base's)")
+    settings = model_settings.ModelSettings("speculative", OURS[best][2], measured_by="python " + " ".join(sys.argv),
+                                            note=note(summary, best, threads))
     print(f"wrote {model_settings.write(adapter_dir, settings)}: {settings.note}")
 
 

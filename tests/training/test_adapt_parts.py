@@ -1,0 +1,128 @@
+"""The parts of `refusion adapt` on hand-made cases: the domain mix, the held-out chat set and the check
+that keeps training prompts off it, the model's own user turns (Magpie), the choice of decoding settings."""
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from refusion.model.checkpoint import load_model
+from refusion.model.tokenizer import Tokenizer
+from refusion.tasks.chat import load_chat
+from refusion.tasks.sources import gsm8k_train_questions
+from refusion.training.adapt import magpie
+from refusion.training.adapt.measure import choose
+from refusion.training.adapt.prompts import HeldOut, domain_counts, held_out_chat, parse_mix, user_prompts
+from refusion.training.self_generate import load_prompts
+from tests.helpers.tiny_causal_lm import make_causal_lm
+
+ROOT = Path(__file__).parents[2]
+KEPT = ROOT / "configs" / "smollm2-refusion-data.jsonl.gz"
+
+
+def test_mix_and_counts():
+    assert parse_mix("prose=1,maths=1,code=1") == {"prose": 1.0, "maths": 1.0, "code": 1.0}
+    assert parse_mix("code=2, maths=0") == {"code": 2.0}
+    assert domain_counts({"prose": 1.0, "maths": 1.0, "code": 1.0}, 3600) == {"prose": 1200, "maths": 1200, "code": 1200}
+    assert domain_counts({"prose": 1.0, "maths": 1.0, "code": 1.0}, 7) == {"prose": 3, "maths": 2, "code": 2}
+    assert domain_counts({"prose": 3.0, "code": 1.0}, 10) == {"prose": 8, "code": 2}  # 7.5 / 2.5: the tie goes first
+    for bad in ("poetry=1", "code=-1", "code=x", "code=nan", "code=0", ""):
+        with pytest.raises(ValueError, match="--mix"):
+            parse_mix(bad)
+
+
+def test_user_prompts_file_forms(tmp_path):
+    (tmp_path / "a.txt").write_text("Write a haiku.\n\nName three rivers.\n")
+    assert user_prompts(tmp_path / "a.txt") == ["Write a haiku.", "Name three rivers."]
+    (tmp_path / "b.jsonl").write_text('{"query": "q1"}\n{"prompt": "q2"}\n')
+    assert user_prompts(tmp_path / "b.jsonl") == ["q1", "q2"]
+    (tmp_path / "c.jsonl").write_text('{"query": "q1"}\n{"other": 1}\n')  # not every line a prompt: plain text
+    assert user_prompts(tmp_path / "c.jsonl") == ['{"query": "q1"}', '{"other": 1}']
+
+
+def test_the_chat_set_is_many_kinds_of_unique_requests():
+    exs = load_chat()
+    assert len(exs) >= 50 and len({e.prompt for e in exs}) == len(exs) and len({e.id for e in exs}) == len(exs)
+    assert len({e.meta["kind"] for e in exs}) >= 10
+    assert [e.id for e in load_chat(n=5, seed=1)] == [e.id for e in load_chat(n=5, seed=1)] != [e.id for e in exs[:5]]
+
+
+def test_near_repeats_of_a_held_out_request_are_found():
+    held = HeldOut(["What is photosynthesis?", "How do I clean a cast iron pan?"])
+    assert held.repeats("what is photosynthesis")  # case and punctuation
+    assert held.repeats("Could you tell me: how do I clean a cast iron pan? Thanks!")  # inside a longer prompt
+    assert held.repeats("How do I clean a cast-iron pan properly")
+    assert not held.repeats("What is the capital of France?")
+    assert not held.repeats("How do I clean a bicycle chain?")  # two word pairs of five in common
+    assert not held.repeats("")
+
+
+def test_no_shipped_training_prompt_repeats_a_held_out_chat_request():
+    held = held_out_chat()
+    assert [q for q in gsm8k_train_questions() if held.repeats(q)] == []
+    with gzip.open(KEPT, "rt", encoding="utf-8") as f:
+        assert [r["query"] for r in map(json.loads, f) if held.repeats(r["query"])] == []  # (code prompts too)
+
+
+@pytest.mark.slow  # (reads every function of the standard library)
+def test_kept_answers_are_those_of_the_recipes_sample():
+    """The data stage starts from the kept answers: they answer exactly the recipe's seeded samples."""
+    with gzip.open(KEPT, "rt", encoding="utf-8") as f:
+        kept = {r["query"] for r in map(json.loads, f)}
+    wanted = {p.query for p in load_prompts("gsm8k-train", 1200) + load_prompts("stdlib-functions", 1200)}
+    assert kept == wanted and len(gsm8k_train_questions()) == 7473
+
+
+# ---- Magpie ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = make_causal_lm(tmp_path_factory.mktemp("magpie") / "base", std=0.3)
+    return load_model(d), Tokenizer.from_dir(d)
+
+
+def test_user_prefix_is_the_template_up_to_the_users_message(tiny):
+    _, tok = tiny
+    ids = magpie.user_prefix_ids(tok)
+    full = tok.chat_prompt_ids("Hello there")
+    assert full[:len(ids)] == ids and tok.decode(full[len(ids):], skip_special_tokens=True).startswith("Hello there")
+    tok_without = Tokenizer(tok.tok, {k: v for k, v in tok.config.items() if k != "chat_template"} | {
+        "chat_template": "{{ messages[0]['content'] }}{{ messages[0]['content'] }}"})
+    with pytest.raises(ValueError, match="does not show the user's message once"):
+        magpie.user_prefix_ids(tok_without)
+
+
+def test_sampled_turns_do_not_depend_on_batching_or_resuming(tiny, tmp_path):
+    model, tok = tiny
+    whole, parts = tmp_path / "whole.jsonl", tmp_path / "parts.jsonl"
+    magpie.sample_user_turns(model, tok, whole, range(6), max_tokens=12, batch_size=6, progress=False)
+    magpie.sample_user_turns(model, tok, parts, range(2), max_tokens=12, batch_size=2, progress=False)
+    magpie.sample_user_turns(model, tok, parts, range(6), max_tokens=12, batch_size=3, progress=False)
+    a = sorted(whole.read_text().splitlines())
+    assert a == sorted(parts.read_text().splitlines()) and len(a) == 6
+    assert len({json.loads(x)["text"] for x in a}) > 1  # each row its own seed
+
+
+def test_kept_turns_are_finished_acceptable_and_new(tmp_path):
+    recs = [(3, "How do I bake bread at home?", True), (1, "how do i bake BREAD at home", True),
+            (0, "Explain how tides work, please.", True), (2, "Tell me about the history of tea", False),
+            (4, "Hi", True), (5, "What is <|im_start|> for in a chat?", True)]
+    path = tmp_path / "turns.jsonl"
+    path.write_text("".join(json.dumps({"seed": s, "text": t, "finished": f}) + "\n" for s, t, f in recs) + '{"se')
+    assert magpie.kept_user_turns(path, ["<|im_start|>"]) == ["Explain how tides work, please.",
+                                                              "how do i bake BREAD at home"]
+    assert path.read_text().count("\n") == len(recs)  # the torn last line (a kill) is gone
+
+
+def test_choose_keeps_every_answer_then_ties_within_three_percent_go_to_tokens_per_forward():
+    def rows(name, identical, speeds, tpfs):
+        return [dict(threads=1, batch_size=1, name=name, bench=b, identical=i, n=10, tps_vs_ar=v, tpf=t)
+                for b, i, v, t in zip(("chat", "gsm8k"), identical, speeds, tpfs, strict=True)]
+
+    summary = (rows("a", (10, 10), (2.0, 2.1), (2.5, 2.6)) + rows("b", (10, 10), (1.95, 2.2), (3.0, 3.1))
+               + rows("c", (9, 10), (3.0, 3.0), (4.0, 4.0)) + rows("d", (10, 10), (1.5, 1.5), (5.0, 5.0)))
+    assert choose(summary, 1) == "b"  # c changed an answer; b's slowest (1.95x) ties a's 2.0x; b drafts further
+    assert choose(summary, 1, {"a", "c", "d"}) == "a"
+    assert choose(summary, 2) is None and choose(rows("c", (9, 10), (3.0, 3.0), (4.0, 4.0)), 1) is None
