@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from refusion.decoding import model_settings
 from refusion.decoding import params as _builtin  # noqa: F401  (registers the built-in decoders)
-from refusion.decoding.params import ARParams, MDMParams, ReFusionParams, SpeculativeParams, check_seed
+from refusion.decoding.params import ARParams, MDMParams, ReFusionParams, SpeculativeParams, as_prompts, check_seed
 from refusion.decoding.registry import (Decoder, default_decoder, get, make_params, mismatch, names, register,
                                        unregister)
 
@@ -58,6 +58,7 @@ def decode(model: Transformer, prompts: list[list[int]], decoder: str | None = N
     A model loaded with `load_model` starts from the settings in its decoding.json
     (decoding/model_settings.py); the parameters given here win over them.
     """
+    prompts = as_prompts(prompts)  # NumPy / torch ids become ints; a flat list, text or bools are refused
     decoder, params = model_settings.resolve(model_settings.of_model(model), model.config, decoder, params)
     p = make_params(decoder, model.config, **params)
     check_seed(seed)

@@ -60,6 +60,51 @@ def check_sampling(temperature: float, top_k: int | None = None, top_p: float | 
         raise ValueError("top_k and top_p apply only when sampling: set temperature > 0 (0 = greedy)")
 
 
+def as_prompts(prompts) -> list[list[int]]:
+    """`prompts` as lists of Python ints: a list (or tuple) of prompts, each a list, tuple, NumPy
+    array or tensor of integer ids, or one 2-D array / tensor. A single prompt (a flat list of ids),
+    text, bools, floats or negative shapes are refused with a ValueError saying what to pass."""
+    if hasattr(prompts, "tolist") and hasattr(prompts, "dtype"):  # a NumPy array or a tensor: one batch
+        if getattr(prompts, "ndim", None) != 2:
+            raise ValueError(f"prompts as an array or tensor must be 2-D (prompts x tokens), got shape "
+                             f"{tuple(prompts.shape)}; a single prompt is [ids]")
+        prompts = list(prompts)
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"prompts must be a list of prompts, each a list of token ids, got {type(prompts).__name__}")
+    if prompts and all(_is_id(t) for t in prompts):
+        raise ValueError("prompts must be a list of prompts, each a list of token ids: wrap a single prompt in a "
+                         "list, [ids]")
+    return [_as_ids(p) for p in prompts]
+
+
+def _is_id(t) -> bool:
+    return isinstance(t, int) or (hasattr(t, "__index__") and not hasattr(t, "__len__"))
+
+
+def _as_ids(p) -> list[int]:
+    if isinstance(p, (str, bytes)):
+        raise ValueError("a prompt is token ids, not text: encode it first (Tokenizer.chat_prompt_ids or .encode)")
+    if hasattr(p, "tolist") and hasattr(p, "dtype"):  # an array or tensor of ids
+        kind = str(p.dtype)
+        if "int" not in kind or getattr(p, "ndim", 1) != 1:
+            raise ValueError(f"a prompt array or tensor must be 1-D with an integer dtype, got {kind} of shape "
+                             f"{tuple(p.shape)}")
+        return [int(t) for t in p.tolist()]
+    if not isinstance(p, (list, tuple)):
+        raise ValueError(f"each prompt must be a list of token ids, got {type(p).__name__}")
+    if all(type(t) is int for t in p):
+        return list(p)
+    out = []
+    for t in p:
+        if isinstance(t, bool) or "bool" in type(t).__name__:
+            raise ValueError(f"token id {t!r} is a bool, not a token id")
+        try:
+            out.append(t.__index__())  # NumPy and torch integers
+        except (AttributeError, TypeError, RuntimeError, ValueError):
+            raise ValueError(f"token id {t!r} is not an integer") from None
+    return out
+
+
 def check_prompts(config, prompts: list[list[int]], gen_length: int) -> None:
     """Every prompt non-empty with ids in the vocabulary, and prompt + gen_length within the model's
     positions. Run before anything is allocated: a huge gen_length must fail here, not in malloc."""
@@ -67,7 +112,7 @@ def check_prompts(config, prompts: list[list[int]], gen_length: int) -> None:
         raise ValueError("every prompt needs at least one token")
     V = config.vocab_size
     for p in prompts:
-        bad = next((t for t in p if not (isinstance(t, int) and 0 <= t < V)), None)
+        bad = next((t for t in p if isinstance(t, bool) or not (isinstance(t, int) and 0 <= t < V)), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {V})")
     limit = config.max_position_embeddings

@@ -13,6 +13,7 @@ ARCHITECTURES = {
 }
 
 
+TORCH_DTYPES = ("float32", "bfloat16", "float16", "float64")  # config.json's torch_dtype (float64 loads as float32)
 OBJECTIVES = ("refusion", "ar", "mdm")  # the training objectives (objectives.py); ModelConfig.training_objective
 
 
@@ -84,6 +85,11 @@ class ModelConfig:
             raise ConfigError("mask_adapter needs a mask_token_id (it adapts the mask token's rows)")
         if self.model_type not in ARCHITECTURES.values():
             raise ConfigError(f"unknown model_type {self.model_type!r}; supported: {sorted(ARCHITECTURES.values())}")
+        if self.training_objective is not None and self.training_objective not in OBJECTIVES:
+            raise ConfigError(f"training_objective must be one of {', '.join(OBJECTIVES)} (or absent), got "
+                              f"{self.training_objective!r}")
+        if not isinstance(self.torch_dtype, str) or self.torch_dtype.removeprefix("torch.") not in TORCH_DTYPES:
+            raise ConfigError(f"torch_dtype must be one of {', '.join(TORCH_DTYPES)}, got {self.torch_dtype!r}")
 
     @property
     def eos_ids(self) -> list[int]:
