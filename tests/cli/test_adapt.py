@@ -21,6 +21,7 @@ from refusion.training.adapt import Options
 from refusion.training.adapt.pipeline import Pipeline
 from refusion.training.adapt.recipe import QUICK_PROMPTS
 from tests.helpers.tiny_causal_lm import make_causal_lm
+from tests.helpers.tiny_gguf import write_byte_level_gguf
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ROOT = Path(__file__).parents[2]
@@ -152,6 +153,17 @@ def test_own_prompts_file_joins_the_mix(base, tmp_path):
     assert [p["query"] for p in prompts if p["domain"] == "user"] == ["What is 3 plus 4?"]
     assert {p["domain"] for p in prompts} == {"code", "user"}
     assert json.loads((out / "state.json").read_text())["stages"]["prompts"]["held_out_repeats_dropped"] == 1
+
+
+def test_a_gguf_file_is_imported_once_into_the_run(tmp_path):
+    write_byte_level_gguf(tmp_path / "tiny.gguf")
+    out = tmp_path / "run"
+    assert adapt(tmp_path / "tiny.gguf", out) == 0
+    assert (out / "base" / "config.json").is_file()
+    assert json.loads((out / "adapter" / "mask_adapter.json").read_text())["base"] == str((out / "base").resolve())
+    summary = json.loads((out / "measure.json").read_text())["summary"]
+    assert all(s["identical"] == s["n"] for s in summary)
+    assert adapt(tmp_path / "tiny.gguf", out) == 0 and (out / "log").read_text().count("base: importing") == 1
 
 
 @pytest.mark.slow
