@@ -4,8 +4,9 @@ continuation's echoed logprobs. Its results equal the in-process adapter's (`--m
 on a causal model; on a model with a mask token the adapter reads a continuation's first token
 from a <|mask|>, which a prompt scored as a whole has no place for (docs/api.md).
 
-lm-eval needs the tokenizer to split context from continuation: `tokenizer_backend=huggingface`
-with `tokenizer=` the served model's directory (transformers reads its tokenizer.json).
+lm-eval needs the tokenizer to split context from continuation: by default (`tokenizer_backend`
+auto) it finds the server's /tokenizer_info and /tokenize and uses them; or
+`tokenizer_backend=huggingface` with `tokenizer=` the served model's directory.
 """
 
 from __future__ import annotations
@@ -50,17 +51,54 @@ def write_task(d) -> TaskManager:
     return TaskManager(include_path=str(d))
 
 
-def test_local_completions_scores_as_the_in_process_adapter(live, base_dir, tmp_path):  # noqa: F811
-    tasks = write_task(tmp_path)
-    api = LocalCompletionsAPI(base_url=live.url + "/v1/completions", model="base", tokenizer_backend="huggingface",
-                              tokenizer=str(base_dir), max_retries=1)
-    local = ReFusionLM(pretrained=str(base_dir))
-    runs = [simple_evaluate(model=lm, tasks=["add_mc"], task_manager=tasks, log_samples=True, bootstrap_iters=0)
-            for lm in (api, local)]
-    resps = [[[r[0] for r in s["resps"]] for s in sorted(run["samples"]["add_mc"], key=lambda s: s["doc_id"])]
-             for run in runs]
-    assert len(resps[0]) == len(DOCS) and all(len(r) == 3 for r in resps[0])
-    for a, b in zip(*resps, strict=True):  # every choice's log-likelihood and greedy flag
+def evaluate(lm, tasks: TaskManager) -> tuple[float, list[list[tuple[float, bool]]]]:
+    """The task's accuracy and every document's (log-likelihood, greedy) per choice."""
+    run = simple_evaluate(model=lm, tasks=["add_mc"], task_manager=tasks, log_samples=True, bootstrap_iters=0)
+    samples = sorted(run["samples"]["add_mc"], key=lambda s: s["doc_id"])
+    return run["results"]["add_mc"]["acc,none"], [[r[0] for r in s["resps"]] for s in samples]
+
+
+@pytest.fixture(scope="module")
+def tasks(tmp_path_factory) -> TaskManager:
+    return write_task(tmp_path_factory.mktemp("tasks"))
+
+
+@pytest.fixture(scope="module")
+def in_process(base_dir, tasks):  # noqa: F811
+    return evaluate(ReFusionLM(pretrained=str(base_dir)), tasks)
+
+
+@pytest.mark.parametrize("tokenizer", ["server", "huggingface"])
+def test_local_completions_scores_as_the_in_process_adapter(live, base_dir, tasks, in_process, tokenizer):  # noqa: F811
+    kw = {} if tokenizer == "server" else {"tokenizer_backend": "huggingface", "tokenizer": str(base_dir)}
+    api = LocalCompletionsAPI(base_url=live.url + "/v1/completions", model="base", max_retries=1, **kw)
+    assert api.tokenizer_backend == ("remote" if tokenizer == "server" else "huggingface")
+    acc, resps = evaluate(api, tasks)
+    assert len(resps) == len(DOCS) and all(len(r) == 3 for r in resps)
+    for a, b in zip(resps, in_process[1], strict=True):  # every choice's log-likelihood and greedy flag
         for (lla, ga), (llb, gb) in zip(a, b, strict=True):
             assert float(lla) == pytest.approx(float(llb), abs=1e-4) and ga == gb
-    assert runs[0]["results"]["add_mc"]["acc,none"] == runs[1]["results"]["add_mc"]["acc,none"]
+    assert acc == in_process[0]
+
+
+def test_the_tokenizer_routes(live, base_dir):  # noqa: F811
+    import httpx
+
+    from refusion.model.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(base_dir)
+    text = "What is 3 plus 4?"
+    r = httpx.post(live.url + "/tokenize", json={"prompt": text}).json()
+    assert r["tokens"] == tok.encode(text) and r["count"] == len(r["tokens"])
+    chat = httpx.post(live.url + "/tokenize", json={"messages": [{"role": "user", "content": text}]}).json()
+    assert chat["tokens"] == tok.chat_prompt_ids(text)
+    assert httpx.post(live.url + "/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": text}
+    info = httpx.get(live.url + "/tokenizer_info").json()
+    assert tok.encode(info["eos_token"]) == [tok.eos_id] and info["chat_template"] == tok.config["chat_template"]
+    for path, body, fragment in [("/tokenize", {"prompt": 3}, "prompt must be a string"),
+                                 ("/tokenize", {"prompt": "a", "messages": []}, "give prompt"),
+                                 ("/tokenize", {"text": "a"}, "unrecognized request argument"),
+                                 ("/detokenize", {"tokens": [10**6]}, "outside the vocabulary"),
+                                 ("/detokenize", {"tokens": "abc"}, "list of token ids")]:
+        r = httpx.post(live.url + path, json=body)
+        assert r.status_code == 400 and fragment in r.json()["error"]["message"], (path, body)

@@ -33,7 +33,7 @@ from starlette.routing import Route
 from refusion.model.transformer import Transformer
 from refusion.model.tokenizer import Tokenizer
 from refusion.runtime import malloc_trim
-from refusion.serve import budget
+from refusion.serve import budget, tokenize
 from refusion.serve.engine import Engine, Job, QueueFull
 from refusion.serve.metrics import Metrics
 from refusion.decoding import model_settings, registry
@@ -46,6 +46,7 @@ log = logging.getLogger("refusion.serve")
 STATIC = Path(__file__).parent / "static"
 _JSON_TYPES = {int: "integer", float: "number", bool: "boolean", str: "string"}
 _GENERATE = ("/v1/completions", "/v1/chat/completions")
+DRAIN_SECONDS = 0.5  # how long an oversized body is read before its 413
 
 
 @dataclass
@@ -95,6 +96,9 @@ class Server:
             Route("/v1/decoders", self.decoders, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
+            Route("/tokenizer_info", self.tokenizer_info, methods=["GET"]),
         ]
 
         @contextlib.asynccontextmanager
@@ -176,6 +180,25 @@ class Server:
         return JSONResponse({"object": "list", "default": self.default_decoder, "data": data,
                              "model_settings": settings.to_dict() if settings is not None else None})
 
+    # ---- the tokenizer (vLLM's routes, which lm-eval's API models use) ---------------------------
+
+    async def tokenize(self, request: Request) -> Response:
+        return await self._tokenizer_call(request, lambda body: tokenize.tokenize(self.tok, body, self.context))
+
+    async def detokenize(self, request: Request) -> Response:
+        vocab = self.model.config.vocab_size
+        return await self._tokenizer_call(request, lambda body: tokenize.detokenize(self.tok, body, vocab))
+
+    async def tokenizer_info(self, request: Request) -> Response:
+        return JSONResponse(tokenize.info(self.tok, self.context))
+
+    async def _tokenizer_call(self, request: Request, fn) -> Response:
+        try:
+            body = await self._read_body(request)
+            return JSONResponse(await asyncio.to_thread(lambda: fn(loads(body))))
+        except RequestError as e:
+            return _error(e)
+
     # ---- generation ---------------------------------------------------------------------------
 
     async def completions(self, request: Request) -> Response:
@@ -217,11 +240,15 @@ class Server:
         if declared is not None and not declared.isdigit():
             raise RequestError(400, "Content-Length is not a number")
         receive, chunks, size = request.receive, [], 0
+        if declared is not None and int(declared) > limit:
+            # refused at once: what the client sends meanwhile is read for a moment (so that it gets to
+            # read the 413, not a reset connection), not for the whole body timeout
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(DRAIN_SECONDS, self.cfg.body_timeout)):
+                    await _drain(receive, 64 * limit)
+            raise _too_large(limit)
         try:
             async with asyncio.timeout(self.cfg.body_timeout):
-                if declared is not None and int(declared) > limit:
-                    await _drain(receive, 64 * limit)
-                    raise _too_large(limit)
                 while True:  # chunked bodies carry no length: count as they come
                     msg = await receive()
                     if msg["type"] == "http.disconnect":
@@ -270,7 +297,7 @@ class Server:
     def _prompt_ids(self, req: CompletionRequest | ChatRequest) -> list[int]:
         try:
             if isinstance(req, ChatRequest):
-                ids = self.tok.encode(self.tok.apply_chat_template(req.messages))
+                ids = self.tok.chat_ids(req.messages)  # message content is text: no control tokens in it
             elif isinstance(req.prompt, str):
                 ids = self.tok.encode(req.prompt)
             else:

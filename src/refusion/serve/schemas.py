@@ -125,7 +125,7 @@ def _no_constant(name: str) -> None:
 
 
 def parse_completion(body: Any) -> CompletionRequest:
-    d = _object(body)
+    d = object_of(body)
     _known(d, _COMMON + ("prompt", "logprobs", "echo"))
     req = CompletionRequest()
     req.echo = _opt(d, "echo", bool) or False
@@ -139,7 +139,7 @@ def parse_completion(body: Any) -> CompletionRequest:
 
 
 def parse_chat(body: Any) -> ChatRequest:
-    d = _object(body)
+    d = object_of(body)
     _known(d, _COMMON + ("messages", "max_completion_tokens", "logprobs", "top_logprobs"))
     if "max_completion_tokens" in d:  # the newer name of max_tokens in chat
         if d.get("max_tokens") is not None:
@@ -149,7 +149,7 @@ def parse_chat(body: Any) -> ChatRequest:
     _common(d, req)
     if "messages" not in d:
         raise RequestError(400, "missing required field: messages", "messages")
-    req.messages = _messages(d["messages"])
+    req.messages = messages_of(d["messages"])
     top = _opt_int(d, "top_logprobs", lo=0, hi=MAX_TOP_LOGPROBS)
     if _opt(d, "logprobs", bool):
         req.logprobs = top or 0
@@ -182,7 +182,7 @@ def _python_only(name: str) -> str | None:
 # ---- pieces ---------------------------------------------------------------------------------
 
 
-def _object(body: Any) -> dict:
+def object_of(body: Any) -> dict:
     if not isinstance(body, dict):
         raise RequestError(400, f"request body must be a JSON object, got {_kind(body)}")
     return body
@@ -338,7 +338,7 @@ def _prompt(v: Any) -> str | list[int]:
     raise RequestError(400, f"prompt must be a string or a list of token ids, got {_kind(v)}", "prompt")
 
 
-def _messages(v: Any) -> list[dict[str, str]]:
+def messages_of(v: Any) -> list[dict[str, str]]:
     if not isinstance(v, list) or not v:
         raise RequestError(400, "messages must be a non-empty list", "messages")
     out = []
