@@ -172,10 +172,17 @@ def test_a_json_schema_and_token_probabilities_on_hover(live, page, shots):
         page.wait_for_selector("#tip", state="visible")
         rows = page.locator("#tip tr").evaluate_all("els => els.map(e => [...e.cells].map(c => c.textContent))")
         entry = content[i]
-        assert rows[0] == [json.dumps(entry["token"]), f"{100 * math.exp(entry['logprob']):.1f}%"]
         # the alternatives the distribution allows (-9999: excluded, by the grammar here)
         alts = [a for a in entry["top_logprobs"] if a["token"] != entry["token"] and a["logprob"] > -9999]
-        assert rows[1:] == [[json.dumps(a["token"]), f"{100 * math.exp(a['logprob']):.1f}%"] for a in alts]
+        want = [entry] + alts
+        assert [r[0] for r in rows] == [json.dumps(a["token"]) for a in want]
+        # (rounded by JavaScript's toFixed, half away from zero: compared to within the rounding)
+        assert [float(r[1].removesuffix("%")) for r in rows] == pytest.approx(
+            [100 * math.exp(a["logprob"]) for a in want], abs=0.05 + 1e-9)
+        assert [float(r[2]) for r in rows] == pytest.approx([a["logprob"] for a in want], abs=0.005 + 1e-9)
+    # the screenshot shows the cell with the most alternatives the grammar allowed
+    richest = max(range(len(content)), key=lambda i: sum(a["logprob"] > -9999 for a in content[i]["top_logprobs"]))
+    page.hover(f"#slots span:nth-child({richest + 1})")
     page.screenshot(path=str(shots / "json_schema_logprobs.png"), full_page=True)
     # a decoder that cannot apply them: both controls off, and the request carries neither
     page.select_option("#decoder", "refusion")
