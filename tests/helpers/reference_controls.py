@@ -54,7 +54,8 @@ def next_distribution(model: Transformer, prompt: list[int], response: list[int]
 def reference(model: Transformer, prompt: list[int], controls: Controls, gen_length: int, eos: list[int],
               temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
               first_from_mask: bool | None = None) -> tuple[list[int], list[float], list[list[tuple[int, float]]]]:
-    """(tokens up to and including the first EOS, each one's logprob, each one's top `controls.logprobs`)."""
+    """(tokens up to and including the first EOS, each one's logprob, each one's top `controls.logprobs`
+    among the tokens it could be)."""
     cfg = model.config
     if first_from_mask is None:
         first_from_mask = cfg.mask_token_id is not None and not cfg.causal_first_token
@@ -73,7 +74,7 @@ def reference(model: Transformer, prompt: list[int], controls: Controls, gen_len
         out.append(tok)
         lps.append(float(logp[tok]))
         v, i = logp.topk(k) if k else (logp[:0], logp[:0].long())
-        tops.append(list(zip(i.tolist(), v.tolist(), strict=True)))
+        tops.append([(t, x) for t, x in zip(i.tolist(), v.tolist(), strict=True) if x > float("-inf")])
         if tok in eos:
             break
         if matcher is not None:

@@ -9,9 +9,10 @@ one bitmask per column, then rolls back; it keeps only what is committed). So ev
 exactly what AR decoding would at that position, and the verification's tokens are AR's.
 
 Before the feed, a row's draft is cut where the grammar stops allowing it (a token the grammar
-refuses could never be accepted), and the text the grammar forces next (one way on: a property's
-name, punctuation) is drafted in its tokens ahead of the masks' draft, in the same positions
-(jump-forward; the verification checks them like any draft).
+refuses could never be accepted), and wherever along it the grammar forces text (one way on: a
+property's name, punctuation), that text's tokens take those positions in the draft (jump-forward;
+the verification checks them like any draft). A draft that runs out where the grammar forces more
+is extended by it.
 
 Branches (fork) are off for controlled rows: a branch's tokens have a prefix of their own, which
 the matcher and the counts would need a state for each. The work here is host-side per verified
@@ -19,6 +20,8 @@ position of a controlled row only; a step with no controlled row never enters th
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import torch
@@ -38,24 +41,48 @@ class RowControl:
         self.eos_ids = np.array(sorted(t for t in eos if 0 <= t < vocab), dtype=np.int64)
         self.forced = 0  # tokens at the head of the draft the grammar forced (always fed)
 
-    def prepare(self, draft: list[int], jump: bool) -> list[int]:
-        """The draft to feed: the grammar's forced tokens first (jump), then the rest of the draft in
-        the positions after them, cut before the first token the grammar does not allow there."""
+    def prepare(self, draft: list[int], jump: bool, most: int) -> list[int]:
+        """The draft to feed, at most `most` tokens: the draft's tokens while the grammar allows them,
+        up to the first it refuses; and wherever the grammar forces text (jump), its tokens in the
+        positions they take, in place of the draft's there."""
         m = self.matcher
         if m is None:
             self.forced = 0
             return draft
-        forced = m.forced() if jump else []
-        if forced:
-            draft = forced + draft[len(forced):]
-        e = next((i for i, t in enumerate(draft) if t in self.eos), len(draft))
-        n = m.valid_prefix(draft[:e])
-        if n == e < len(draft):  # an end of sequence where the text before it completes the grammar
-            m.accept_many(draft[:n])
-            n += m.is_complete()
-            m.rollback(e)
-        self.forced = min(len(forced), n)
-        return draft[:n]
+        out: list[int] = []
+        self.forced = -1  # (until the first draft token: the forced tokens at the head)
+        i = 0
+        while len(out) < most:
+            forced = m.forced() if jump else []
+            if forced:
+                forced = forced[: most - len(out)]
+                m.accept_many(forced)
+                out += forced
+                i += len(forced)
+                continue
+            if self.forced < 0:
+                self.forced = len(out)
+            if i >= len(draft):
+                break
+            t = draft[i]
+            if t in self.eos:
+                if m.is_complete():
+                    out.append(t)
+                break
+            if not m.accept(t):
+                break
+            out.append(t)
+            i += 1
+        if self.forced < 0:
+            self.forced = len(out)
+        m.rollback(sum(t not in self.eos for t in out))
+        return out
+
+    def ends_only(self) -> bool:
+        """Whether the grammar allows nothing but the end here."""
+        row = np.zeros((self.matcher.grammar.vocab_size + 31) // 32, dtype=np.int32)
+        self.matcher.fill(row, np.zeros(0, dtype=np.int64))
+        return not row.any()
 
     def fill(self, draft: list[int], rows: np.ndarray) -> None:
         """rows [k + 1, words]: the allowed tokens after the committed ones and each prefix of the
@@ -67,15 +94,27 @@ class RowControl:
                 m.accept(draft[i])
         m.rollback(sum(t not in self.eos for t in draft))
 
-    def commit(self, tokens: list[int]) -> None:
-        """Advance the matcher over committed tokens (an EOS ends the row: nothing follows it)."""
+    def commit(self, tokens: list[int], logprobs: Logprobs | None, room: int) -> tuple[list[int], Logprobs | None]:
+        """Advance the matcher over committed tokens (an EOS ends the row: nothing follows it); their
+        logprobs cut to them. Where the grammar then allows the end alone and the row ends at one EOS
+        id, that EOS is committed too (room permitting): AR decoding would draw it with probability 1
+        from its next forward, which this saves."""
+        if logprobs is not None:
+            logprobs = Logprobs(logprobs.chosen[: len(tokens)], logprobs.top[: len(tokens)])
         if self.matcher is None:
-            return
+            return tokens, logprobs
         for t in tokens:
             if t in self.eos:
-                return
+                return tokens, logprobs
             if not self.matcher.accept(t):  # (the verify pass masked every other token)
                 raise RuntimeError(f"token {t} was committed where the grammar does not allow it")
+        if len(self.eos_ids) == 1 and len(tokens) < room and self.matcher.is_complete() and self.ends_only():
+            end = int(self.eos_ids[0])
+            tokens = tokens + [end]
+            if logprobs is not None:
+                logprobs.chosen.append(0.0)
+                logprobs.top.append([(end, 0.0)] if self.c.logprobs else [])
+        return tokens, logprobs
 
 
 def apply(seqs: list, rows: list[int], logits: Tensor, anchor: np.ndarray, ids: Tensor
@@ -177,7 +216,8 @@ def logprobs(seqs: list, rows: list[int], logits: Tensor, ids: Tensor, extra: Te
         k = seqs[b].fed_k
         w = wants[n]
         if w is not None:  # (which of the two chosen values applies is known once j is: Logprobs.cut)
-            out[b] = _Pending(chosen[r: r + k + 1], [list(zip(top_i[r + i][:w], top_v[r + i][:w], strict=True))
+            out[b] = _Pending(chosen[r: r + k + 1], [[(t, v) for t, v in zip(top_i[r + i][:w], top_v[r + i][:w],
+                                                                              strict=True) if v > -math.inf]
                                                      for i in range(k + 1)])
         r += k + 1
     return out

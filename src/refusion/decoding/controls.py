@@ -16,8 +16,10 @@ the same tokens; sampled: the same draws), whatever its drafts.
 
 Log-probabilities: of the distribution each token was chosen from, after the bias, the penalties
 and the grammar: greedy, log_softmax of those logits; sampling, the log of the probabilities it drew
-from (temperature applied, top-k / top-p cut: a cut token's is -inf). `ar` and `speculative` report
-the same numbers for the same tokens.
+from (temperature applied, top-k / top-p cut). The top alternatives are the most likely tokens
+of that distribution that it can give at all (those the grammar or a cut leaves out are not listed,
+so a list may be shorter than asked). `ar` and `speculative` report the same numbers for the same
+tokens, to float rounding (their forwards differ in width).
 """
 
 from __future__ import annotations
@@ -99,7 +101,8 @@ class Controls:
 @dataclass
 class Logprobs:
     """Log-probabilities of some tokens, aligned with them: chosen[i] of the i-th token; top[i] the k
-    most likely tokens there, as (id, logprob), most likely first (k = Controls.logprobs; [] when 0)."""
+    most likely tokens there, as (id, logprob), most likely first (k = Controls.logprobs; [] when 0;
+    fewer where fewer are possible, as under a grammar)."""
 
     chosen: list[float] = field(default_factory=list)
     top: list[list[tuple[int, float]]] = field(default_factory=list)

@@ -336,7 +336,8 @@ class SpeculativeBatch:
         ruled = [b for b, q in enumerate(seqs) if q.control is not None]  # controlled rows (controlled.py)
         for b in ruled:  # (their drafts: what the grammar forces first, cut where it stops allowing them)
             q = seqs[b]
-            q.draft = q.control.prepare(q.draft, jump=q.p.draft_length > 0 and (q.x is not None or q.causal_first))
+            q.draft = q.control.prepare(q.draft, jump=q.p.draft_length > 0 and (q.x is not None or q.causal_first),
+                                        most=max(q.p.draft_length, len(q.draft)))
         feeds = [q.next_feed() for q in seqs]
         B = len(seqs)
         W = max(len(ids) for ids, _ in feeds)

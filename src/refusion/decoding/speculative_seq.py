@@ -139,13 +139,13 @@ class SpeculativeSeq:
         eos_at = next((i for i, t in enumerate(commit) if t in self.eos), None)
         if eos_at is not None:
             commit = commit[: eos_at + 1]
+        if self.control is not None:  # (it may end the row at once: controlled.RowControl.commit)
+            commit, logprobs = self.control.commit(commit, logprobs, self.p.gen_length - len(self.res.tokens))
+            eos_at = len(commit) - 1 if commit and commit[-1] in self.eos else None
+            if logprobs is not None:
+                self.res.logprobs.extend(logprobs)
         g = len(self.res.tokens)
         positions = list(range(self.P + g, self.P + g + len(commit)))
-        if self.control is not None:
-            self.control.commit(commit)
-            if logprobs is not None:
-                logprobs = Logprobs(logprobs.chosen[: len(commit)], logprobs.top[: len(commit)])
-                self.res.logprobs.extend(logprobs)
         self.res.tokens += commit
         self.res.positions += positions
         self.res.steps += [self.res.forwards - 1] * len(commit)
