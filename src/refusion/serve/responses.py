@@ -122,13 +122,12 @@ class RequestRun:
         finish_reason, logprobs) for each choice, or ("error", message), which ends the request.
         logprobs: (tokens, logprobs, tops) newly due. Events that arrived together are merged per
         choice, so a slow reader gets fewer, larger chunks."""
-        server = self.server
         try:
             while not all(c.done for c in self.choices):
                 evs = [await self.queue.get()]
                 while not self.queue.empty():
                     evs.append(self.queue.get_nowait())
-                pending: dict[int, tuple[str, list]] = {}
+                pending: dict[int, tuple[str, list]] = {}  # choice -> (text, commits) not yet handed out
                 for i, ev in evs:
                     if ev.kind == "gone":
                         self.cancel()
@@ -137,44 +136,49 @@ class RequestRun:
                         yield "error", ev.message
                         return
                     c = self.choices[i]
-                    delta, commits = pending.get(i, ("", []))
                     if ev.kind == "prompt":
                         c.prompt = ev.logprobs
-                        continue
-                    if ev.kind == "commit":
-                        ev = self._within(ev)
-                        if not ev.positions:
-                            continue
-                        if self.first_token is None:
-                            self.first_token = time.perf_counter()
-                            server.metrics.ttft.observe(self.first_token - self.arrived)
-                        commits.append({"positions": ev.positions, "tokens": ev.tokens, "step": ev.step,
-                                        "pieces": [server.tok.decode([t]) for t in ev.tokens]})
-                        c.note(ev.positions, ev.logprobs)
-                        delta += c.text.add(ev.positions, ev.tokens)
-                        pending[i] = (delta, commits)
-                        if c.text.stopped:
-                            server.engine.cancel(c.job)  # the answer is complete: free the sequence now
+                    elif ev.kind == "commit":
+                        pending[i] = self._commit(c, ev, *pending.get(i, ("", [])))
                     elif ev.kind == "done":
-                        pending.pop(i, None)
-                        res = _cut(ev.result, self.choice.cut)
-                        c.note(res.positions, res.logprobs)
-                        if not c.text.stopped and not ev.cancelled:
-                            delta += c.text.add(res.positions, res.tokens) + c.text.finish()
-                        due = c.fresh()
-                        if commits or delta:
-                            yield "commit", c, delta, commits, ([], [], [])
-                        reason = "stop" if c.text.stopped or res.finished else "length"
-                        server.metrics.finished(len(res.tokens), res.forwards)
-                        c.done, c.result = True, res
-                        yield "done", c, res, reason, due
+                        for out in self._done(c, ev, *pending.pop(i, ("", []))):
+                            yield out
                 for i, (delta, commits) in pending.items():
-                    c = self.choices[i]
-                    yield "commit", c, delta, commits, c.fresh()
+                    if delta or commits:
+                        yield "commit", self.choices[i], delta, commits, self.choices[i].fresh()
         finally:
             if self.watcher is not None:
                 self.watcher.cancel()
             self.cancel()
+
+    def _commit(self, c: _Choice, ev: Event, delta: str, commits: list) -> tuple[str, list]:
+        """A commit event into the choice's text and logprobs; the text and commits gathered."""
+        ev = self._within(ev)
+        if not ev.positions:
+            return delta, commits
+        server = self.server
+        if self.first_token is None:
+            self.first_token = time.perf_counter()
+            server.metrics.ttft.observe(self.first_token - self.arrived)
+        commits.append({"positions": ev.positions, "tokens": ev.tokens, "step": ev.step,
+                        "pieces": [server.tok.decode([t]) for t in ev.tokens]})
+        c.note(ev.positions, ev.logprobs)
+        delta += c.text.add(ev.positions, ev.tokens)
+        if c.text.stopped:
+            server.engine.cancel(c.job)  # the answer is complete: free the sequence now
+        return delta, commits
+
+    def _done(self, c: _Choice, ev: Event, delta: str, commits: list) -> list[tuple]:
+        """The choice's last commit (if any) and its done."""
+        res = _cut(ev.result, self.choice.cut)
+        c.note(res.positions, res.logprobs)
+        if not c.text.stopped and not ev.cancelled:
+            delta += c.text.add(res.positions, res.tokens) + c.text.finish()
+        out: list[tuple] = [("commit", c, delta, commits, ([], [], []))] if commits or delta else []
+        reason = "stop" if c.text.stopped or res.finished else "length"
+        self.server.metrics.finished(len(res.tokens), res.forwards)
+        c.done, c.result = True, res
+        return out + [("done", c, res, reason, c.fresh())]
 
     def _within(self, ev: Event) -> Event:
         """A commit event without the positions past max_tokens (a decoder that works in whole
