@@ -69,7 +69,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     lim.add_argument("--keep-alive-timeout", type=_seconds, default=5.0,
                      help="seconds an idle connection stays open after a response")
     lim.add_argument("--max-queue", type=positive_int, default=256,
-                     help="requests waiting for the engine; one more is a 429 with Retry-After")
+                     help="sequences waiting for the engine (a request with n choices is n); more is a 429 "
+                          "with Retry-After")
     eng = s.add_argument_group("engine")
     eng.add_argument("--max-running", type=positive_int, default=64,
                      help="sequences decoded together in the continuous batch (speculative, greedy ar)")
