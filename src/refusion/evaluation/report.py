@@ -23,6 +23,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from refusion.evaluation.evaluate import wilson_interval
+from refusion.files import write_text
 
 REQUIRED = {"model", "task", "decoder", "accuracy", "tps"}
 CURVE_LABEL = re.compile(r"(?P<name>.+)@(?P<step>[0-9]+)")
@@ -328,7 +329,7 @@ def report(paths: list[str | Path], out: str | Path | None = None, plot: str | P
         text += "\n## Over training steps\n\n" + curves_tables(points) + "\n"
     if out is not None:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(text)
+        write_text(out, text)
     if plot is not None:
         plot_accuracy_vs_tps(last_steps(avg), plot_file(plot, PLOT_NAME))
     if curves_plot is not None:
