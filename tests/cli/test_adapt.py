@@ -2,6 +2,7 @@
 decodes the base's own greedy answers, a cut run finishes to the same adapter, a second run redoes nothing,
 and what cannot be adapted (or resumed) is refused in one line. On SmolLM2 itself with -m slow."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -17,7 +18,7 @@ from refusion.decoding import decode
 from refusion.decoding.corpus import read_corpus
 from refusion.model.checkpoint import LOOKUP_CORPUS, load_model
 from refusion.model.tokenizer import Tokenizer
-from refusion.training.adapt import Options
+from refusion.training.adapt import Options, recipe
 from refusion.training.adapt.pipeline import Pipeline
 from refusion.training.adapt.recipe import QUICK_PROMPTS
 from tests.helpers.tiny_causal_lm import make_causal_lm
@@ -67,13 +68,16 @@ def test_quick_run_exports_an_adapter_whose_output_is_the_bases(base, quick_run,
     adapter = out / "adapter"
     meta = json.loads((adapter / "mask_adapter.json").read_text())
     assert meta["base"] == str(base.resolve()) and meta["rank"] == 16
-    assert int((read_corpus(adapter / LOOKUP_CORPUS).tokens == -1).sum()) == len(data)
+    settings = json.loads((adapter / "decoding.json").read_text())
+    if settings["params"]["lookup"]:
+        assert int((read_corpus(adapter / LOOKUP_CORPUS).tokens == -1).sum()) == len(data)
+    else:  # (the timing chose the masks alone: the corpus, which only lookup drafts from, went)
+        assert not (adapter / LOOKUP_CORPUS).exists()
     # the measurement: every candidate's every output the base's, and the settings it chose written
     summary = json.loads((out / "measure.json").read_text())["summary"]
     assert {s["name"] for s in summary} == {"base ar", "speculative", "speculative +lookup"}
     assert all(s["identical"] == s["n"] == 2 for s in summary)
-    settings = json.loads((adapter / "decoding.json").read_text())
-    assert settings["decoder"] == "speculative" and settings["params"]["lookup"] in (True, False)
+    assert settings["decoder"] == "speculative" and settings["measured_by"].startswith("refusion adapt ")
     # `--model DIR/adapter` decodes with them, and its greedy answer is the base's, token for token
     model, ref, tok = load_model(resolve_model(str(adapter))), load_model(base), Tokenizer.from_dir(base)
     ids = [tok.chat_prompt_ids("Write a short email to my landlord.")]
@@ -85,6 +89,15 @@ def test_quick_run_exports_an_adapter_whose_output_is_the_bases(base, quick_run,
     assert all(p.read_bytes() == b for p, b in files.items())
     log = (out / "log").read_text()
     assert log.count("starting") == 1 and log.count("resuming") == 1 and log.count("train: done") == 1
+    # --export copies the adapter into a directory (the package's asset), leaving no adapter file of an older one
+    asset = out.parent / "asset"
+    asset.mkdir()
+    (asset / "mask_sampler.safetensors").write_bytes(b"an older adapter's")
+    (asset / "notes.txt").write_text("kept")
+    (adapter / "mask_sampler.safetensors").unlink(missing_ok=True)
+    assert adapt(base, out, "--export", str(asset)) == 0
+    assert {p.name for p in asset.iterdir()} == {p.name for p in adapter.iterdir()} | {"notes.txt"}
+    assert all((asset / p.name).read_bytes() == p.read_bytes() for p in adapter.iterdir())
 
 
 def test_the_benchmark_counts_every_output_the_bases(quick_run, tmp_path):
@@ -112,7 +125,7 @@ def test_a_cut_run_finishes_to_the_adapter_of_an_uncut_one(base, quick_run, tmp_
     state["stages"]["data"]["done"] = False
     (cut / "state.json").write_text(json.dumps(state))
     assert adapt(base, cut) == 0
-    for f in ("prompts.jsonl", "data.jsonl", "adapter/mask_adapter.safetensors", "adapter/lookup_corpus.safetensors"):
+    for f in ("prompts.jsonl", "data.jsonl", "train/adapter/mask_adapter.safetensors"):
         assert (cut / f).read_bytes() == (whole / f).read_bytes(), f
 
 
@@ -153,6 +166,20 @@ def test_own_prompts_file_joins_the_mix(base, tmp_path):
     assert [p["query"] for p in prompts if p["domain"] == "user"] == ["What is 3 plus 4?"]
     assert {p["domain"] for p in prompts} == {"code", "user"}
     assert json.loads((out / "state.json").read_text())["stages"]["prompts"]["held_out_repeats_dropped"] == 1
+
+
+def test_hours_fit_training_into_the_budget(base, tmp_path, monkeypatch):
+    """A budget already spent: training stops after the steps it timed (5 of the recipe's 40), and the
+    adapter is exported from them; the steps chosen are kept for a resume."""
+    monkeypatch.setattr(recipe, "QUICK", dataclasses.replace(recipe.QUICK, steps=40, save_every=20))
+    out = tmp_path / "run"
+    Pipeline(str(base), out, Options(prompts=QUICK_PROMPTS, quick=True, max_tokens=16), hours=1e-6, threads=1,
+             progress=False)(("base", "prompts", "data", "train"))
+    state = json.loads((out / "state.json").read_text())
+    assert state["stages"]["train"]["steps"] == 5 and state["stages"]["train"]["done"]
+    assert [json.loads(x)["step"] for x in (out / "train" / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5]
+    assert (out / "train" / "adapter" / "mask_adapter.safetensors").is_file()
+    assert "--hours 1e-06:" in (out / "log").read_text()
 
 
 def test_a_gguf_file_is_imported_once_into_the_run(tmp_path):

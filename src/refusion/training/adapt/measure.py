@@ -14,7 +14,6 @@ Rows are written to a JSON file as they finish; a rerun measures only the rows i
 from __future__ import annotations
 
 import json
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -87,14 +86,14 @@ def note(summary: list[dict], name: str, threads: int) -> str:
 
 def measure(adapter_dir: Path, base_dir: Path, out: Path, n: int, max_tokens: int, quick: bool = False,
             threads: int | None = None, seed: int = 0, progress: bool = True,
-            log: Callable[[str], None] = print, command: str | None = None) -> str | None:
+            log: Callable[[str], None] = print, command: str = "refusion adapt") -> str | None:
     """Measure the candidates on the held-out sets (chat only with `quick`, which needs no download),
     write the chosen one into adapter_dir/decoding.json; its name (None: none kept every output)."""
     import torch
 
     from refusion.bundled import resolve_model
     from refusion.decoding import decode, model_settings
-    from refusion.model.checkpoint import load_model
+    from refusion.model.checkpoint import LOOKUP_CORPUS, load_model
     from refusion.model.tokenizer import Tokenizer
 
     if threads is not None:
@@ -148,10 +147,13 @@ def measure(adapter_dir: Path, base_dir: Path, out: Path, n: int, max_tokens: in
         log("measure: no setting kept every output the base's: no decoding.json written (the decoder's defaults hold)")
         return None
     settings = model_settings.ModelSettings("speculative", CANDIDATES[best],
-                                            measured_by=command or "refusion adapt " + " ".join(sys.argv[2:]),
+                                            measured_by=command,
                                             note=note(summary, best, threads))
     model_settings.write(adapter_dir, settings)
     log(f"measure: decoding.json <- {settings.note}")
+    if not CANDIDATES[best]["lookup"] and (adapter_dir / LOOKUP_CORPUS).is_file():
+        (adapter_dir / LOOKUP_CORPUS).unlink()  # its answers draft only with lookup, which did not pay
+        log(f"measure: {LOOKUP_CORPUS} removed from {adapter_dir} (lookup drafts did not pay)")
     return best
 
 

@@ -16,8 +16,10 @@ resumes from its own files when cut off (run.py lists them):
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import shlex
 import shutil
 import time
 from pathlib import Path
@@ -38,7 +40,9 @@ STAGES = ("base", "prompts", "data", "train", "sampler", "export", "measure")
 # answers a model wrote in an earlier run of this recipe, by model name: the data stage answers only
 # what they lack (present in a checkout of the repository, not in an installed package)
 KEPT_ANSWERS = {SMOLLM2: Path(__file__).parents[4] / "configs" / "smollm2-refusion-data.jsonl.gz"}
-_KEPT_DOMAIN = {"gsm8k": "maths", "stdlib-functions": "code"}
+# what an adapter directory may hold (model/mask_adapter.py, mask_sampler.py, decoding/corpus.py, model_settings.py)
+ADAPTER_FILES = (ADAPTER_CONFIG, "mask_adapter.safetensors", "mask_sampler.safetensors", "lookup_corpus.safetensors",
+                 "decoding.json", "train_config.json")
 
 
 def base_of(model: str) -> tuple[str, Path | None]:
@@ -76,8 +80,6 @@ class Pipeline:
             raise ValueError(f"--hours {hours}: give a positive number of hours")
         if opts.prompts_file is not None:
             self.user = user_prompts(opts.prompts_file)  # a bad file fails before anything runs
-            import hashlib
-
             sha = hashlib.sha256("\n".join(self.user).encode()).hexdigest()[:16]
         else:
             self.user, sha = [], None
@@ -212,8 +214,7 @@ class Pipeline:
                      f"most (first guess {estimate_seconds('answer', todo, self.parameters) / 60:.0f} min) -> {out}")
         c = self_generate(self.base_model(), self.tokenizer(), prompts, out, self.opts.max_tokens,
                           self.budget.gen_batch, progress=self.progress)
-        self.run.finish("data", started, answers=len(prompts), written=c["written"] + self.run.state["stages"].get(
-            "data", {}).get("written", 0), finished=c["finished"])
+        self.run.finish("data", started, answers=len(prompts))
         self.run.log(f"data: {c['written']} answers written, {c['skipped']} already there")
 
     def _start_from(self, kept: Path, prompts: list[Prompt], out: Path) -> None:
@@ -372,8 +373,22 @@ class Pipeline:
                      f"{estimate_seconds('measured prompt', 4 * b.measure_prompts * 5, self.parameters) / 60:.0f} min)")
         chosen = measure(self.run / "adapter", self.model_dir, self.run / "measure.json", b.measure_prompts,
                          b.measure_tokens, quick=self.opts.quick, threads=1, seed=self.opts.seed,
-                         progress=self.progress, log=self.run.log)
+                         progress=self.progress, log=self.run.log, command=self.command())
         self.run.finish("measure", started, decoding=chosen)
+
+    def command(self) -> str:
+        """The command line that makes this run's adapter (decoding.json's measured_by)."""
+        o, d = self.opts, Options()
+        parts = ["refusion adapt", shlex.quote(self.model), "--out", shlex.quote(str(self.run.path))]
+        if o.quick:
+            parts.append("--quick")
+        if not o.quick and o.prompts != d.prompts:
+            parts += ["--prompts", str(o.prompts)]
+        if o.mix != d.mix:
+            parts += ["--mix", ",".join(f"{k}={v:g}" for k, v in o.mix.items())]
+        if o.prompts_file:
+            parts += ["--prompts-file", shlex.quote(o.prompts_file)]
+        return " ".join(parts)
 
     # ---- all of it ------------------------------------------------------------------------------
 
@@ -384,11 +399,19 @@ class Pipeline:
             getattr(self, stage)()
         final = self.run / "adapter"
         if self.export_to is not None:
-            self.export_to.mkdir(parents=True, exist_ok=True)
-            for p in final.iterdir():
-                shutil.copyfile(p, self.export_to / (p.name + ".tmp"))
-                (self.export_to / (p.name + ".tmp")).replace(self.export_to / p.name)
-            self.run.log(f"copied {final} -> {self.export_to}")
+            self._copy(final, self.export_to)
         self.run.log(f"done: {final}")
         return final
+
+    def _copy(self, final: Path, dest: Path) -> None:
+        """The adapter's files into `dest`, each replaced whole; an adapter file `final` lacks (a sampler that
+        did not pay this time) is removed, so that what `dest` holds is this adapter."""
+        dest.mkdir(parents=True, exist_ok=True)
+        for p in final.iterdir():
+            shutil.copyfile(p, dest / f".{p.name}.tmp")
+            (dest / f".{p.name}.tmp").replace(dest / p.name)
+        for name in ADAPTER_FILES:
+            if not (final / name).exists():
+                (dest / name).unlink(missing_ok=True)
+        self.run.log(f"copied {final} -> {dest}")
 
