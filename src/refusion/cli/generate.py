@@ -22,6 +22,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--raw", action="store_true", help="the prompt is the model's raw input: no chat template, and the "
                    "strings of special tokens in it (<|im_end|>) are those tokens; without it they are plain text")
     add_decoder_flags(g)
+    c = g.add_argument_group("structured output (decoders ar and speculative; the output is theirs, token for token)")
+    c.add_argument("--json-schema", metavar="FILE", help="the response is JSON valid against the JSON schema in FILE")
+    c.add_argument("--regex", metavar="PATTERN", help="the response matches PATTERN whole (Rust regex syntax)")
     add_runtime_flags(g)
     g.add_argument("--json", action="store_true", help="machine-readable output")
     g.add_argument("--no-view", action="store_true", help="print only the final text")
@@ -67,6 +70,33 @@ def _prompt(args: argparse.Namespace, tok, model_dir: Path) -> list[int]:
     return tok.chat_prompt_ids(args.prompt, system=args.system)
 
 
+def _controls(args: argparse.Namespace, tok, decoder: str):
+    """The grammar --json-schema or --regex asks for (None without either), checked before the weights load."""
+    if args.json_schema is None and args.regex is None:
+        return None
+    from refusion.decoding import Controls, grammar, registry
+
+    if args.json_schema is not None and args.regex is not None:
+        raise ValueError("give --json-schema or --regex, not both")
+    if not registry.get(decoder).controls:
+        takes = ", ".join(n for n in registry.names() if registry.get(n).controls)
+        raise ValueError(f"--json-schema and --regex need a decoder that keeps to a grammar exactly ({takes}), "
+                         f"not {decoder}: add --decoder speculative")
+    if tok is None:
+        raise ValueError("--json-schema and --regex need the model's tokenizer (tokenizer.json)")
+    if args.regex is not None:
+        return Controls(grammar=grammar.regex(tok, args.regex))
+    path = Path(args.json_schema)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"--json-schema {path} is not UTF-8 text") from None
+    try:
+        return Controls(grammar=grammar.json_schema(tok, text))
+    except ValueError as e:
+        raise ValueError(f"--json-schema {path}: {e}") from None
+
+
 def cmd_generate(args: argparse.Namespace) -> None:
     from refusion.model.checkpoint import load_config, load_model
     from refusion.decoding import decode, make_params
@@ -84,6 +114,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     decoder, params = choose_decoder(args, config, model_dir)
     gen_length = make_params(decoder, config, **params).gen_length
     check_prompts(config, [prompt], gen_length)
+    controls = _controls(args, tok, decoder)
     model = load_model(model_dir, dtype=args.dtype, device=device, compile=args.compile)
     set_threads(args.threads, count_parameters(model))
     view = None
@@ -91,7 +122,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         view = SlotView(tok, len(prompt), gen_length, eos_ids=model.config.eos_ids)
     try:
         res = decode(model, [prompt], decoder, seed=args.seed, on_commit=view.on_commit if view else None,
-                     **params)[0]
+                     controls=controls, **params)[0]
     finally:
         if view is not None:
             view.close()  # erases the frames: the answer is printed once, below

@@ -189,13 +189,22 @@ def _compile(tokenizer: Tokenizer, kind: str, source: str, make: Any) -> Grammar
         raise ValueError(f"invalid {kind.replace('_', ' ')}: {e}") from None
     err = llg.LLMatcher.validate_grammar(compiled, vocab.ll)
     if err:
-        raise ValueError(f"invalid {kind.replace('_', ' ')}: {err.splitlines()[0]}")
+        raise ValueError(f"invalid {kind.replace('_', ' ')}: {_one_line(err)}")
     g = Grammar(kind, source, vocab, compiled)
     with _LOCK:
         cache[key] = g
         while len(cache) > CACHE_PER_TOKENIZER:
             cache.popitem(last=False)
     return g
+
+
+def _one_line(err: str) -> str:
+    """llguidance's message on one line: where, and the parser's `error:` line (it draws carets
+    under the spec on the lines between)."""
+    lines = err.splitlines()
+    why = next((x.strip().removeprefix("error:").strip() for x in lines if x.strip().startswith("error:")), None)
+    head = lines[0].removesuffix(":").removesuffix(" regex parse error").rstrip(": ") if lines else err
+    return f"{head}: {why}" if why else head
 
 
 def json_object(tokenizer: Tokenizer) -> Grammar:
