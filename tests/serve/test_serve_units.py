@@ -254,6 +254,7 @@ def test_each_choice_gets_its_seed():
 
     assert _seeds(7, 3, sampled=True) == [7, 8, 9]
     assert _seeds(MAX_SEED - 1, 3, sampled=False) == [MAX_SEED - 1, MAX_SEED, 0]  # wraps within the range
+    assert _seeds(-2, 3, sampled=True) == [MAX_SEED - 1, MAX_SEED, 0]  # OpenAI's negative seeds too
     assert _seeds(None, 2, sampled=False) == [None, None]  # greedy: no seed needed
     fresh = _seeds(None, 4, sampled=True)
     assert len(set(fresh)) == 4 and all(0 <= s <= MAX_SEED for s in fresh)

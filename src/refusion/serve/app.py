@@ -353,10 +353,11 @@ class _CountRequests:
 
 
 def _seeds(seed: int | None, n: int, sampled: bool) -> list[int | None]:
-    """Each choice's seed: seed + i for choice i (wrapping within the seed range), so a seeded
-    request repeats choice by choice; unseeded and sampled, a fresh seed each; greedy, none."""
+    """Each choice's seed: seed + i for choice i, taken modulo 2**63 (OpenAI's seeds are any int64,
+    the decoders' are in [0, 2**63)), so a seeded request repeats choice by choice; unseeded and
+    sampled, a fresh seed each; greedy, none."""
     if seed is not None:
-        return [(seed + i) % (MAX_SEED + 1) if seed >= 0 else seed + i for i in range(n)]
+        return [(seed + i) % (MAX_SEED + 1) for i in range(n)]
     if sampled:
         return [int.from_bytes(os.urandom(7), "little") for _ in range(n)]
     return [None] * n
