@@ -247,13 +247,18 @@ WAYS_OUT = {
     "print a fake marker": "import os\nfor fd in range(3, 64):\n    try:\n        os.write(fd, b'0' * 32)\n"
                            "    except OSError:\n        pass\nos._exit(0)\n",
     "excepthook swallows": "import sys\nsys.excepthook = lambda *a: None\n",
+    # (in a plain exec of the tests after it, this jumps from the first assert to the last line, a pass)
+    "trace skips the asserts": "import sys\ndef skip(frame, event, arg):\n"
+                               "    if frame.f_code.co_filename == 'tests.py' and event == 'line' and frame.f_lineno == 1:\n"
+                               "        frame.f_lineno = 3\n    return skip\n"
+                               "sys.settrace(skip)\nsys.setprofile(lambda *a: None)\nsys.settrace = lambda f: None\n",
 }
 
 
 @pytest.mark.parametrize("way", list(WAYS_OUT))
 def test_an_answer_that_leaves_before_the_tests_end_fails(way):
     program = WAYS_OUT[way] + ("" if "def add" in WAYS_OUT[way] else WRONG)
-    r = run_python(program, tests=TESTS, timeout_s=5)
+    r = run_python(program, tests=TESTS + "pass\n", timeout_s=5)
     assert not r.passed and r.status in ("failed", "memory"), (way, r)
     if way in ("sys.exit(0)", "raise SystemExit", "os._exit(0)", "exit in the function", "os._exit in the function",
                "print a fake marker", "thread exits"):
@@ -262,7 +267,7 @@ def test_an_answer_that_leaves_before_the_tests_end_fails(way):
     # the way out does not break an honest answer's pass on its own: the same prelude before a right
     # answer passes wherever it lets the program go on (closing stdout, an atexit hook, a harmless hook)
     if way in ("close stdout", "atexit os._exit", "atexit sys.exit", "excepthook swallows",
-               "replace os.write and exit"):
+               "replace os.write and exit", "trace skips the asserts"):
         r = run_python(WAYS_OUT[way] + "def add(a, b):\n    return a + b\n", tests=TESTS, timeout_s=5)
         assert r.passed, (way, r)
 
