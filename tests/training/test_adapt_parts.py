@@ -10,6 +10,7 @@ import pytest
 from refusion.model.checkpoint import load_model
 from refusion.model.tokenizer import Tokenizer
 from refusion.tasks.chat import load_chat
+from refusion.tasks.maths import gsm8k_prompt
 from refusion.tasks.sources import gsm8k_train_questions
 from refusion.training.adapt import magpie
 from refusion.training.adapt.measure import choose
@@ -63,6 +64,14 @@ def test_no_shipped_training_prompt_repeats_a_held_out_chat_request():
     assert [q for q in gsm8k_train_questions() if held.repeats(q)] == []
     with gzip.open(KEPT, "rt", encoding="utf-8") as f:
         assert [r["query"] for r in map(json.loads, f) if held.repeats(r["query"])] == []  # (code prompts too)
+
+
+def test_shipped_gsm8k_train_questions_are_asked_as_the_benchmark_asks():
+    prompts = load_prompts("gsm8k-train", 3, seed=1)
+    questions = set(gsm8k_train_questions())
+    assert len(prompts) == 3 and all(p.source == "gsm8k-train" for p in prompts)
+    assert all(p.query == gsm8k_prompt(p.query.split("\n\n")[0]) and p.query.split("\n\n")[0] in questions
+               for p in prompts)
 
 
 @pytest.mark.slow  # (reads every function of the standard library)
