@@ -180,7 +180,7 @@ class Pipeline:
         specials = [t for t in (tok.tok.get_added_tokens_decoder()[i].content
                                 for i in tok.tok.get_added_tokens_decoder()) if t]
         path = self.run / "user_turns.jsonl"
-        drawn = math.ceil(n * 1.5) + 8
+        drawn = math.ceil(n * 1.3) + 8  # (SmolLM2 ends about 4 turns in 5 well: a few more are drawn if short)
         while True:
             est = estimate_seconds("user turn", drawn, self.parameters)
             self.run.log(f"prompts: sampling {drawn} user turns from the model (first guess {est / 60:.0f} min)")
@@ -190,7 +190,7 @@ class Pipeline:
             fresh = [t for t in kept if not held.repeats(t)]
             if len(fresh) >= n or drawn >= 4 * n + 8:
                 break
-            drawn = min(4 * n + 8, drawn + math.ceil(1.5 * (n - len(fresh))) + 8)
+            drawn = min(4 * n + 8, drawn + math.ceil(1.3 * (n - len(fresh))) + 8)
         if len(fresh) < n:
             self.run.log(f"prompts: only {len(fresh)} of {n} sampled user turns were kept (ended, well formed, new)")
         return fresh[:n], len(kept) - len(fresh)
