@@ -368,3 +368,40 @@ def test_controls_are_refused_where_they_cannot_be_exact():
             decode(model, PROMPTS, dec, gen_length=8, slot_size=8, controls=Controls(logprobs=0))
     # controls that change nothing are no controls
     assert decode(model, PROMPTS, "refusion", gen_length=8, slot_size=8, controls=Controls())
+
+
+# ---- SmolLM2 with its mask adapter (the shipped settings: lookup, fork, the sampler) -------------
+
+
+@pytest.mark.slow
+def test_smollm2_constrained_speculative_equals_constrained_ar():
+    jsonschema = pytest.importorskip("jsonschema")
+    import json
+
+    from refusion.bundled import resolve_model
+    from refusion.model.checkpoint import load_model
+
+    path = resolve_model("smollm2-refusion")
+    model, tok = load_model(path), Tokenizer.from_dir(path)
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 32}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "city": {"type": "string", "maxLength": 32}, "role": {"enum": ["nurse", "teacher", "engineer", "other"]},
+        "skills": {"type": "array", "items": {"type": "string", "maxLength": 24}, "minItems": 1, "maxItems": 3}},
+        "required": ["name", "age", "city", "role", "skills"], "additionalProperties": False}
+    texts = ["Maria Lopez is a 34-year-old nurse from Madrid who speaks Spanish and English.",
+             "Tom Becker, 51, teaches physics and chemistry in Hamburg.",
+             "Aiko Tanaka (27) is a software engineer in Osaka; she writes Rust and Python."]
+    prompts = [tok.chat_prompt_ids(f"Extract the person as JSON with the keys name, age, city, role, skills.\n\n{t}")
+               for t in texts]
+    for kw, c in ((dict(), Controls(grammar=grammar.json_schema(tok, schema), logprobs=2)),
+                  (dict(temperature=0.8, seed=3), Controls(grammar=grammar.json_schema(tok, schema),
+                                                           logit_bias={11: 2.0}, presence_penalty=0.5))):
+        want = decode(model, prompts, "ar", gen_length=96, controls=c, **kw)
+        got = decode(model, prompts, "speculative", gen_length=96, controls=c, **kw)
+        assert [r.tokens for r in got] == [r.tokens for r in want]
+        for r, w in zip(got, want, strict=True):
+            assert r.finished
+            jsonschema.validate(json.loads(tok.decode(r.tokens)), schema)
+            if c.logprobs is not None:
+                np.testing.assert_allclose(r.logprobs.chosen, w.logprobs.chosen, atol=1e-4)
+        assert sum(len(r.tokens) for r in got) > 1.5 * sum(r.forwards for r in got)
