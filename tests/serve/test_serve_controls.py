@@ -92,6 +92,27 @@ def test_n_choices_are_seeded_seed_plus_index(client):
     assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
 
 
+def test_several_prompts_n_choices_each(client):
+    """OpenAI's batch of prompts: choice p * n + j is prompt p's j-th, seeded seed + its index."""
+    _, tok = bundled()
+    model, _ = bundled()
+    prompts = [CODE, tok.encode(ADD)]
+    r = client.completions.create(model=NAME, prompt=prompts, n=2, max_tokens=16, temperature=1.0, seed=3, echo=True)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    for c in r.choices:
+        p = prompts[c.index // 2]
+        ids = tok.encode(p) if isinstance(p, str) else p
+        want = decode(model, [ids], "ar", eos_ids=model.config.eos_ids, gen_length=16, temperature=1.0,
+                      seed=3 + c.index)[0]
+        echo = p if isinstance(p, str) else tok.decode(p)
+        assert c.text == echo + tok.decode(answer_ids(want)), c.index
+    assert r.usage.prompt_tokens == len(tok.encode(CODE)) + len(tok.encode(ADD))
+    chunks = list(client.completions.create(model=NAME, prompt=prompts, n=2, max_tokens=16, temperature=1.0, seed=3,
+                                            echo=True, stream=True))
+    got = ["".join(ch.choices[0].text for ch in chunks if ch.choices and ch.choices[0].index == i) for i in range(4)]
+    assert got == [c.text for c in r.choices]
+
+
 def test_n_greedy_choices_are_the_same_answer(client):
     r = client.completions.create(model=NAME, prompt=ADD, max_tokens=16, n=3)
     assert len({c.text for c in r.choices}) == 1 and [c.index for c in r.choices] == [0, 1, 2]

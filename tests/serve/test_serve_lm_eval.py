@@ -68,10 +68,13 @@ def in_process(base_dir, tasks):  # noqa: F811
     return evaluate(ReFusionLM(pretrained=str(base_dir)), tasks)
 
 
-@pytest.mark.parametrize("tokenizer", ["server", "huggingface"])
-def test_local_completions_scores_as_the_in_process_adapter(live, base_dir, tasks, in_process, tokenizer):  # noqa: F811
+@pytest.mark.parametrize("tokenizer,batch", [("server", 1), ("huggingface", 1), ("server", 5)])
+def test_local_completions_scores_as_the_in_process_adapter(live, base_dir, tasks, in_process,  # noqa: F811
+                                                             tokenizer, batch):
+    """batch 5: lm-eval sends five prompts per request, a choice each."""
     kw = {} if tokenizer == "server" else {"tokenizer_backend": "huggingface", "tokenizer": str(base_dir)}
-    api = LocalCompletionsAPI(base_url=live.url + "/v1/completions", model="base", max_retries=1, **kw)
+    api = LocalCompletionsAPI(base_url=live.url + "/v1/completions", model="base", max_retries=1, batch_size=batch,
+                              **kw)
     assert api.tokenizer_backend == ("remote" if tokenizer == "server" else "huggingface")
     acc, resps = evaluate(api, tasks)
     assert len(resps) == len(DOCS) and all(len(r) == 3 for r in resps)

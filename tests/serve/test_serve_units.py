@@ -37,7 +37,11 @@ def test_loads_refuses_what_is_not_json(body, fragment):
     ({}, "missing required field: prompt"),
     ({"prompt": ""}, "prompt is empty"),
     ({"prompt": []}, "prompt is empty"),
-    ({"prompt": ["a", "b"]}, "one prompt per request"),
+    ({"prompt": ["a", ""]}, "prompt is empty"),
+    ({"prompt": [[1, 2], []]}, "prompt is empty"),
+    ({"prompt": [1, "a"]}, "a list of token ids, or a list of either"),
+    ({"prompt": [["a"]]}, "a list of token ids, or a list of either"),
+    ({"prompt": ["a"] * 65, "n": 2}, "at most 128 choices per request: 65 prompts x n 2"),
     ({"prompt": 5}, "prompt must be a string"),
     ({"prompt": "hi", "max_tokens": "10"}, "max_tokens must be an integer"),
     ({"prompt": "hi", "max_tokens": True}, "max_tokens must be an integer"),
@@ -110,6 +114,8 @@ def test_accepted_bodies():
                           "user": "me", "logprobs": None, "decoder": "refusion", "slot_size": 4})
     assert (r.prompt, r.max_tokens, r.temperature, r.stop, r.seed) == ([1, 2, 3], 8, 0.0, ["\n"], 3)
     assert (r.decoder, r.decoder_params) == ("refusion", {"slot_size": 4})
+    several = parse_completion({"prompt": ["a", [5, 6]], "n": 64})
+    assert several.prompts == ["a", [5, 6]] and several.prompt == "a"
     c = parse_chat({"messages": [{"role": "developer", "content": [{"type": "text", "text": "a"}]},
                                  {"role": "user", "content": "b"}], "max_completion_tokens": 5})
     assert c.messages == [{"role": "system", "content": "a"}, {"role": "user", "content": "b"}] and c.max_tokens == 5
@@ -129,7 +135,8 @@ def test_accepted_controls():
                     "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema,
                                                                                "strict": True}}})
     assert c.logprobs == 0 and c.constraint == Constraint("json_schema", schema, "response_format")
-    assert parse_chat({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 5}).logprobs == 5
+    five = parse_chat({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 5})
+    assert five.logprobs == 5
     assert parse_chat({"messages": [{"role": "user", "content": "x"}], "logprobs": False}).logprobs is None
     # OpenAI's defaults ask for nothing
     d = parse_completion({"prompt": "x", "response_format": {"type": "text"}, "logit_bias": {}, "presence_penalty": 0,

@@ -212,17 +212,17 @@ class Server:
         try:
             body = await self._read_body(request)
             # parsing and tokenizing a large body takes a while: off the event loop
-            req, prompt, choice = await asyncio.to_thread(self._prepare, body, chat)
+            req, prompts, choice = await asyncio.to_thread(self._prepare, body, chat)
         except RequestError as e:
             return _error(e)
-        run = RequestRun(self, req, prompt, choice, chat, arrived)
-        jobs = run.jobs(_seeds(req.seed, req.n, choice.temperature > 0))
+        run = RequestRun(self, req, prompts, choice, chat, arrived)
+        jobs = run.jobs(_seeds(req.seed, len(run.choices), choice.temperature > 0))
         try:
             self.engine.submit(*jobs)
         except QueueFull as e:
             return _error(RequestError(429, f"{e}; retry later", type="rate_limit_error", code="queue_full",
                                        headers={"Retry-After": "1"}))
-        self.metrics.prompt_tokens.inc(len(prompt))
+        self.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
         run.watch(request)
         if req.stream:
             chunks = run.sse()
@@ -268,55 +268,62 @@ class Server:
                                headers={"Connection": "close"}) from None
         return b"".join(chunks)
 
-    def _prepare(self, body: bytes, chat: bool) -> tuple[CompletionRequest | ChatRequest, list[int], DecoderChoice]:
+    def _prepare(self, body: bytes, chat: bool) -> tuple[CompletionRequest | ChatRequest, list[list[int]],
+                                                          DecoderChoice]:
+        """The request, its prompts' ids (one, or a completions request's batch), its decoder."""
         data = loads(body)
         req = parse_chat(data) if chat else parse_completion(data)
         if req.model is not None and req.model not in (self.cfg.model_name, *self.cfg.aliases):
             raise RequestError(404, f"the model {req.model!r} does not exist; this server serves "
                                     f"{self.cfg.model_name!r}", "model", code="model_not_found")
-        prompt = self._prompt_ids(req)
+        prompts = self._prompt_ids(req)
+        longest = max(len(p) for p in prompts)
         cap = self._cap()
         if req.max_tokens is not None and req.max_tokens > cap:
             raise RequestError(400, f"max_tokens {req.max_tokens} exceeds this server's cap of {cap}", "max_tokens")
         max_tokens = req.max_tokens if req.max_tokens is not None else max(
-            1, min(self.cfg.default_max_tokens, self.context - len(prompt)))
-        if len(prompt) + max_tokens > self.context:
+            1, min(self.cfg.default_max_tokens, self.context - longest))
+        if longest + max_tokens > self.context:
             raise RequestError(400, f"this model's maximum context length is {self.context} tokens; the prompt has "
-                                    f"{len(prompt)} and max_tokens asks for {max_tokens}", "prompt",
+                                    f"{longest} and max_tokens asks for {max_tokens}", "prompt",
                                code="context_length_exceeded")
         choice = choose(req, self.model.config, max_tokens, model_settings.of_model(self.model))
         choice = with_controls(choice, req, self.tok, self.model.config.vocab_size)
-        if choice.gen_length != max_tokens and len(prompt) + choice.gen_length > self.context:
+        if choice.gen_length != max_tokens and longest + choice.gen_length > self.context:
             raise RequestError(400, f"this model's maximum context length is {self.context} tokens; decoder "
                                     f"{choice.decoder!r} decodes max_tokens {max_tokens} in whole blocks, "
-                                    f"{choice.gen_length} tokens, and the prompt has {len(prompt)}: lower max_tokens",
+                                    f"{choice.gen_length} tokens, and the prompt has {longest}: lower max_tokens",
                                "max_tokens", code="context_length_exceeded")
-        budget.check(len(prompt), choice, self.context, self.max_request_tokens, n=req.n)
-        return req, prompt, choice
+        budget.check(longest, choice, self.context, self.max_request_tokens, n=len(prompts) * req.n)
+        return req, prompts, choice
 
-    def _prompt_ids(self, req: CompletionRequest | ChatRequest) -> list[int]:
-        try:
-            if isinstance(req, ChatRequest):
-                ids = self.tok.chat_ids(req.messages)  # message content is text: no control tokens in it
-            elif isinstance(req.prompt, str):
-                ids = self.tok.encode(req.prompt)
-            else:
-                ids = req.prompt
-                bad = next((t for t in ids if not 0 <= t < self.model.config.vocab_size), None)
-                if bad is not None:
-                    raise RequestError(400, f"prompt token id {bad} is outside the vocabulary "
-                                            f"[0, {self.model.config.vocab_size})", "prompt")
-        except ValueError as e:  # the tokenizer's and the chat template's errors
-            if isinstance(e, RequestError):
-                raise
-            raise RequestError(400, f"cannot build the prompt: {e}", "messages" if isinstance(req, ChatRequest)
-                               else "prompt") from None
-        if not ids:
-            raise RequestError(400, "the prompt is empty after tokenization", "prompt")
-        if len(ids) >= self.context:
-            raise RequestError(400, f"this model's maximum context length is {self.context} tokens; the prompt has "
-                                    f"{len(ids)}", "prompt", code="context_length_exceeded")
-        return ids
+    def _prompt_ids(self, req: CompletionRequest | ChatRequest) -> list[list[int]]:
+        vocab = self.model.config.vocab_size
+        out = []
+        for prompt in [req.messages] if isinstance(req, ChatRequest) else req.prompts:
+            try:
+                if isinstance(req, ChatRequest):
+                    ids = self.tok.chat_ids(prompt)  # message content is text: no control tokens in it
+                elif isinstance(prompt, str):
+                    ids = self.tok.encode(prompt)
+                else:
+                    ids = prompt
+                    bad = next((t for t in ids if not 0 <= t < vocab), None)
+                    if bad is not None:
+                        raise RequestError(400, f"prompt token id {bad} is outside the vocabulary [0, {vocab})",
+                                           "prompt")
+            except ValueError as e:  # the tokenizer's and the chat template's errors
+                if isinstance(e, RequestError):
+                    raise
+                raise RequestError(400, f"cannot build the prompt: {e}", "messages" if isinstance(req, ChatRequest)
+                                   else "prompt") from None
+            if not ids:
+                raise RequestError(400, "the prompt is empty after tokenization", "prompt")
+            if len(ids) >= self.context:
+                raise RequestError(400, f"this model's maximum context length is {self.context} tokens; the prompt "
+                                        f"has {len(ids)}", "prompt", code="context_length_exceeded")
+            out.append(ids)
+        return out
 
     def _cap(self) -> int:
         return min(self.cfg.max_tokens_cap, self.context - 1)

@@ -32,7 +32,7 @@ def _num(lp: float) -> float:
 @functools.cache
 def _byte_decoder() -> dict[str, int]:
     # the printable stand-ins byte-level BPE vocabularies spell bytes with (GPT-2's table)
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     cs, n = list(bs), 0
     for b in range(256):
         if b not in bs:

@@ -1,7 +1,8 @@
 """One generation request on the asyncio side: the engine's events in, OpenAI's shapes out, as one
 JSON object (`RequestRun.collect`) or as SSE chunks (`RequestRun.sse`, sent by `StreamResponse`).
 
-A request with n choices is n engine jobs, one per choice; their events come through one queue,
+A request with n choices is n engine jobs, one per choice (a completions request with several
+prompts: n per prompt, choice p * n + j for prompt p); their events come through one queue,
 tagged with the choice's index. A stream's chunks each carry one choice (its `index`), as
 OpenAI's do. Logprobs follow the text: a token's entry goes out once it is in the complete prefix
 (never past a stop string or the EOS), with the prompt's entries first under echo.
@@ -45,14 +46,16 @@ class ServerView(Protocol):
 
 @dataclass
 class _Choice:
-    """One choice's state: its job, its text so far, its tokens' logprobs by position."""
+    """One choice's state: its prompt, its job, its text so far, its tokens' logprobs by position."""
 
     index: int
+    prompt: list[int]
+    source: str | list[int]  # the prompt as the request gave it (echo returns its text)
     text: TextAssembler
     job: Job | None = None
     logprobs: dict[int, tuple[float, Any]] = field(default_factory=dict)  # position -> (logprob, top)
     emitted: int = 0  # prefix tokens whose logprobs were handed out
-    prompt: Logprobs | None = None  # the prompt's (echo)
+    prompt_logprobs: Logprobs | None = None  # echo's
     started: bool = False  # its first chunk went out
     done: bool = False
     result: DecodeResult | None = None
@@ -79,14 +82,15 @@ class _Choice:
 class RequestRun:
     """One generation request on the asyncio side: events in, OpenAI shapes out."""
 
-    def __init__(self, server: ServerView, req: CompletionRequest | ChatRequest, prompt: list[int],
+    def __init__(self, server: ServerView, req: CompletionRequest | ChatRequest, prompts: list[list[int]],
                  choice: DecoderChoice, chat: bool, arrived: float) -> None:
-        self.server, self.req, self.prompt, self.choice, self.chat = server, req, prompt, choice, chat
+        self.server, self.req, self.prompts, self.choice, self.chat = server, req, prompts, choice, chat
         self.arrived = arrived
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
-        self.choices = [_Choice(i, TextAssembler(server.tok, len(prompt), server.eos_ids, req.stop))
-                        for i in range(req.n)]
+        sources = [None] if chat else req.prompts
+        self.choices = [_Choice(p * req.n + j, ids, src, TextAssembler(server.tok, len(ids), server.eos_ids, req.stop))
+                        for p, (ids, src) in enumerate(zip(prompts, sources, strict=True)) for j in range(req.n)]
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.watcher: asyncio.Task | None = None
@@ -102,7 +106,7 @@ class RequestRun:
         """One job per choice (the app submits them)."""
         score = self.req.logprobs if self.echo else None
         for c, seed in zip(self.choices, seeds, strict=True):
-            c.job = Job(prompt=self.prompt, choice=self.choice, seed=seed, sink=self.sink(c.index), score=score)
+            c.job = Job(prompt=c.prompt, choice=self.choice, seed=seed, sink=self.sink(c.index), score=score)
         return [c.job for c in self.choices]
 
     def cancel(self) -> None:
@@ -137,7 +141,7 @@ class RequestRun:
                         return
                     c = self.choices[i]
                     if ev.kind == "prompt":
-                        c.prompt = ev.logprobs
+                        c.prompt_logprobs = ev.logprobs
                     elif ev.kind == "commit":
                         pending[i] = self._commit(c, ev, *pending.get(i, ("", [])))
                     elif ev.kind == "done":
@@ -153,7 +157,7 @@ class RequestRun:
 
     def _commit(self, c: _Choice, ev: Event, delta: str, commits: list) -> tuple[str, list]:
         """A commit event into the choice's text and logprobs; the text and commits gathered."""
-        ev = self._within(ev)
+        ev = self._within(c, ev)
         if not ev.positions:
             return delta, commits
         server = self.server
@@ -180,10 +184,10 @@ class RequestRun:
         c.done, c.result = True, res
         return out + [("done", c, res, reason, c.fresh())]
 
-    def _within(self, ev: Event) -> Event:
+    def _within(self, c: _Choice, ev: Event) -> Event:
         """A commit event without the positions past max_tokens (a decoder that works in whole
         blocks decodes up to the end of the last one)."""
-        end = len(self.prompt) + self.choice.cut
+        end = len(c.prompt) + self.choice.cut
         if all(q < end for q in ev.positions):
             return ev
         keep = [i for i, q in enumerate(ev.positions) if q < end]
@@ -195,17 +199,16 @@ class RequestRun:
 
     # ---- echo and logprobs ----------------------------------------------------------------------
 
-    def _echo_text(self) -> str:
-        p = self.req.prompt  # (echo is a completions field)
-        return p if isinstance(p, str) else self.server.tok.decode(p)
+    def _echo_text(self, c: _Choice) -> str:
+        return c.source if isinstance(c.source, str) else self.server.tok.decode(c.source)
 
     def _prompt_logprobs(self, c: _Choice) -> dict | None:
         """Completions' logprobs of the prompt's tokens (echo), the first with none."""
-        if self.shapes is None or c.prompt is None:
+        if self.shapes is None or c.prompt_logprobs is None:
             return None
-        chosen: list[float | None] = [None, *c.prompt.chosen]
-        top: list = [None, *c.prompt.top]
-        return self.shapes.completion(self.prompt, chosen, top, 0)[0]
+        chosen: list[float | None] = [None, *c.prompt_logprobs.chosen]
+        top: list = [None, *c.prompt_logprobs.top]
+        return self.shapes.completion(c.prompt, chosen, top, 0)[0]
 
     def _answer_logprobs(self, due: tuple, offset: int) -> tuple[Any, int]:
         """The due tokens' logprobs in the endpoint's shape, and the text offset after them."""
@@ -218,7 +221,7 @@ class RequestRun:
     async def collect(self) -> dict | RequestError:
         reasons: dict[int, str] = {}
         logprobs: dict[int, Any] = {}
-        offsets = {c.index: len(self._echo_text()) if self.echo else 0 for c in self.choices}
+        offsets = {c.index: len(self._echo_text(c)) if self.echo else 0 for c in self.choices}
         async for kind, *payload in self.events():
             if kind == "error":
                 return RequestError(500, payload[0], type="server_error")
@@ -241,7 +244,7 @@ class RequestRun:
                             "finish_reason": reasons[c.index]})
                 continue
             if self.echo:
-                text = self._echo_text() + text
+                text = self._echo_text(c) + text
                 if self.shapes is not None:
                     lp = merge_completion(self._prompt_logprobs(c), lp or self.shapes.completion([], [], [], 0)[0])
             elif self.shapes is not None and lp is None:
@@ -259,7 +262,7 @@ class RequestRun:
 
     async def sse(self) -> AsyncIterator[bytes | RequestError]:
         first = True
-        offsets = {c.index: len(self._echo_text()) if self.echo else 0 for c in self.choices}
+        offsets = {c.index: len(self._echo_text(c)) if self.echo else 0 for c in self.choices}
         async for kind, *payload in self.events():
             if kind == "error":
                 if first:
@@ -273,10 +276,10 @@ class RequestRun:
             ext: dict[str, Any] = {}
             prefix, lp = "", None
             if not c.started:
-                ext = {"decoder": self.choice.decoder, "prompt_tokens": len(self.prompt),
+                ext = {"decoder": self.choice.decoder, "prompt_tokens": len(c.prompt),
                        "gen_length": self.choice.gen_length}
                 if self.echo:
-                    prefix, lp = self._echo_text(), self._prompt_logprobs(c)
+                    prefix, lp = self._echo_text(c), self._prompt_logprobs(c)
             if self.shapes is not None and (due[0] or lp is not None):
                 part, offsets[c.index] = self._answer_logprobs(due, offsets[c.index])
                 lp = {"content": part, "refusal": None} if self.chat else merge_completion(lp, part)
@@ -311,7 +314,8 @@ class RequestRun:
     def _usage(self) -> dict:
         n = sum((c.text.tokens_at_stop if c.text.stopped else len(c.result.tokens)) for c in self.choices
                 if c.result is not None)
-        return {"prompt_tokens": len(self.prompt), "completion_tokens": n, "total_tokens": len(self.prompt) + n}
+        p = sum(len(ids) for ids in self.prompts)
+        return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
 
     def _stats(self, res: DecodeResult, full: bool = False) -> dict:
         out = {"decoder": self.choice.decoder, "tokens": len(res.tokens), "forwards": res.forwards,

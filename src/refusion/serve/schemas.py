@@ -97,7 +97,8 @@ class GenerationRequest:
 
 @dataclass
 class CompletionRequest(GenerationRequest):
-    prompt: str | list[int] = ""
+    prompt: str | list[int] = ""  # the first prompt
+    prompts: list[str | list[int]] = field(default_factory=list)  # every prompt: a choice per prompt and n
     echo: bool = False  # the prompt comes back before the answer (with its tokens' logprobs if asked)
 
 
@@ -133,7 +134,11 @@ def parse_completion(body: Any) -> CompletionRequest:
     _common(d, req, min_tokens=0 if req.echo else 1)
     if "prompt" not in d:
         raise RequestError(400, "missing required field: prompt", "prompt")
-    req.prompt = _prompt(d["prompt"])
+    req.prompts = _prompts(d["prompt"])
+    req.prompt = req.prompts[0]
+    if len(req.prompts) * req.n > MAX_N:
+        raise RequestError(400, f"at most {MAX_N} choices per request: {len(req.prompts)} prompts x n {req.n}",
+                           "prompt")
     req.logprobs = _opt_int(d, "logprobs", lo=0, hi=MAX_TOP_LOGPROBS)
     return req
 
@@ -141,7 +146,7 @@ def parse_completion(body: Any) -> CompletionRequest:
 def parse_chat(body: Any) -> ChatRequest:
     d = object_of(body)
     _known(d, _COMMON + ("messages", "max_completion_tokens", "logprobs", "top_logprobs"))
-    if d.get("max_completion_tokens") is not None:  # the newer name of max_tokens in chat (null: not set)
+    if "max_completion_tokens" in d:  # the newer name of max_tokens in chat
         if d.get("max_tokens") is not None:
             raise RequestError(400, "give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
         d = {**d, "max_tokens": d["max_completion_tokens"]}
@@ -258,8 +263,8 @@ def _response_format(v: Any) -> Constraint | None:
         raise RequestError(400, f"response_format.type must be text, json_object or json_schema, got {kind!r}",
                            "response_format")
     if extra or ("json_schema" in v and kind != "json_schema"):
-        raise RequestError(400, f"response_format of type {kind} takes no field {sorted(extra or {'json_schema'})[0]!r}",
-                           "response_format")
+        field_name = sorted(extra or {"json_schema"})[0]
+        raise RequestError(400, f"response_format of type {kind} takes no field {field_name!r}", "response_format")
     if kind == "text":
         return None
     if kind == "json_object":
@@ -319,23 +324,23 @@ def _structured(v: Any) -> Constraint | None:
     return Constraint("choice", list(x), param)
 
 
-def _prompt(v: Any) -> str | list[int]:
-    # One prompt per request: a string, a list of token ids, or a one-element list of either.
-    if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
-        v = v[0]
-    if isinstance(v, str):
-        if not v:
-            raise RequestError(400, "prompt is empty", "prompt")
-        _no_surrogates(v, "prompt")
-        return v
-    if isinstance(v, list):
-        if not v:
-            raise RequestError(400, "prompt is empty", "prompt")
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in v):
-            return list(v)
-        if all(isinstance(t, (str, list)) for t in v):
-            raise RequestError(400, "one prompt per request (a batch of prompts is not supported)", "prompt")
-    raise RequestError(400, f"prompt must be a string or a list of token ids, got {_kind(v)}", "prompt")
+def _prompts(v: Any) -> list[str | list[int]]:
+    """A string, a list of token ids, or a list of either (OpenAI's batch of prompts)."""
+    if isinstance(v, str) or (isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool)
+                                                                  for t in v)):
+        v = [v]
+    if not isinstance(v, list) or not v:
+        raise RequestError(400, "prompt is empty" if v == [] else
+                           f"prompt must be a string or a list of token ids, got {_kind(v)}", "prompt")
+    out: list[str | list[int]] = []
+    for p in v:
+        if isinstance(p, str) and p:
+            _no_surrogates(p, "prompt")
+        elif not (isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)):
+            raise RequestError(400, "prompt is empty" if p in ("", []) else
+                               "prompt must be a string, a list of token ids, or a list of either", "prompt")
+        out.append(list(p) if isinstance(p, list) else p)
+    return out
 
 
 def messages_of(v: Any) -> list[dict[str, str]]:
