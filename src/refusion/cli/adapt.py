@@ -34,7 +34,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--export", metavar="DIR", help="also copy the finished adapter into DIR (e.g. "
                    "src/refusion/assets/smollm2-refusion, which `--model smollm2-refusion` names)")
     a.add_argument("--threads", type=positive_int, help="CPU threads (default: torch's)")
-    a.add_argument("--no-progress", action="store_true", help="no progress bars")
+    a.add_argument("--no-progress", action="store_true", help="no progress bars or stage lines on the terminal "
+                   "(DIR/log keeps the lines)")
     a.set_defaults(func=cmd_adapt)
 
 

@@ -26,8 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from refusion.bundled import ADAPTER_CONFIG, ASSETS, SMOLLM2, adapter_names, resolve_model
-from refusion.training.adapt import magpie
-from refusion.training.adapt.prompts import DOMAINS, domain_counts, fixed_prompts, held_out_chat, user_prompts
+from refusion.training.adapt.prompts import DOMAINS, choose_prompts, user_prompts
 from refusion.training.adapt.recipe import Budget, Options, budget, estimate_seconds, train_overrides
 from refusion.training.adapt.run import RunDir, fingerprint
 from refusion.training.self_generate import Prompt
@@ -142,58 +141,19 @@ class Pipeline:
         if self.run.done("prompts"):
             return
         started = time.time()
-        counts = domain_counts({d: self.opts.mix.get(d, 0.0) for d in DOMAINS if self.opts.mix.get(d)},
-                               self.opts.prompts)
-        held = held_out_chat()
-        out: list[Prompt] = []
-        dropped = 0
-        for domain in ("maths", "code"):
-            chosen = fixed_prompts(domain, counts.get(domain, 0), self.opts.seed)
-            got = [p for p in chosen if not held.repeats(p.query)]
-            dropped += len(chosen) - len(got)
-            out += got
-        if counts.get("prose"):
-            turns, n_dropped = self._user_turns(counts["prose"], held)
-            dropped += n_dropped
-            out += [Prompt("prose", q) for q in turns]
-        user = [q for q in dict.fromkeys(self.user) if not held.repeats(q)]
-        dropped += len(dict.fromkeys(self.user)) - len(user)
-        out += [Prompt("user", q) for q in user]
-        out = list({p.query: p for p in reversed(out)}.values())[::-1]  # each query once, first place kept
-        # a prompt whose longest answer would not fit the training rows (or the model) is no use
-        tok, room = self.tokenizer(), min(1024, self.base_model().config.max_position_embeddings)
-        fits = [p for p in out if len(tok.chat_prompt_ids(p.query)) + self.opts.max_tokens <= room]
-        too_long, out = len(out) - len(fits), fits
+        room = min(1024, self.base_model().config.max_position_embeddings)
+        chosen, stats = choose_prompts(self.base_model(), self.tokenizer(), self.opts, self.user, room,
+                                       self.run / "user_turns.jsonl", self.budget.gen_batch, self.run.log,
+                                       self.parameters, self.progress)
         tmp = self.run / "prompts.jsonl.tmp"
-        tmp.write_text("".join(json.dumps({"domain": p.source, "query": p.query}) + "\n" for p in out), encoding="utf-8")
+        tmp.write_text("".join(json.dumps({"domain": p.source, "query": p.query}) + "\n" for p in chosen),
+                       encoding="utf-8")
         tmp.replace(self.run / "prompts.jsonl")
-        per = {d: sum(p.source == d for p in out) for d in (*DOMAINS, "user")}
-        self.run.finish("prompts", started, count=len(out), domains=per, held_out_repeats_dropped=dropped,
-                        too_long_dropped=too_long)
-        self.run.log(f"prompts: {len(out)} ({', '.join(f'{d} {n}' for d, n in per.items() if n)}); dropped: "
-                     f"{dropped} that nearly repeat a held-out chat request, {too_long} too long for {room} tokens "
-                     "with an answer")
-
-    def _user_turns(self, n: int, held) -> tuple[list[str], int]:
-        """n of the model's own user turns (fewer, said in the log, where it rarely ends one well)."""
-        tok = self.tokenizer()
-        specials = [t for t in (tok.tok.get_added_tokens_decoder()[i].content
-                                for i in tok.tok.get_added_tokens_decoder()) if t]
-        path = self.run / "user_turns.jsonl"
-        drawn = math.ceil(n * 1.3) + 8  # (SmolLM2 ends about 4 turns in 5 well: a few more are drawn if short)
-        while True:
-            est = estimate_seconds("user turn", drawn, self.parameters)
-            self.run.log(f"prompts: sampling {drawn} user turns from the model (first guess {est / 60:.0f} min)")
-            magpie.sample_user_turns(self.base_model(), tok, path, range(drawn), batch_size=self.budget.gen_batch,
-                                     progress=self.progress)
-            kept = magpie.kept_user_turns(path, specials)
-            fresh = [t for t in kept if not held.repeats(t)]
-            if len(fresh) >= n or drawn >= 4 * n + 8:
-                break
-            drawn = min(4 * n + 8, drawn + math.ceil(1.3 * (n - len(fresh))) + 8)
-        if len(fresh) < n:
-            self.run.log(f"prompts: only {len(fresh)} of {n} sampled user turns were kept (ended, well formed, new)")
-        return fresh[:n], len(kept) - len(fresh)
+        per = {d: sum(p.source == d for p in chosen) for d in (*DOMAINS, "user")}
+        self.run.finish("prompts", started, count=len(chosen), domains=per, **stats)
+        self.run.log(f"prompts: {len(chosen)} ({', '.join(f'{d} {n}' for d, n in per.items() if n)}); dropped: "
+                     f"{stats['held_out_repeats_dropped']} that nearly repeat a held-out chat request, "
+                     f"{stats['too_long_dropped']} too long for {room} tokens with an answer")
 
     # ---- data -----------------------------------------------------------------------------------
 

@@ -17,9 +17,17 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from refusion.training.adapt import magpie
+from refusion.training.adapt.recipe import Options, estimate_seconds
 from refusion.training.self_generate import Prompt, load_prompts
+
+if TYPE_CHECKING:
+    from refusion.model.tokenizer import Tokenizer
+    from refusion.model.transformer import Transformer
 
 DOMAINS = ("prose", "maths", "code")
 DEFAULT_MIX = "prose=1,maths=1,code=1"
@@ -110,3 +118,53 @@ def held_out_chat() -> HeldOut:
     from refusion.tasks.chat import load_chat
 
     return HeldOut([e.prompt for e in load_chat()])
+
+
+# ---- the stage --------------------------------------------------------------------------------------
+
+
+def choose_prompts(model: Transformer, tok: Tokenizer, opts: Options, user: list[str], room: int, turns: Path,
+                   batch_size: int, log: Callable[[str], None], parameters: int, progress: bool = True
+                   ) -> tuple[list[Prompt], dict[str, int]]:
+    """The training prompts of the mix (each once, in domain order: maths, code, prose, user), without
+    near-repeats of the held-out chat requests or prompts whose longest answer would not fit in `room`
+    tokens; and how many of each were dropped. The model's user turns are sampled into `turns`."""
+    counts = domain_counts({d: opts.mix[d] for d in DOMAINS if opts.mix.get(d)}, opts.prompts)
+    held = held_out_chat()
+    out: list[Prompt] = []
+    dropped = 0
+    for domain in ("maths", "code"):
+        chosen = fixed_prompts(domain, counts.get(domain, 0), opts.seed)
+        got = [p for p in chosen if not held.repeats(p.query)]
+        dropped += len(chosen) - len(got)
+        out += got
+    if counts.get("prose"):
+        kept, n_dropped = user_turns(model, tok, counts["prose"], held, turns, batch_size, log, parameters, progress)
+        dropped += n_dropped
+        out += [Prompt("prose", q) for q in kept]
+    mine = list(dict.fromkeys(user))
+    out += [Prompt("user", q) for q in mine if not held.repeats(q)]
+    dropped += sum(held.repeats(q) for q in mine)
+    out = list({p.query: p for p in reversed(out)}.values())[::-1]  # each query once, first place kept
+    fits = [p for p in out if len(tok.chat_prompt_ids(p.query)) + opts.max_tokens <= room]
+    return fits, {"held_out_repeats_dropped": dropped, "too_long_dropped": len(out) - len(fits)}
+
+
+def user_turns(model: Transformer, tok: Tokenizer, n: int, held: HeldOut, path: Path, batch_size: int,
+               log: Callable[[str], None], parameters: int, progress: bool = True) -> tuple[list[str], int]:
+    """n of the model's own user turns (fewer, said in the log, where it rarely ends one well), and how
+    many kept ones nearly repeated a held-out request."""
+    specials = [t.content for t in tok.tok.get_added_tokens_decoder().values() if t.content]
+    drawn = math.ceil(n * 1.3) + 8  # (SmolLM2 ends about 4 turns in 5 well: a few more are drawn if short)
+    while True:
+        est = estimate_seconds("user turn", drawn, parameters)
+        log(f"prompts: sampling {drawn} user turns from the model (first guess {est / 60:.0f} min)")
+        magpie.sample_user_turns(model, tok, path, range(drawn), batch_size=batch_size, progress=progress)
+        kept = magpie.kept_user_turns(path, specials)
+        fresh = [t for t in kept if not held.repeats(t)]
+        if len(fresh) >= n or drawn >= 4 * n + 8:
+            break
+        drawn = min(4 * n + 8, drawn + math.ceil(1.3 * (n - len(fresh))) + 8)
+    if len(fresh) < n:
+        log(f"prompts: only {len(fresh)} of {n} sampled user turns were kept (ended, well formed, new)")
+    return fresh[:n], len(kept) - len(fresh)
