@@ -146,7 +146,7 @@ def parse_completion(body: Any) -> CompletionRequest:
 def parse_chat(body: Any) -> ChatRequest:
     d = object_of(body)
     _known(d, _COMMON + ("messages", "max_completion_tokens", "logprobs", "top_logprobs"))
-    if "max_completion_tokens" in d:  # the newer name of max_tokens in chat
+    if d.get("max_completion_tokens") is not None:  # the newer name of max_tokens in chat (null: not set)
         if d.get("max_tokens") is not None:
             raise RequestError(400, "give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
         d = {**d, "max_tokens": d["max_completion_tokens"]}
