@@ -1,11 +1,18 @@
-"""Where computation runs: the device a user names (checked to exist), the number of CPU threads, and
-giving freed memory back to the system."""
+"""Where computation runs: the device a user names (checked to exist), the number of CPU threads,
+giving freed memory back to the system, copies to the device that do not wait for it, and counting
+where the host waits for the device (count_host_syncs)."""
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import sys
+import warnings
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 # Below this many parameters a model's matrices are too small for several CPU threads to pay off,
@@ -70,3 +77,80 @@ def malloc_trim():
         return ctypes.CDLL("libc.so.6").malloc_trim
     except (OSError, AttributeError):  # not glibc: nothing to do
         return None
+
+
+# Tensor methods that make the host wait for an accelerator's queued work: reading values
+# (item, tolist, bool(), int(), float(), an index), copying to the host (cpu), and nonzero, whose
+# output size depends on the values
+SYNCING_METHODS = ("item", "tolist", "cpu", "__bool__", "__int__", "__float__", "__index__", "nonzero")
+
+
+@contextlib.contextmanager
+def count_host_syncs(device: torch.device | str) -> Iterator[collections.Counter]:
+    """Count where the host waits for `device` while the block runs: a Counter, filled when the block
+    ends, of "sync" and, on a CPU, of each method and `.to(device)` copy by its caller's file:line.
+
+    On CUDA these are the real synchronisations (torch.cuda.set_sync_debug_mode's warnings). On a
+    CPU nothing waits, so the calls that would wait on an accelerator are counted instead: the
+    SYNCING_METHODS on any tensor, and every `.to(...)` naming a device without non_blocking=True
+    (a copy from pageable host memory waits for the device's stream). Host-side tensors count too
+    (there is no telling them apart on a CPU): an upper bound, for tests that bound a decoder's
+    syncs per forward."""
+    import torch
+
+    counts: collections.Counter = collections.Counter()
+    if torch.device(device).type == "cuda":
+        previous = torch.cuda.get_sync_debug_mode()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                yield counts
+            finally:
+                torch.cuda.set_sync_debug_mode(previous)
+        counts["sync"] += sum("synchronizing" in str(w.message) for w in caught)
+        return
+    saved = {name: getattr(torch.Tensor, name) for name in (*SYNCING_METHODS, "to")}
+
+    def where() -> str:
+        frame = sys._getframe(2)
+        return f"{frame.f_code.co_filename.rsplit('/src/', 1)[-1]}:{frame.f_lineno}"
+
+    def counted(name: str):
+        method = saved[name]
+
+        def call(self, *args, **kwargs):
+            counts["sync"] += 1
+            counts[f"{name} {where()}"] += 1
+            return method(self, *args, **kwargs)
+        return call
+
+    def to(self, *args, **kwargs):
+        target = kwargs.get("device", args[0] if args else None)
+        if isinstance(target, (str, torch.device)) and not kwargs.get("non_blocking", False):
+            counts["sync"] += 1
+            counts[f"to {where()}"] += 1
+        return saved["to"](self, *args, **kwargs)
+
+    try:
+        for name in SYNCING_METHODS:
+            setattr(torch.Tensor, name, counted(name))
+        torch.Tensor.to = to
+        yield counts
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)
+
+
+def to_device(array: np.ndarray | torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A host array or tensor on `device` (as `dtype`): on CUDA staged in pinned memory and copied
+    without making the host wait for the device (a copy from pageable memory waits for its stream:
+    every queued kernel); on a CPU the same tensor, no copy."""
+    import torch
+
+    t = array if isinstance(array, torch.Tensor) else torch.from_numpy(array)
+    if device.type == "cuda":
+        t = t.pin_memory().to(device, non_blocking=True)
+    else:
+        t = t.to(device)
+    return t if dtype is None else t.to(dtype)

@@ -69,6 +69,7 @@ from refusion.decoding.sampling import generator, gumbel_argmax
 from refusion.decoding.speculative import SpeculativeParams, generate_speculative
 from refusion.model.cache import SlotKVCache
 from refusion.model.transformer import Transformer
+from refusion.runtime import to_device
 
 PLAN, VERIFY, DRAFT, IVERIFY, RECOMPUTE, DONE = "plan", "verify", "draft", "iverify", "recompute", "done"
 
@@ -455,8 +456,10 @@ def _step(model: Transformer, cache: SlotKVCache, active: list[PlanInfillSeq], n
         ids[b, T - n:], pos[b, T - n:], col[b, T - n:], qgrp[b, T - n:] = f.ids, f.positions, f.columns, f.groups
         m = min(hi, len(q.grp))
         kgrp[b, :m] = q.grp[:m]
-    ids_t, pos_t, col_t = (torch.from_numpy(x).to(device) for x in (ids, pos, col))
-    qg, kg = torch.from_numpy(qgrp).to(device), torch.from_numpy(kgrp).to(device)
+    # one copy to the device (a copy per array would make the host wait for the device each time)
+    flat = to_device(np.concatenate([ids.ravel(), pos.ravel(), col.ravel(), qgrp.ravel(), kgrp.ravel()]), device)
+    ids_t, pos_t, col_t, qg = flat[: 4 * B * T].view(4, B, T).unbind(0)
+    kg = flat[4 * B * T:].view(B, hi + 1)
     key = torch.arange(hi + 1, device=device)
     # a query sees a column at or before its own that is committed or in its own group
     mask = (key[None, None, :] <= col_t[:, :, None]) & ((kg[:, None, :] == 0) | (kg[:, None, :] == qg[:, :, None]))
@@ -482,9 +485,12 @@ def _step(model: Transformer, cache: SlotKVCache, active: list[PlanInfillSeq], n
                 tok = gumbel_argmax(lg, temperature, q.gen)
                 sampled[b, need - n:] = tok
                 psampled[b, need - n:] = (lg.gather(-1, tok[:, None]).squeeze(-1) - lse[b, need - n:]).exp()
-    host = [x.cpu().numpy() for x in (amax, pmax, pnext)]  # the one host transfer of the step
+    # the one host transfer of the step (token ids are exact in float32: vocabularies are below 2^24)
+    out = [amax, pmax, pnext] + ([sampled, psampled] if sampled is not None else [])
+    host = list(torch.stack([x.float() for x in out]).cpu().numpy())
+    host[0] = host[0].astype(np.int64)
     if sampled is not None:
-        host += [sampled.cpu().numpy(), psampled.cpu().numpy()]
+        host[3] = host[3].astype(np.int64)
     for b, (q, f) in enumerate(zip(active, feeds)):
         sl = slice(need - min(len(f.ids), f.need), need)
         plan_sampled = sampled is not None and q.phase == PLAN
