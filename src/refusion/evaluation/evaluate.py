@@ -148,7 +148,7 @@ def evaluate(model: Transformer, tokenizer: Tokenizer, task: Task, cfg: EvalConf
         if store is None:
             raise
         store.close()
-        raise EvalInterrupted(f"interrupted: {len(records)} of {len(examples)} records kept in {store.partial}; run "
+        raise EvalInterrupted(f"interrupted: {store.written} of {len(examples)} records kept in {store.partial}; run "
                               "the same command again to continue") from None
     except BaseException:
         if store is not None:

@@ -39,6 +39,7 @@ class RecordsFile:
         lines = [json.dumps({"evaluation": self.evaluation})] + [json.dumps(r) for r in self.kept]
         write_text(self.partial, "".join(x + "\n" for x in lines))  # (a torn line or part of a batch goes)
         self._out = Appender(self.partial)
+        self.written = len(self.kept)  # records whole in the file
 
     def _read(self, batch_size: int) -> list[dict]:
         lines = self.partial.read_text(encoding="utf-8").splitlines()
@@ -60,6 +61,7 @@ class RecordsFile:
     def add(self, records: list[dict]) -> None:
         """Append one batch's records (flushed to the file before this returns)."""
         self._out.write("".join(json.dumps(r) + "\n" for r in records))
+        self.written += len(records)
 
     def finish(self, records: list[dict]) -> None:
         self._out.close()
