@@ -291,3 +291,13 @@ def test_run_many_pairs_programs_with_their_tests():
     assert [r.passed for r in rs] == [True, False, False]
     with pytest.raises(ValueError):
         run_many(["x = 1"], tests=[TESTS, TESTS])
+
+
+@pytest.mark.parametrize("way", ["sys.exit(0)", "os._exit(0)", "atexit os._exit", "kill itself", "close stdout",
+                                 "print a fake marker", "trace skips the asserts"])
+def test_without_namespaces_the_ways_out_fail_too(way):
+    # the harness without its namespace layer (what runs where unshare --user does not work)
+    program = WAYS_OUT[way] + ("" if "def add" in WAYS_OUT[way] else WRONG)
+    r = sandbox._run(program, 5.0, 1024, 10_000, ns=False, tests=TESTS + "pass\n")
+    assert not r.passed, (way, r)
+    assert sandbox._run("def add(a, b):\n    return a + b\n", 5.0, 1024, 10_000, ns=False, tests=TESTS).passed
