@@ -98,8 +98,10 @@ COMPLETION_VALID = {"logprobs": st.integers(0, 20), "echo": st.booleans()}
 
 
 @st.composite
-def bodies(draw, chat: bool):
-    if draw(st.integers(0, 19)) == 0:
+def bodies(draw, chat: bool, gentle: bool = False):
+    """A request body: fields with values they take, then (unless gentle) a few with any value at all,
+    an unknown field, other messages or prompt, or no object at all."""
+    if not gentle and draw(st.integers(0, 19)) == 0:
         return draw(JSON)  # not a request at all
     valid = {**VALID, **(CHAT_VALID if chat else COMPLETION_VALID)}
     keys = draw(st.lists(st.sampled_from(sorted(valid)), max_size=4, unique=True))
@@ -110,6 +112,8 @@ def bodies(draw, chat: bool):
                                                                  "content": TEXT}), min_size=1, max_size=3))
     else:
         body["prompt"] = draw(TEXT.filter(bool) | st.lists(st.integers(0, 511), min_size=1, max_size=8))
+    if gentle:
+        return body
     hostile = draw(st.sampled_from([0, 0, 0, 1, 1, 2, 3]))  # fields with any value at all, some of them absurd
     for k in draw(st.lists(st.sampled_from(sorted(FIELDS)), min_size=hostile, max_size=hostile, unique=True)):
         body[k] = draw(FIELDS[k])
@@ -127,64 +131,59 @@ def check_refusal(e: RequestError) -> None:
 
 # ---- the parser and the request's preparation (no decoding) -------------------------------------
 
-@settings(max_examples=400, deadline=2000, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(data=st.data())
-def test_fuzz_request_preparation(server, data):
-    chat = data.draw(st.booleans())
-    body = data.draw(bodies(chat))
-    try:
-        raw = json.dumps(body).encode()
-    except ValueError:  # a float JSON cannot carry (inf): sent as the literal a client would write
-        raw = json.dumps(body, allow_nan=True).encode()
-    try:
-        server._prepare(raw, chat)
-        PREPARED["accepted"] += 1
-    except RequestError as e:
-        check_refusal(e)
-        PREPARED["refused"] += 1
+def test_fuzz_request_preparation(server):
+    counts = {"accepted": 0, "refused": 0}
 
+    @settings(max_examples=400, deadline=2000, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(data=st.data())
+    def case(data):
+        chat = data.draw(st.booleans())
+        raw = json.dumps(data.draw(bodies(chat)), allow_nan=True).encode()  # inf as the literal a client writes
+        try:
+            server._prepare(raw, chat)
+            counts["accepted"] += 1
+        except RequestError as e:
+            check_refusal(e)
+            counts["refused"] += 1
 
-PREPARED = {"accepted": 0, "refused": 0}
-
-
-def test_zz_report_preparation_cases():
-    print(f"fuzz: {sum(PREPARED.values())} request bodies: {PREPARED['accepted']} prepared, {PREPARED['refused']} "
-          "refused with a 4xx")
-    assert sum(PREPARED.values()) >= 100 and PREPARED["accepted"] > 0
+    case()
+    print(f"fuzz: {sum(counts.values())} request bodies: {counts['accepted']} prepared, {counts['refused']} refused "
+          "with a 4xx")
+    assert sum(counts.values()) >= 100 and counts["accepted"] > 0
 
 
 # ---- a live server over HTTP --------------------------------------------------------------------
 
-LIVE_CASES = [0, 0]  # refused, answered
+def test_fuzz_live_server(live):
+    counts = [0, 0]  # refused, answered
 
+    @settings(max_examples=40, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(data=st.data())
+    def case(data):
+        chat = data.draw(st.booleans())
+        body = data.draw(bodies(chat, gentle=data.draw(st.booleans())))  # half of them reach decoding
+        raw = json.dumps(body, allow_nan=True).encode()
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        t0 = time.monotonic()
+        r = httpx.post(live.url + path, content=raw, headers={"content-type": "application/json"}, timeout=60)
+        assert time.monotonic() - t0 < 60
+        assert r.status_code < 500, (body, r.status_code, r.text)
+        counts[r.status_code < 400] += 1
+        if r.status_code >= 400:
+            err = r.json()["error"]
+            assert err["message"] and "Traceback" not in err["message"], r.text
+        elif r.headers["content-type"].startswith("application/json"):
+            assert r.json()["choices"], r.text
+        else:
+            assert r.text.rstrip().endswith("data: [DONE]"), r.text
+        assert httpx.get(live.url + "/health", timeout=30).status_code == 200  # still up
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                                                  HealthCheck.function_scoped_fixture])
-@given(data=st.data())
-def test_fuzz_live_server(live, data):
-    chat = data.draw(st.booleans())
-    body = data.draw(bodies(chat))
-    raw = json.dumps(body, allow_nan=True).encode()
-    path = "/v1/chat/completions" if chat else "/v1/completions"
-    t0 = time.monotonic()
-    r = httpx.post(live.url + path, content=raw, headers={"content-type": "application/json"}, timeout=60)
-    assert time.monotonic() - t0 < 60
-    assert r.status_code < 500, (body, r.status_code, r.text)
-    LIVE_CASES[r.status_code < 400] += 1
-    if r.status_code >= 400:
-        err = r.json()["error"]
-        assert err["message"] and "Traceback" not in err["message"], r.text
-    elif r.headers["content-type"].startswith("application/json"):
-        assert r.json()["choices"], r.text
-    else:
-        assert r.text.rstrip().endswith("data: [DONE]"), r.text
-    assert httpx.get(live.url + "/health", timeout=30).status_code == 200  # still up
-
-
-def test_zz_report_live_cases(live):
-    print(f"fuzz: {sum(LIVE_CASES)} requests to a live server: {LIVE_CASES[1]} answered, {LIVE_CASES[0]} refused "
-          "with a 4xx, none a 5xx")
-    assert sum(LIVE_CASES) >= 20
+    case()
+    print(f"fuzz: {sum(counts)} requests to a live server: {counts[1]} answered, {counts[0]} refused with a 4xx, "
+          "none a 5xx")
+    assert sum(counts) >= 20
 
 
 # ---- decode() on a tiny random model ------------------------------------------------------------
@@ -209,42 +208,39 @@ GOOD_PARAMS = {"gen_length": st.sampled_from([8, 16]), "temperature": st.sampled
                "token_threshold": st.floats(0, 1), "block_length": st.sampled_from([4, 8]),
                "steps": st.sampled_from([4, 8]), "threshold": st.floats(0, 1), "draft_length": st.sampled_from([1, 4]),
                "accept_prob": st.floats(5e-324, 1)}
-DECODE_CASES = [0, 0]  # refused, decoded
+def test_fuzz_decode(tiny_model):
+    counts = [0, 0]  # refused, decoded
 
+    @settings(max_examples=150, deadline=5000, database=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(data=st.data())
+    def case(data):
+        decoder = data.draw(st.sampled_from(registry.names()))
+        takes = {o.name for o in registry.options(decoder)}
+        params = data.draw(st.fixed_dictionaries({}, optional={k: v for k, v in GOOD_PARAMS.items() if k in takes}))
+        if data.draw(st.integers(0, 2)) == 0:  # one parameter with any value at all
+            k = data.draw(st.sampled_from(sorted(k for k in PARAMS if k in takes)))
+            params[k] = data.draw(PARAMS[k])
+        good = st.lists(st.lists(st.integers(0, 63), min_size=1, max_size=6), min_size=1, max_size=3)
+        bad = st.lists(st.lists(st.integers(-2, 66) | st.sampled_from([True, 1.0]), max_size=6), max_size=3) \
+            | st.lists(st.integers(0, 63), max_size=4)
+        prompts = data.draw(good if data.draw(st.integers(0, 3)) else bad)
+        seed = data.draw(st.none() | st.integers(0, 2**63 - 1) | EXTREME_INTS)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                res = decode(tiny_model, prompts, decoder, eos_ids=[1], seed=seed, **params)
+        except ValueError as e:
+            assert str(e) and "\n" not in str(e).strip(), str(e)
+            counts[0] += 1
+        else:
+            assert len(res) == len(prompts)
+            for r in res:
+                assert all(isinstance(t, int) and 0 <= t < 64 for t in r.tokens)
+            counts[1] += 1
 
-@settings(max_examples=150, deadline=5000, suppress_health_check=[HealthCheck.too_slow,
-                                                                   HealthCheck.function_scoped_fixture])
-@given(data=st.data())
-def test_fuzz_decode(tiny_model, data):
-    decoder = data.draw(st.sampled_from(registry.names()))
-    takes = {o.name for o in registry.options(decoder)}
-    params = data.draw(st.fixed_dictionaries({}, optional={k: v for k, v in GOOD_PARAMS.items() if k in takes}))
-    if data.draw(st.integers(0, 2)) == 0:  # one parameter with any value at all
-        k = data.draw(st.sampled_from(sorted(k for k in PARAMS if k in takes)))
-        params[k] = data.draw(PARAMS[k])
-    good = st.lists(st.lists(st.integers(0, 63), min_size=1, max_size=6), min_size=1, max_size=3)
-    bad = st.lists(st.lists(st.integers(-2, 66) | st.sampled_from([True, 1.0]), max_size=6), max_size=3) \
-        | st.lists(st.integers(0, 63), max_size=4)
-    prompts = data.draw(good if data.draw(st.integers(0, 3)) else bad)
-    seed = data.draw(st.none() | st.integers(0, 2**63 - 1) | EXTREME_INTS)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            res = decode(tiny_model, prompts, decoder, eos_ids=[1], seed=seed, **params)
-    except ValueError as e:
-        assert str(e) and "\n" not in str(e).strip(), str(e)
-        DECODE_CASES[0] += 1
-    else:
-        assert len(res) == len(prompts)
-        for r in res:
-            assert all(isinstance(t, int) and 0 <= t < 64 for t in r.tokens)
-        DECODE_CASES[1] += 1
-
-
-def test_zz_report_decode_cases():
-    print(f"fuzz: {sum(DECODE_CASES)} decode() calls: {DECODE_CASES[1]} decoded, {DECODE_CASES[0]} refused with a "
-          "ValueError")
-    assert sum(DECODE_CASES) >= 50 and DECODE_CASES[1] > 0
+    case()
+    print(f"fuzz: {sum(counts)} decode() calls: {counts[1]} decoded, {counts[0]} refused with a ValueError")
+    assert sum(counts) >= 50 and counts[1] > 0
 
 
 # ---- the cases found by hand --------------------------------------------------------------------
