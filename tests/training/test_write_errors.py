@@ -1,5 +1,5 @@
-"""A disk that fills while a run writes: the first training checkpoint, an exported model, a lookup
-corpus, decoding.json, self-generated data. Each ends in one line naming the file (no traceback) and
+"""A disk that fills while a run writes: the first training checkpoint, an exported model, a GGUF
+import, a lookup corpus, decoding.json, self-generated data. Each ends in one line naming the file (no traceback) and
 leaves no half-written file or directory under its name. On a small tmpfs, or the same failure
 monkeypatched where no tmpfs can be mounted (tests/helpers/full_disk.py)."""
 
@@ -13,10 +13,12 @@ from refusion.cli import main
 from refusion.decoding import model_settings
 from refusion.decoding.corpus import write_corpus
 from refusion.files import WriteError
-from refusion.model.checkpoint import load_model, save_model
+from refusion.model.checkpoint import save_model
+from refusion.model.gguf import import_gguf
 from refusion.training.self_generate import Prompt, self_generate
 from tests.helpers.bundled import bundled
 from tests.helpers.full_disk import full_disk
+from tests.helpers.tiny_gguf import write_byte_level_gguf
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2}
@@ -54,6 +56,11 @@ def test_exports_corpora_and_settings_on_a_full_disk(tmp_path, monkeypatch, real
         with pytest.raises(WriteError, match=f"could not write {target}: No space left"):
             save_model(model, target, tok)
         assert list(disk.path.iterdir()) == []  # no half-written directory, no temporary one
+        gguf_file = tmp_path / "tiny.gguf"
+        write_byte_level_gguf(gguf_file)
+        with pytest.raises(WriteError, match=f"could not write {disk.path / 'imported'}: No space left"):
+            import_gguf(gguf_file, disk.path / "imported")
+        assert list(disk.path.iterdir()) == []
     with full_disk(tmp_path, monkeypatch, size_kb=64, real=real) as disk:
         # a lookup corpus too large for the room left, then decoding.json: the old files stay whole
         model_settings.write(disk.path, model_settings.ModelSettings("ar", {"gen_length": 32}))

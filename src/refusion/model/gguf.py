@@ -23,7 +23,7 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 from tqdm import tqdm
 
-from refusion.files import write_error
+from refusion.files import writing
 from refusion.model.checkpoint import _atomic_dir, _commit_dir
 from refusion.model.fetch import smollm2_gguf_file
 from refusion.model.tokenizer import Tokenizer
@@ -196,17 +196,16 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: torch.dtype =
             sd[name] = w.to(dtype).contiguous()
         tied = "lm_head.weight" not in sd  # llama.cpp drops output.weight when it equals token_embd
         cfg = _config(meta, tied, dtype)
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        _tokenizer(meta).save(tmp)
+        tokenizer = _tokenizer(meta)
         gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg[k] is not None}
-        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
-        _commit_dir(tmp, out_dir)
-    except BaseException as e:
+        with writing(out_dir):  # a full disk: one line naming the directory
+            (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+            save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            tokenizer.save(tmp)
+            (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
+            _commit_dir(tmp, out_dir)
+    except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
-        err = write_error(out_dir, e) if isinstance(e, Exception) else None
-        if err is not None and err is not e:
-            raise err from e
         raise
     return out_dir
 
