@@ -34,15 +34,17 @@ def data_file(tmp_path_factory):
 
 
 @pytest.mark.parametrize("real", [True, False], ids=["tmpfs", "patched"])
-def test_a_disk_that_fills_at_the_first_checkpoint_is_one_line(data_file, tmp_path, monkeypatch, capsys, real):
-    with full_disk(tmp_path, monkeypatch, size_kb=256, real=real) as disk:
+@pytest.mark.parametrize("size_kb, fails", [(256, "checkpoint-1"), (8, "tokenizer")])
+def test_a_disk_that_fills_at_the_first_checkpoint_is_one_line(data_file, tmp_path, monkeypatch, capsys, real,
+                                                               size_kb, fails):
+    with full_disk(tmp_path, monkeypatch, size_kb=size_kb, real=real) as disk:
         out = disk.path / "run"
         argv = ["train", f"--data={data_file}", "--set=vocab_size=300", f"--set=model={json.dumps(TINY)}",
                 "--set=batch_size=8", "--max-steps=1", f"--out={out}", "--no-progress"]
         assert main(argv) == 2
         err = capsys.readouterr().err
         errors = [ln for ln in err.splitlines() if ln.startswith("refusion: error:")]
-        assert errors == [f"refusion: error: could not write {out / 'checkpoint-1'}: {FULL}"], err
+        assert errors == [f"refusion: error: could not write {out / fails}: {FULL}"], err
         assert "Traceback" not in err and "SafetensorError" not in err
         assert not out.exists()  # a run that fails before its first checkpoint leaves nothing behind
         assert [p.name for p in disk.path.iterdir()] == []
@@ -90,3 +92,12 @@ def test_self_generate_on_a_full_disk_keeps_whole_records_and_resumes(tmp_path, 
     counts = self_generate(model, tok, prompts, full, max_tokens=8, batch_size=2, progress=False)
     assert counts["skipped"] == len(kept) and counts["written"] == len(prompts) - len(kept)
     assert sorted(json.loads(x)["query"] for x in full.read_text().splitlines()) == sorted(p.query for p in prompts)
+
+
+def test_a_torn_metrics_line_is_dropped_on_resume(tmp_path):
+    from refusion.training.run_dir import truncate_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "loss": 1.2}\n{"step": 4, "lo')
+    truncate_metrics(path, 2)
+    assert path.read_text() == '{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n'

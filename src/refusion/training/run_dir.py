@@ -21,6 +21,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+from refusion.files import write_text
 from refusion.model.checkpoint import SHARDED_DIR, STATE_FILE
 
 LOCK_FILE = ".lock"
@@ -84,11 +85,20 @@ def written_by(ckpt: Path) -> str:
 
 
 def truncate_metrics(path: Path, step: int) -> None:
-    """Drop lines past `step`: a killed run may have logged steps after its last checkpoint."""
+    """Drop lines past `step`: a killed run may have logged steps after its last checkpoint (and
+    the line it was writing, torn)."""
     if not path.exists():
         return
-    lines = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
-    path.write_text("".join(ln + "\n" for ln in lines))
+    lines = [ln for ln in path.read_text().splitlines() if (rec := _record(ln)) is not None and rec["step"] <= step]
+    write_text(path, "".join(ln + "\n" for ln in lines))
+
+
+def _record(line: str) -> dict | None:
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        return None
+    return rec if isinstance(rec, dict) and isinstance(rec.get("step"), int) else None
 
 
 def tensorboard(out: Path):

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from refusion.files import Appender, write_text
 from refusion.training.checkpointing import export_model, final_dir, save_checkpoint
 from refusion.training.config import TrainConfig, load_train_config, to_toml  # noqa: F401 (the API in one place)
 from refusion.training.config_changes import CONFIG_FILE, check_allow_changed
@@ -75,9 +76,7 @@ def fit(run: Run, progress: bool = True) -> Path:
     end = min(cfg.max_steps, cfg.stop_after or cfg.max_steps)
     if run.rank == 0:
         # what the next resume compares its configuration with; replaced whole, never half-written
-        tmp = run.out / f".{CONFIG_FILE}.tmp"
-        tmp.write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
-        tmp.replace(run.out / CONFIG_FILE)
+        write_text(run.out / CONFIG_FILE, json.dumps(dataclasses.asdict(cfg), indent=2))
         truncate_metrics(run.out / "metrics.jsonl", run.step)
         if run.step < end:
             log(f"training steps {run.step + 1} to {end} of {cfg.max_steps} -> {run.out}")
@@ -116,12 +115,11 @@ class _Metrics:
 
             self.bar = tqdm(total=run.cfg.max_steps, initial=run.step, desc=f"train {run.cfg.objective}", unit="step",
                             dynamic_ncols=True)
-        self.log = open(run.out / "metrics.jsonl", "a") if rank0 else None
+        self.log = Appender(run.out / "metrics.jsonl") if rank0 else None  # a record is whole or absent
 
     def add(self, rec: dict) -> None:
         if self.log is not None:
             self.log.write(json.dumps(rec) + "\n")
-            self.log.flush()
         if self.writer is not None:
             for k in self.SCALARS:
                 if k in rec:
