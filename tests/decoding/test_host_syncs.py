@@ -21,8 +21,8 @@ CASES = [
     ("speculative", dict(gen_length=48), 3),  # the feed to the device, the verdicts to the host
     ("refusion", dict(gen_length=48), 3),  # the same (plan-and-infill)
     ("refusion-l2r", dict(gen_length=48), 3),
-    ("mdm-threshold", dict(gen_length=48, block_length=32, threshold=0.9), 5),  # "any masked left?" (+ CPU's `real`)
-    ("mdm", dict(gen_length=48, block_length=32, steps=32), 5),
+    ("mdm-threshold", dict(gen_length=48, block_length=16, threshold=0.9), 5),  # "any masked left?" (+ CPU's `real`)
+    ("mdm", dict(gen_length=48, block_length=16, steps=24), 5),
 ]
 
 
