@@ -185,24 +185,30 @@ def test_rows_with_and_without_controls_share_a_batch():
 
 
 def law(model, prompt, n, c, temperature, top_k=None, top_p=None) -> dict[tuple, float]:
-    """P(t1..tn) under controlled AR sampling, enumerated with the reference's distributions."""
+    """P(answer) under controlled AR sampling, up to n tokens or an EOS (4), enumerated with the
+    reference's distributions."""
     out = {}
-    for seq in itertools.product(range(4), repeat=n):
-        m = c.grammar.matcher()
-        p = 1.0
-        for i in range(n):
-            _, probs = next_distribution(model, prompt, list(seq[:i]), c, m, [], True, temperature, top_k, top_p)
-            p *= float(probs[seq[i]])
-            if p == 0:
-                break
-            m.accept(seq[i])
-        if p > 0:
-            out[seq] = p
+    m = c.grammar.matcher()
+
+    def walk(seq: list[int], p: float) -> None:
+        if len(seq) == n or (seq and seq[-1] == 4):
+            out[tuple(seq)] = p
+            return
+        _, probs = next_distribution(model, prompt, seq, c, m, [4], True, temperature, top_k, top_p)
+        for t in range(5):
+            if probs[t] > 0:
+                if t != 4:
+                    m.accept(t)
+                walk(seq + [t], p * float(probs[t]))
+                if t != 4:
+                    m.rollback(1)
+
+    walk([], 1.0)
     return out
 
 
 def samples(model, prompt, n, total, c, **kw) -> list[tuple]:
-    batch = SpeculativeBatch(model, eos_ids=[])
+    batch = SpeculativeBatch(model, eos_ids=[4])
     p = SpeculativeParams(gen_length=n, draft_length=4, widths="fixed", **kw)
     sids = [batch.add(prompt, p, seed=s, controls=c) for s in range(total)]
     out = {}
@@ -214,9 +220,9 @@ def samples(model, prompt, n, total, c, **kw) -> list[tuple]:
 @pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.7, top_k=3, top_p=0.9)], ids=["t1", "k3p0.9"])
 def test_sampled_outputs_follow_the_controlled_ar_law(kw):
     tok = letters("abcd")  # a b c d, <eos> 4, <mask> 5
-    model = Transformer(ModelConfig(**{**CFG, "vocab_size": 6, "mask_token_id": 5, "eos_token_id": None})
+    model = Transformer(ModelConfig(**{**CFG, "vocab_size": 6, "mask_token_id": 5, "eos_token_id": 4})
                         ).init_weights(seed=7, std=0.25).eval()
-    # after b only c: a forced token; bias and penalties move the rest
+    # after b only c: a forced token; the end only after a or d; bias and penalties move the rest
     c = Controls(grammar=grammar.regex(tok, "(a|bc|d)+"), logit_bias={0: 1.5}, presence_penalty=0.5,
                  frequency_penalty=0.3)
     prompt, n, total = [1, 2, 3], 3, 2500
@@ -230,7 +236,7 @@ def test_sampled_outputs_follow_the_controlled_ar_law(kw):
     assert chi2(collections.Counter(free), want, total)[0] > 3 * threshold
     # `ar` draws the same tokens with the same seed
     for s in range(0, total, 397):
-        (r,) = decode(model, [prompt], "ar", eos_ids=[], seed=s, gen_length=n, controls=c, **kw)
+        (r,) = decode(model, [prompt], "ar", eos_ids=[4], seed=s, gen_length=n, controls=c, **kw)
         assert tuple(r.tokens) == outs[s]
 
 
@@ -361,6 +367,8 @@ def test_controls_are_refused_where_they_cannot_be_exact():
         decode(model, PROMPTS, "ar", controls=Controls(logit_bias={24: 1.0}))
     with pytest.raises(ValueError, match="tokenizer of 28 tokens"):
         decode(model, PROMPTS, "ar", controls=Controls(grammar=grammar.regex(letters(LETTERS + "wxyz"), "a+")))
+    with pytest.raises(ValueError, match="give eos_ids"):
+        decode(model, PROMPTS, "ar", eos_ids=[], controls=Controls(grammar=grammar.regex(letters(), "a+")))
     with pytest.raises(ValueError, match="2 controls for 4 prompts"):
         decode(model, PROMPTS, "ar", controls=[Controls(), Controls()])
     for dec in ("refusion", "refusion-l2r"):

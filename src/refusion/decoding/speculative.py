@@ -190,6 +190,9 @@ class SpeculativeBatch:
             controls.check_vocab(self.vocab)
             if not controls.active:
                 controls = None
+            elif controls.grammar is not None and not self.is_eos.any():
+                raise ValueError("a grammar ends the answer with an end-of-sequence token: give eos_ids (the model's "
+                                 "config has none)")
         cfg = self.model.config
         first_from_mask = (p.first_from_mask if p.first_from_mask is not None
                            else self.mask_id is not None and not cfg.causal_first_token)
