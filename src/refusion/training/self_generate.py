@@ -22,15 +22,18 @@ Each source gives at most `n` prompts (a seeded sample). Each output line is {"q
 says whether the model ended it (EOS) within max_tokens; training appends EOS to finished responses
 only (training/data.py), so a cut answer does not teach the masks an end the model never wrote.
 
-The file is appended to after every batch, and queries already in it are skipped: an interrupted
-run picks up where it stopped. Prompts are decoded in batches of similar length with the `ar`
-decoder (the chat template applied as training applies it: Tokenizer.chat_prompt_ids).
+The file is appended to as answers finish, and queries already in it are skipped: an interrupted
+run picks up where it stopped. Prompts are decoded greedily, shortest first, up to `batch_size` at a
+time in one continuous batch (the `ar` decoder's: decode_stream), so that a long answer does not hold
+back rows that finished; the chat template is applied as training applies it
+(Tokenizer.chat_prompt_ids).
 """
 
 from __future__ import annotations
 
 import json
 import random
+from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -39,6 +42,7 @@ from refusion.files import Appender, write_text
 from refusion.training.data import DataError, load_records
 
 if TYPE_CHECKING:  # (torch is imported when decoding starts: `refusion --help` shows this module's docstring)
+    from refusion.decoding import ARParams, DecodeResult
     from refusion.model.tokenizer import Tokenizer
     from refusion.model.transformer import Transformer
 
@@ -117,12 +121,39 @@ def done_queries(out: Path) -> set[str]:
     return done
 
 
+def decode_stream(model: Transformer, jobs: Iterable[tuple[Hashable, list[int], int]], params: ARParams,
+                  eos_ids: list[int], batch_size: int) -> Iterator[tuple[Hashable, DecodeResult]]:
+    """(key, result) for every job (key, prompt ids, seed) as it finishes, `ar` decoding with `params`,
+    at most batch_size rows at once in one continuous batch: finished rows make room for the next jobs,
+    topped up once a quarter of the batch has left (the rows that join share a prefill). A row's
+    output is what `decode(model, [ids], "ar", seed=seed, **params)` gives: sampled rows draw from
+    their own seed's uniforms, whatever their neighbours (speculative.generate_ar)."""
+    from refusion.decoding import SpeculativeBatch
+    from refusion.decoding.params import ar_batch_params, check_prompts
+
+    p = ar_batch_params(params, model.config)
+    batch, keys, todo = SpeculativeBatch(model, eos_ids), {}, iter(jobs)
+
+    def top_up() -> None:
+        while len(batch) < batch_size and (job := next(todo, None)) is not None:
+            key, ids, seed = job
+            check_prompts(model.config, [ids], p.gen_length)
+            keys[batch.add(ids, p, seed=seed)] = key
+
+    top_up()
+    while len(batch):
+        for sid, result in batch.step():
+            yield keys.pop(sid), result
+        if len(batch) <= batch_size - max(1, batch_size // 4):
+            top_up()
+
+
 def self_generate(model: Transformer, tok: Tokenizer, prompts: list[Prompt], out: str | Path, max_tokens: int = 256,
                   batch_size: int = 8, progress: bool = True) -> dict[str, int]:
-    """Answer every prompt not yet in `out` with the model's greedy output; append them to `out` batch by
-    batch. Returns counts: written, skipped (already there), finished, and `retokenized`, the responses
+    """Answer every prompt not yet in `out` with the model's greedy output; append each to `out` as it
+    finishes. Returns counts: written, skipped (already there), finished, and `retokenized`, the responses
     whose text encodes to other tokens than the model wrote (training reads the text)."""
-    from refusion.decoding import decode
+    from refusion.decoding import ARParams
 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -137,23 +168,19 @@ def self_generate(model: Transformer, tok: Tokenizer, prompts: list[Prompt], out
         from tqdm import tqdm
 
         bar = tqdm(total=len(todo), desc="self-generate", unit="prompt", dynamic_ncols=True)
-    # a batch's lines go in whole or not at all: a full disk leaves the file at the last whole batch
+    # a line goes in whole or not at all: a full disk leaves the file at the last whole answer
+    jobs = ((p, ids[p.query], 0) for p in todo)
     with Appender(out) as f:
-        for lo in range(0, len(todo), batch_size):
-            batch = todo[lo:lo + batch_size]
-            results = decode(model, [ids[p.query] for p in batch], "ar", eos_ids=eos, gen_length=max_tokens)
-            lines = []
-            for p, r in zip(batch, results, strict=True):
-                tokens = r.tokens[:-1] if r.finished else r.tokens
-                text = tok.decode(tokens)
-                counts["finished"] += r.finished
-                counts["retokenized"] += tok.encode(text, parse_special=False) != tokens  # as training reads it
-                lines.append(json.dumps({"query": p.query, "response": text, "finished": r.finished,
-                                         "source": p.source}) + "\n")
-            f.write("".join(lines))
-            counts["written"] += len(batch)
+        for p, r in decode_stream(model, jobs, ARParams(gen_length=max_tokens), eos, batch_size):
+            tokens = r.tokens[:-1] if r.finished else r.tokens
+            text = tok.decode(tokens)
+            counts["finished"] += r.finished
+            counts["retokenized"] += tok.encode(text, parse_special=False) != tokens  # as training reads it
+            f.write(json.dumps({"query": p.query, "response": text, "finished": r.finished, "source": p.source})
+                    + "\n")
+            counts["written"] += 1
             if bar is not None:
-                bar.update(len(batch))
+                bar.update(1)
     if bar is not None:
         bar.close()
     return counts

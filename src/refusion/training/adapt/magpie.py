@@ -3,7 +3,7 @@ up to where a user's message begins, and nothing after, so that an instruct mode
 it expects to be asked. Sampled (each row with a seed of its own, so a resumed run draws the same
 questions), then kept only when the model ended the turn, it reads as a request, and it is new.
 
-The raw samples are appended to a JSONL file batch by batch ({"seed", "text", "finished"}); seeds
+The raw samples are appended to a JSONL file as they finish ({"seed", "text", "finished"}); seeds
 already there are not drawn again.
 """
 
@@ -48,10 +48,10 @@ def acceptable(text: str, specials: list[str]) -> bool:
 def sample_user_turns(model: Transformer, tok: Tokenizer, out: Path, seeds: range, max_tokens: int = 96,
                       temperature: float = 1.0, top_p: float = 0.95, batch_size: int = 32,
                       progress: bool = True) -> None:
-    """Draw one user turn per seed not yet in `out` (appended to it batch by batch)."""
+    """Draw one user turn per seed not yet in `out` (appended to it as each finishes), batch_size at a
+    time in one continuous batch."""
     from refusion.decoding import ARParams
-    from refusion.decoding.params import ar_batch_params
-    from refusion.decoding.speculative import SpeculativeBatch
+    from refusion.training.self_generate import decode_stream
 
     done = _done_seeds(out)
     todo = [s for s in seeds if s not in done]
@@ -59,27 +59,19 @@ def sample_user_turns(model: Transformer, tok: Tokenizer, out: Path, seeds: rang
         return
     prefix = user_prefix_ids(tok)
     eos = sorted(set(model.config.eos_ids) | ({tok.eos_id} if tok.eos_id is not None else set()))
-    params = ar_batch_params(ARParams(gen_length=max_tokens, temperature=temperature, top_p=top_p), model.config)
+    params = ARParams(gen_length=max_tokens, temperature=temperature, top_p=top_p)
     bar = None
     if progress:
         from tqdm import tqdm
 
         bar = tqdm(total=len(todo), desc="user turns", unit="turn", dynamic_ncols=True)
     with open(out, "a", encoding="utf-8") as f:
-        for lo in range(0, len(todo), batch_size):
-            batch = SpeculativeBatch(model, eos)
-            chunk = todo[lo:lo + batch_size]
-            ids = {batch.add(prefix, params, seed=s): s for s in chunk}
-            results = {}
-            while len(batch):
-                results.update(batch.step())
-            for sid, seed in ids.items():
-                r = results[sid]
-                text = tok.decode(r.tokens[:-1] if r.finished else r.tokens)
-                f.write(json.dumps({"seed": seed, "text": text, "finished": bool(r.finished)}) + "\n")
+        for seed, r in decode_stream(model, ((s, prefix, s) for s in todo), params, eos, batch_size):
+            text = tok.decode(r.tokens[:-1] if r.finished else r.tokens)
+            f.write(json.dumps({"seed": seed, "text": text, "finished": bool(r.finished)}) + "\n")
             f.flush()
             if bar is not None:
-                bar.update(len(chunk))
+                bar.update(1)
     if bar is not None:
         bar.close()
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from refusion.bundled import ADAPTER_CONFIG, ASSETS, SMOLLM2, adapter_names, resolve_model
+from refusion.files import write_text
 from refusion.training.adapt.prompts import DOMAINS, choose_prompts, user_prompts
 from refusion.training.adapt.recipe import Budget, Options, budget, estimate_seconds, train_overrides
 from refusion.training.adapt.run import RunDir, fingerprint
@@ -174,6 +175,9 @@ class Pipeline:
                      f"most (first guess {estimate_seconds('answer', todo, self.parameters) / 60:.0f} min) -> {out}")
         c = self_generate(self.base_model(), self.tokenizer(), prompts, out, self.opts.max_tokens,
                           self.budget.gen_batch, progress=self.progress)
+        # the prompts' order, whatever order the answers finished in: training does not depend on it
+        lines = {json.loads(x)["query"]: x for x in out.read_text(encoding="utf-8").splitlines()}
+        write_text(out, "".join(lines[p.query] + "\n" for p in prompts))
         self.run.finish("data", started, answers=len(prompts))
         self.run.log(f"data: {c['written']} answers written, {c['skipped']} already there")
 
