@@ -117,11 +117,10 @@ class RowControl:
         return tokens, logprobs
 
 
-def apply(seqs: list, rows: list[int], logits: Tensor, anchor: np.ndarray, ids: Tensor
-          ) -> tuple[Tensor, tuple | None]:
+def apply(seqs: list, rows: list[int], logits: Tensor, anchor: np.ndarray) -> tuple[Tensor, tuple | None]:
     """Apply the controls of seqs[b] for b in rows (each with q.control) to logits [B, N, V] at their
-    verified columns (anchor[b] .. anchor[b] + q.fed_k, among the last N fed; ids [B, N] the tokens fed
-    there), in place. Returns the logits and, where a row asks for logprobs, what `logprobs` needs."""
+    verified columns (anchor[b] .. anchor[b] + q.fed_k, among the last N fed), in place. Returns the
+    logits and, where a row asks for logprobs, what `logprobs` needs."""
     B, N, V = logits.shape
     dev = logits.device
     bi, ci, fed = [], [], []  # per verified column: its row and column; per row its draft tokens fed

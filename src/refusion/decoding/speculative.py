@@ -385,7 +385,7 @@ class SpeculativeBatch:
         logits, states = (out[0].float(), out[1]) if chained is not None else (out.float(), None)
         plan = None
         if ruled:
-            logits, plan = controlled.apply(seqs, ruled, logits, meta[0], ids_t[:, W - need:])
+            logits, plan = controlled.apply(seqs, ruled, logits, meta[0])
         j, extra, drafts, went = self._judge(seqs, logits, ids_t[:, W - need:], pos_t[:, W - need:] - prompt_t[:, None],
                                              anchor_t, k_t, seed_t, g_t, branch_t if S else None,
                                              int(meta[5 + 2 * S:].max(initial=0)))
