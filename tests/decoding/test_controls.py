@@ -141,6 +141,33 @@ def test_greedy_speculative_equals_the_reference_with_long_forced_drafts(case, o
     assert sum(len(r.tokens) for r in got) / sum(r.forwards for r in got) > 2  # the drafts were accepted
 
 
+def test_controlled_rows_fork_exactly(monkeypatch):
+    """Branches of a controlled row (no logprobs asked) get the controls of their own prefix: the
+    output is still the reference's, with branches fed, several at once, and going further."""
+    from refusion.decoding import costs
+
+    seen = dict(fed=0, several=0, won=0)
+    plain = spec.SpeculativeSeq.advance
+
+    def advance(self, j, extra, mask_preds, redrafted=None, branch=None, **kw):
+        seen["fed"] += len(self.fed_branches) > 0
+        seen["several"] += len(self.fed_branches) > 1
+        seen["won"] += branch is not None
+        plain(self, j, extra, mask_preds, redrafted, branch, **kw)
+
+    monkeypatch.setattr(spec.SpeculativeSeq, "advance", advance)
+    cheap = costs.CostModel.of(lambda rows, tokens: 1e-3 + 1e-7 * tokens)  # wide forwards cost next to nothing
+    c = Controls(grammar=grammar.regex(letters(), "([a-m]+n)*[o-v]+"), logit_bias={4: 3.0, 12: -2.0},
+                 presence_penalty=-0.5, frequency_penalty=0.4)
+    for seed in range(4):
+        model = tiny_model(seed)
+        want = [reference(model, p, c, 40, [EOS])[0] for p in PROMPTS]
+        got = spec.generate_speculative(model, PROMPTS, SpeculativeParams(gen_length=40, fork=True, lookup=True),
+                                        eos_ids=[EOS], cost=cheap, controls=[c] * len(PROMPTS))
+        assert [r.tokens for r in got] == want
+    assert seen["fed"] > 20 and seen["several"] > 5 and seen["won"] > 5, seen
+
+
 def test_forced_tokens_join_the_draft():
     """A grammar that leaves one way on drafts that way: more tokens per forward than the masks'
     drafts alone, the same tokens as AR."""

@@ -14,9 +14,11 @@ property's name, punctuation), that text's tokens take those positions in the dr
 the verification checks them like any draft). A draft that runs out where the grammar forces more
 is extended by it.
 
-Branches (fork) are off for controlled rows: a branch's tokens have a prefix of their own, which
-the matcher and the counts would need a state for each. The work here is host-side per verified
-position of a controlled row only; a step with no controlled row never enters this module.
+Branches (fork): a branch token's column gets the controls of its own prefix (the draft up to the
+fork, then the branch), so a branch that goes further commits AR's tokens too; branches are cut
+where the grammar refuses them. A row that asks for logprobs does not fork (a branch's would come
+from other columns). The work here is host-side per verified position of a controlled row only; a
+step with no controlled row never enters this module.
 """
 
 from __future__ import annotations
@@ -84,15 +86,37 @@ class RowControl:
         self.matcher.fill(row, np.zeros(0, dtype=np.int64))
         return not row.any()
 
-    def fill(self, draft: list[int], rows: np.ndarray) -> None:
-        """rows [k + 1, words]: the allowed tokens after the committed ones and each prefix of the
-        fed draft (k = len(draft), every one allowed: prepare cut it)."""
+    def prepare_branches(self, draft: list[int], branches: list[tuple[int, list[int], int]]
+                         ) -> list[tuple[int, list[int], int]]:
+        """Each branch (fork, tokens, kind) cut before its first token the grammar refuses after the
+        draft's first `fork` tokens (to none where the draft no longer reaches its fork)."""
         m = self.matcher
-        for i in range(len(draft) + 1):
+        if m is None:
+            return branches
+        out = []
+        for at, tokens, kind in branches:
+            n = 0
+            if at <= len(draft) and m.accept_many(draft[:at]) == at:  # (an EOS never sits before a fork)
+                e = next((i for i, t in enumerate(tokens) if t in self.eos), len(tokens))
+                n = m.valid_prefix(tokens[:e])
+                m.rollback(at)
+            out.append((at, tokens[:n], kind))
+        return out
+
+    def fill(self, prefixes: list[list[int]], rows: np.ndarray) -> None:
+        """rows [len(prefixes), words]: the allowed tokens after the committed ones and each prefix
+        (every token of it allowed in turn: prepare cut the drafts; an EOS only last)."""
+        m = self.matcher
+        have: list[int] = []  # what the matcher holds beyond the committed tokens
+        for i, p in enumerate(prefixes):
+            p = [t for t in p if t not in self.eos]
+            common = next((n for n, (a, b) in enumerate(zip(have, p)) if a != b), min(len(have), len(p)))
+            m.rollback(len(have) - common)
+            if m.accept_many(p[common:]) != len(p) - common:
+                raise RuntimeError("a fed draft holds a token the grammar refuses")
+            have = p
             m.fill(rows[i], self.eos_ids)
-            if i < len(draft) and draft[i] not in self.eos:
-                m.accept(draft[i])
-        m.rollback(sum(t not in self.eos for t in draft))
+        m.rollback(len(have))
 
     def commit(self, tokens: list[int], logprobs: Logprobs | None, room: int) -> tuple[list[int], Logprobs | None]:
         """Advance the matcher over committed tokens (an EOS ends the row: nothing follows it); their
@@ -117,65 +141,70 @@ class RowControl:
         return tokens, logprobs
 
 
-def apply(seqs: list, rows: list[int], logits: Tensor, anchor: np.ndarray) -> tuple[Tensor, tuple | None]:
+def columns(q, a: int) -> list[tuple[int, list[int]]]:
+    """A row's verified columns (among the last N fed; a: its anchor's) with the response tokens
+    beyond the committed ones before the position each predicts: the anchor and each draft token's
+    column (the draft before it), and each fed branch token's (the draft up to the fork, the branch
+    up to that token)."""
+    draft = q.draft[: q.fed_k]
+    out = [(a + i, draft[:i]) for i in range(q.fed_k + 1)]
+    for first, at, n, which in q.fed_branches:
+        tokens = q.branches[which][1]
+        out += [(a + first + i, draft[:at] + tokens[: i + 1]) for i in range(n)]
+    return out
+
+
+def apply(seqs: list, rows: list[int], logits: Tensor, anchor: np.ndarray) -> Tensor:
     """Apply the controls of seqs[b] for b in rows (each with q.control) to logits [B, N, V] at their
-    verified columns (anchor[b] .. anchor[b] + q.fed_k, among the last N fed), in place. Returns the
-    logits and, where a row asks for logprobs, what `logprobs` needs."""
+    verified columns (`columns`), in place."""
     B, N, V = logits.shape
     dev = logits.device
-    bi, ci, fed = [], [], []  # per verified column: its row and column; per row its draft tokens fed
-    for b in rows:
-        q = seqs[b]
-        k = q.fed_k
-        bi += [b] * (k + 1)
-        ci += range(int(anchor[b]), int(anchor[b]) + k + 1)
-        fed.append(k)
-    R = len(bi)
+    rows = [b for b in rows if seqs[b].control.c.shapes_logits]
+    if not rows:
+        return logits
+    cols = {b: columns(seqs[b], int(anchor[b])) for b in rows}
+    bi = [b for b in rows for _ in cols[b]]
+    ci = [c for b in rows for c, _ in cols[b]]
     b_t, c_t = torch.tensor(bi, device=dev), torch.tensor(ci, device=dev)
-    shaping = [seqs[b].control.c.shapes_logits for b in rows]
-    if any(shaping):
-        sub = logits[b_t, c_t]  # [R, V] (a copy)
-        words = (V + 31) // 32
-        bits = np.full((R, words), -1, dtype=np.int32)
-        bias_r, bias_t, bias_v = [], [], []
-        count_r, count_t = [], []
-        pres, freq = np.zeros(R, dtype=np.float32), np.zeros(R, dtype=np.float32)
-        r0 = 0
-        for b, k in zip(rows, fed, strict=True):
-            q = seqs[b]
-            ctl = q.control
-            draft = q.draft[:k]
-            if ctl.matcher is not None:
-                ctl.fill(draft, bits[r0: r0 + k + 1])
-            if ctl.c.logit_bias:
-                toks, vals = list(ctl.c.logit_bias), list(ctl.c.logit_bias.values())
-                for i in range(k + 1):
-                    bias_r += [r0 + i] * len(toks)
-                    bias_t += toks
-                    bias_v += vals
-            if ctl.c.penalised:
-                pres[r0: r0 + k + 1], freq[r0: r0 + k + 1] = ctl.c.presence_penalty, ctl.c.frequency_penalty
-                for i in range(k + 1):  # the response before column i's position: committed, then draft[:i]
-                    told = q.res.tokens + draft[:i]
-                    count_r += [r0 + i] * len(told)
-                    count_t += told
-            r0 += k + 1
-        if bias_r:
-            sub.index_put_((torch.tensor(bias_r, device=dev), torch.tensor(bias_t, device=dev)),
-                           torch.tensor(bias_v, device=dev, dtype=sub.dtype), accumulate=True)
-        if count_r:
-            counts = torch.zeros_like(sub)
-            counts.index_put_((torch.tensor(count_r, device=dev), torch.tensor(count_t, device=dev)),
-                              torch.ones(len(count_r), device=dev, dtype=sub.dtype), accumulate=True)
-            p_t, f_t = torch.from_numpy(pres).to(dev)[:, None], torch.from_numpy(freq).to(dev)[:, None]
-            sub -= p_t * (counts > 0) + f_t * counts
-        if any(seqs[b].control.matcher is not None for b in rows):
-            sub.masked_fill_(~unpack(torch.from_numpy(bits).to(dev), V), float("-inf"))
-        logits[b_t, c_t] = sub
-    wants = [seqs[b].control.c.logprobs for b in rows]
-    if all(w is None for w in wants):
-        return logits, None
-    return logits, (b_t, c_t, wants)
+    sub = logits[b_t, c_t]  # [R, V] (a copy)
+    R = len(bi)
+    bits = np.full((R, (V + 31) // 32), -1, dtype=np.int32)
+    bias_r, bias_t, bias_v = [], [], []
+    count_r, count_t = [], []
+    pres, freq = np.zeros(R, dtype=np.float32), np.zeros(R, dtype=np.float32)
+    r0 = 0
+    for b in rows:
+        q, n = seqs[b], len(cols[b])
+        ctl = q.control
+        prefixes = [p for _, p in cols[b]]
+        if ctl.matcher is not None:
+            ctl.fill(prefixes, bits[r0: r0 + n])
+        if ctl.c.logit_bias:
+            toks, vals = list(ctl.c.logit_bias), list(ctl.c.logit_bias.values())
+            for i in range(n):
+                bias_r += [r0 + i] * len(toks)
+                bias_t += toks
+                bias_v += vals
+        if ctl.c.penalised:
+            pres[r0: r0 + n], freq[r0: r0 + n] = ctl.c.presence_penalty, ctl.c.frequency_penalty
+            for i, p in enumerate(prefixes):  # the response before that position: committed, then the prefix
+                told = q.res.tokens + p
+                count_r += [r0 + i] * len(told)
+                count_t += told
+        r0 += n
+    if bias_r:
+        sub.index_put_((torch.tensor(bias_r, device=dev), torch.tensor(bias_t, device=dev)),
+                       torch.tensor(bias_v, device=dev, dtype=sub.dtype), accumulate=True)
+    if count_r:
+        counts = torch.zeros_like(sub)
+        counts.index_put_((torch.tensor(count_r, device=dev), torch.tensor(count_t, device=dev)),
+                          torch.ones(len(count_r), device=dev, dtype=sub.dtype), accumulate=True)
+        p_t, f_t = torch.from_numpy(pres).to(dev)[:, None], torch.from_numpy(freq).to(dev)[:, None]
+        sub -= p_t * (counts > 0) + f_t * counts
+    if any(seqs[b].control.matcher is not None for b in rows):
+        sub.masked_fill_(~unpack(torch.from_numpy(bits).to(dev), V), float("-inf"))
+    logits[b_t, c_t] = sub
+    return logits
 
 
 def unpack(bits: Tensor, V: int) -> Tensor:
@@ -184,41 +213,44 @@ def unpack(bits: Tensor, V: int) -> Tensor:
     return ((bits[:, :, None] >> shift) & 1).bool().flatten(1)[:, :V]
 
 
-def logprobs(seqs: list, rows: list[int], logits: Tensor, ids: Tensor, extra: Tensor, plan: tuple
-             ) -> dict[int, Logprobs]:
-    """Per row that asked: the logprobs of the tokens at its verified columns, from the distribution
-    each was chosen from (controls.py), with the top alternatives; entry i is for the token column
-    anchor + i commits (the draft's (i+1)-th where accepted, else the extra token). One transfer."""
-    b_t, c_t, wants = plan
+def logprobs(seqs: list, rows: list[int], logits: Tensor, anchor: np.ndarray, ids: Tensor, extra: Tensor
+             ) -> dict[int, _Pending]:
+    """Per row that asks for logprobs (such a row never forks): the logprobs of the tokens its
+    verified columns may commit, from the distribution each is chosen from (controls.py), with the
+    top alternatives; entry i is for the token column anchor + i commits (the draft's (i+1)-th where
+    accepted, else the extra token). One transfer."""
+    rows = [b for b in rows if seqs[b].control.c.logprobs is not None]
+    if not rows:
+        return {}
+    dev = logits.device
+    bi = [b for b in rows for _ in range(seqs[b].fed_k + 1)]
+    ci = [int(anchor[b]) + i for b in rows for i in range(seqs[b].fed_k + 1)]
+    b_t, c_t = torch.tensor(bi, device=dev), torch.tensor(ci, device=dev)
     sub = logits[b_t, c_t]  # [R, V], the controlled logits
-    temps = [seqs[b].p.temperature for b in b_t.tolist()]
-    if any(t > 0 for t in temps):
-        qs = [seqs[b] for b in b_t.tolist()]
-        dev = logits.device
-        probs = sampling_probs(sub[:, None], torch.tensor([t if t > 0 else 1.0 for t in temps], device=dev),
+    qs = [seqs[b] for b in bi]
+    if any(q.p.temperature > 0 for q in qs):
+        probs = sampling_probs(sub[:, None], torch.tensor([q.p.temperature or 1.0 for q in qs], device=dev),
                                torch.tensor([q.p.top_k or 0 for q in qs], device=dev),
                                torch.tensor([q.p.top_p or 1.0 for q in qs], device=dev),
                                any(q.p.top_k is not None or q.p.top_p is not None for q in qs))[:, 0]
-        sampled = torch.tensor([t > 0 for t in temps], device=dev)[:, None]
+        sampled = torch.tensor([q.p.temperature > 0 for q in qs], device=dev)[:, None]
         logp = torch.where(sampled, probs.log(), sub.log_softmax(-1))
     else:
         logp = sub.log_softmax(-1)
     N = ids.shape[1]
     nxt = ids[b_t, (c_t + 1).clamp(max=N - 1)]  # the draft token after each column
     chosen = torch.stack([logp.gather(1, nxt[:, None])[:, 0], logp.gather(1, extra[b_t][:, None])[:, 0]], 1)
-    K = max(w for w in wants if w is not None)
+    K = max(seqs[b].control.c.logprobs for b in rows)
     top_v, top_i = logp.topk(K, -1) if K else (logp[:, :0], logp[:, :0].long())
     chosen, top_v, top_i = chosen.cpu().numpy(), top_v.cpu().tolist(), top_i.cpu().tolist()
-    out: dict[int, Logprobs] = {}
+    out: dict[int, _Pending] = {}
     r = 0
-    for n, b in enumerate(rows):
-        k = seqs[b].fed_k
-        w = wants[n]
-        if w is not None:  # (which of the two chosen values applies is known once j is: Logprobs.cut)
-            out[b] = _Pending(chosen[r: r + k + 1], [[(t, v) for t, v in zip(top_i[r + i][:w], top_v[r + i][:w],
-                                                                              strict=True) if v > -math.inf]
-                                                     for i in range(k + 1)])
-        r += k + 1
+    for b in rows:
+        n, w = seqs[b].fed_k + 1, seqs[b].control.c.logprobs
+        top = [[(t, v) for t, v in zip(top_i[r + i][:w], top_v[r + i][:w], strict=True) if v > -math.inf]
+               for i in range(n)]
+        out[b] = _Pending(chosen[r: r + n], top)  # (which chosen value applies is known once j is: cut)
+        r += n
     return out
 
 

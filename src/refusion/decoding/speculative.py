@@ -341,6 +341,8 @@ class SpeculativeBatch:
             q = seqs[b]
             q.draft = q.control.prepare(q.draft, jump=q.p.draft_length > 0 and (q.x is not None or q.causal_first),
                                         most=max(q.p.draft_length, len(q.draft)))
+            if q.branches:
+                q.branches = q.control.prepare_branches(q.draft, q.branches)
         feeds = [q.next_feed() for q in seqs]
         B = len(seqs)
         W = max(len(ids) for ids, _ in feeds)
@@ -383,13 +385,12 @@ class SpeculativeBatch:
         out = self.model(ids_t, pos_t, attn_mask=mask[:, None], cache=cache, num_logits=need, real=real,
                          states=chained is not None)
         logits, states = (out[0].float(), out[1]) if chained is not None else (out.float(), None)
-        plan = None
         if ruled:
-            logits, plan = controlled.apply(seqs, ruled, logits, meta[0])
+            logits = controlled.apply(seqs, ruled, logits, meta[0])
         j, extra, drafts, went = self._judge(seqs, logits, ids_t[:, W - need:], pos_t[:, W - need:] - prompt_t[:, None],
                                              anchor_t, k_t, seed_t, g_t, branch_t if S else None,
                                              int(meta[5 + 2 * S:].max(initial=0)))
-        lps = {} if plan is None else controlled.logprobs(seqs, ruled, logits, ids_t[:, W - need:], extra, plan)
+        lps = controlled.logprobs(seqs, ruled, logits, meta[0], ids_t[:, W - need:], extra) if ruled else {}
         if chained is not None:
             drafts = self._chain(drafts, logits, states, j, k_t, extra, *chained)
         # the step's one transfer: j, extra, how far each branch went, the drafts (from column h)

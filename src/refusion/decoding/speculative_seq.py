@@ -45,10 +45,9 @@ class SpeculativeSeq:
         self.drafts_tried = 0  # steps that fed a draft
         self.done = False
         self.res = DecodeResult(prompt=list(prompt))
-        if control is not None:
-            self.fork = False  # (controlled.py: a branch would need a grammar state of its own)
-            if control.c.logprobs is not None:
-                self.res.logprobs = Logprobs()
+        if control is not None and control.c.logprobs is not None:
+            self.fork = False  # (a branch's logprobs would come from other columns: controlled.py)
+            self.res.logprobs = Logprobs()
         self.start = time.perf_counter()
         self.fed_k = 0  # draft tokens fed in the step now running
         self.index = NgramIndex(prompt) if lookup else None  # the text lookup drafts copy from
