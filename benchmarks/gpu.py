@@ -196,22 +196,34 @@ def decode_speed(run: Run, entry: dict, args: argparse.Namespace) -> None:
                                                      slot_threshold=0.9, token_threshold=0.4)),
                 "mdm-threshold": ("mdm-threshold", dict(gen_length=L, block_length=32, threshold=0.9,
                                                         prefix_cache=True))}
-    with torch.inference_mode():
-        for name, (decoder, params) in decoders.items():  # warm-up: allocations, kernels, the cost table
-            decode(model, prompts[:2], decoder, **params)
+    entry["errors"] = {}
+    for name, (decoder, params) in list(decoders.items()):  # warm-up: allocations, kernels, the cost table
+        try:
+            with torch.inference_mode():
+                decode(model, prompts[:2], decoder, **params)
+        except Exception as e:  # (one decoder that cannot run here must not take the others with it)
+            entry["errors"][name] = f"{type(e).__name__}: {e}"
+            log(f"  {name}: {entry['errors'][name]}")
+            del decoders[name]
     entry["cost_table"] = costs.cost_model(model).table()
+    widths: dict[int, int] = {}  # tokens fed per row -> forwards, while the hook is on
+
+    def fed(module, a, kw) -> None:
+        w = (a[0] if a else kw["input_ids"]).shape[1]
+        widths[w] = widths.get(w, 0) + 1
+
+    hook = model.register_forward_pre_hook(fed, with_kwargs=True)
     entry["syncs"] = {}
-    for name, (decoder, params) in decoders.items():  # host syncs per forward, on a short run of its own
-        small = dict(params, **{k: min(v, 32) for k, v in params.items() if k in ("gen_length", "max_new_tokens")})
-        with torch.inference_mode(), count_host_syncs(run.device) as counted:
-            res = decode(model, prompts[:2], decoder, **small)
-        entry["syncs"][name] = counted["sync"] / max(max(r.forwards for r in res), 1)
-    log("  host syncs per forward: " + ", ".join(f"{k} {v:.2f}" for k, v in entry["syncs"].items()))
-    widths: dict[int, int] = {}
-    hook = model.register_forward_pre_hook(lambda m, a: widths.__setitem__(a[0].shape[1], widths.get(a[0].shape[1], 0) + 1))
     entry["rows"] = rows = []
     ar_outputs = {}
     try:
+        for name, (decoder, params) in decoders.items():  # host syncs per forward, on a short run of its own
+            small = dict(params, **{k: min(v, 32) for k, v in params.items() if k in ("gen_length", "max_new_tokens")})
+            widths.clear()
+            with torch.inference_mode(), count_host_syncs(run.device) as counted:
+                decode(model, prompts[:2], decoder, **small)
+            entry["syncs"][name] = counted["sync"] / max(sum(widths.values()), 1)
+        log("  host syncs per forward: " + ", ".join(f"{k} {v:.2f}" for k, v in entry["syncs"].items()))
         for bs in ((1, 2) if q else (1, 8, 32)):
             chosen = prompts[:8] if bs == 1 and not q else prompts
             for name, (decoder, params) in decoders.items():
@@ -233,7 +245,7 @@ def decode_speed(run: Run, entry: dict, args: argparse.Namespace) -> None:
                     ar_outputs[bs] = outputs
                 row = dict(batch=bs, decoder=name, prompts=len(chosen), tokens=tokens, forwards=forwards,
                            seconds=seconds, tps=tokens / seconds, tpf=tokens / max(forwards, 1),
-                           same_as_ar=sum(a == b for a, b in zip(outputs, ar_outputs[bs], strict=True)),
+                           same_as_ar=sum(a == b for a, b in zip(outputs, ar_outputs.get(bs, outputs), strict=True)),
                            fed_widths=dict(sorted(widths.items())))
                 rows.append(row)
                 log(f"  batch {bs:>2} {name:<16} TPS {row['tps']:8.1f}  TPF {row['tpf']:5.2f}  "
@@ -315,8 +327,8 @@ def forward(run: Run, entry: dict, args: argparse.Namespace) -> None:
                 # inductor compiles the unrolled layers: what the first model took, scaled by layers
                 guess = first["compile_seconds"] * large.num_layers / first["layers"]
                 if guess > run.left():
-                    entry["models"].setdefault(label, {})["compiled_skipped"] = (f"its compiling (about {guess:.0f} s, from "
-                                                                  f"{args.model}'s) would pass --budget-s")
+                    why = f"its compiling (about {guess:.0f} s, from {args.model}'s) would pass --budget-s"
+                    entry["models"].setdefault(label, {})["compiled_skipped"] = why
                     continue
             try:
                 model = make()
@@ -345,13 +357,15 @@ def forward(run: Run, entry: dict, args: argparse.Namespace) -> None:
 
 def tables(report: dict) -> str:
     env, parts = report["env"], report["parts"]
-    out = [f"# {env.get('gpu', env['device'])}, torch {env['torch']}" + (f", CUDA {env['cuda']}" if env["cuda"] else ""),
+    cuda = f", CUDA {env['cuda']}" if env["cuda"] else ""
+    out = [f"# {env.get('gpu', env['device'])}, torch {env['torch']}{cuda}",
            "", "| part | status | seconds |", "|---|---|---:|"]
     out += [f"| {k} | {v['status']} | {v.get('seconds', 0):.0f} |" for k, v in parts.items()]
     c = parts.get("correctness", {})
     if c.get("speculative_vs_ar"):
         out += ["", "greedy speculative against greedy ar, token for token", "",
-                "| model | dtype | batch | identical | first differences (prompt: token, logit gap) |", "|---|---|---:|---:|---|"]
+                "| model | dtype | batch | identical | first differences (prompt: token, logit gap) |",
+                "|---|---|---:|---:|---|"]
         for r in c["speculative_vs_ar"]:
             if "skipped" in r:
                 continue
@@ -360,7 +374,7 @@ def tables(report: dict) -> str:
     rec = c.get("plan_and_infill_vs_cpu_record")
     if rec:
         out += ["", "plan-and-infill float32 against the CPU's record (benchmarks/expected)", "",
-                "| setting | identical | differing prompts: first token that differs | machine's CPU gives the record |",
+                "| setting | identical | differing prompts: first token that differs | machine's CPU: the record |",
                 "|---|---:|---|---|"]
         for r in rec["settings"]:
             diffs = ", ".join(f"{d['prompt']}: {d['at']}" for d in r["differences"]) or "-"
@@ -368,13 +382,16 @@ def tables(report: dict) -> str:
     d = parts.get("decode", {})
     if d.get("rows"):
         out += ["", f"decode: {d['model']} {d['dtype']}, {d['gen_length']} tokens, prompts {d['prompts']}", "",
-                "| batch | decoder | TPS | TPF | x AR | same as AR | host syncs / forward |", "|---:|---|---:|---:|---:|---:|---|"]
+                "| batch | decoder | TPS | TPF | x AR | same as AR | host syncs / forward |",
+                "|---:|---|---:|---:|---:|---:|---|"]
         for r in d["rows"]:
             if "tps" in r:
-                out.append(f"| {r['batch']} | {r['decoder']} | {r['tps']:.0f} | {r['tpf']:.2f} | {r.get('x_ar', 1):.2f} | "
-                           f"{r['same_as_ar']}/{r['prompts']} | {d['syncs'].get(r['decoder'], float('nan')):.2f} |")
+                syncs, x_ar = d["syncs"].get(r["decoder"], float("nan")), r.get("x_ar", 1.0)
+                out.append(f"| {r['batch']} | {r['decoder']} | {r['tps']:.0f} | {r['tpf']:.2f} | {x_ar:.2f} | "
+                           f"{r['same_as_ar']}/{r['prompts']} | {syncs:.2f} |")
         spec = [r for r in d["rows"] if r["decoder"] == "speculative" and "fed_widths" in r]
-        out += [f"speculative's fed widths (width: forwards, prefills included) at batch {r['batch']}: {r['fed_widths']}" for r in spec]
+        out += [f"speculative's fed widths (width: forwards, prefills included) at batch {r['batch']}: "
+                f"{r['fed_widths']}" for r in spec]
     s = parts.get("serve", {})
     if s.get("load"):
         out += ["", f"serve: {s['dtype']}, {s['max_tokens']} tokens per request", "",
@@ -420,7 +437,8 @@ def main() -> None:
         ap.error(str(e))
     torch.manual_seed(0)
     run = Run(Path(args.out), args, device)
-    log(f"{run.report['env'].get('gpu', device)}: torch {torch.__version__}, parts {', '.join(p for p in chosen if p not in skipped)}")
+    parts = ", ".join(p for p in chosen if p not in skipped)
+    log(f"{run.report['env'].get('gpu', device)}: torch {torch.__version__}, parts {parts}")
     fns = dict(correctness=correctness, decode=decode_speed, serve=serve, forward=forward)
     for name in PARTS:
         if name in chosen and name not in skipped:

@@ -102,7 +102,7 @@ def against_record(device: torch.device, quick: bool, log: Callable[[str], None]
                      if w != g]
             cpu_ok = "-"
             if diffs and device.type != "cpu":
-                cpu = cpu or load_model(BUNDLED, dtype="float32", device="cpu")
+                cpu = cpu if cpu is not None else load_model(BUNDLED, dtype="float32", device="cpu")
                 again = _outputs(cpu, prompts, decoder, params, bs)
                 cpu_ok = "yes" if again == want else "no"
             elif diffs:

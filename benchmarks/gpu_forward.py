@@ -104,7 +104,8 @@ def floor_bytes(model: Transformer, batch: int, width: int, cache: int) -> int:
     new key and value of every row."""
     c = model.config
     rest, row = model_bytes(model)
-    kv = 2 * batch * (cache + width) * c.num_layers * c.num_kv_heads * c.head_dim * model.embed_tokens.weight.element_size()
+    item = model.embed_tokens.weight.element_size()
+    kv = 2 * batch * (cache + width) * c.num_layers * c.num_kv_heads * c.head_dim * item
     return rest + batch * width * row + kv
 
 

@@ -14,7 +14,7 @@ parts=${2:?usage: bash scripts/gpu_run.sh PART PARTS [gpu.py flags]}
 shift 2
 OUT=${OUT:-results}
 mkdir -p "$OUT"
-stage=/tmp/refusion-gpu
+stage=${REFUSION_GPU_STAGE:-/tmp/refusion-gpu}  # (kept while the machine stays warm)
 mkdir -p "$stage"
 if [ -d ".gpu/$part" ]; then
     cp -r ".gpu/$part/." "$stage/"
@@ -50,14 +50,29 @@ elif [ -n "$missing" ]; then
     echo "gpu_run: parts $missing of SmolLM2 are missing (the machine went back between calls?): running without it;" \
          "the parts that need it report so. Send the calls again, each as soon as the one before returns." >&2
 else
-    mkdir -p "$(dirname "$gguf")"
-    for i in $(seq 1 "$parts"); do cat "$stage/smollm2.gguf.xz.$i"; done | xz -d > "$gguf.tmp"
-    if [ "$(sha256sum "$gguf.tmp" | cut -d' ' -f1)" = "$(cat "$stage/smollm2.sha256")" ]; then
-        mv "$gguf.tmp" "$gguf"
-    else
-        echo "gpu_run: SmolLM2's GGUF does not match its SHA-256: running without it" >&2
-        rm -f "$gguf.tmp"
-    fi
+    # (Python's lzma and hashlib: the image need not have xz)
+    "$PY" - "$stage" "$parts" "$gguf" <<'PYEOF' || echo "gpu_run: SmolLM2's GGUF could not be put together: running without it" >&2
+import hashlib, lzma, os, shutil, sys
+from pathlib import Path
+stage, parts, gguf = Path(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
+xz = stage / "smollm2.gguf.xz"
+with open(xz, "wb") as out:
+    for i in range(1, parts + 1):
+        with open(stage / f"smollm2.gguf.xz.{i}", "rb") as f:
+            shutil.copyfileobj(f, out)
+gguf.parent.mkdir(parents=True, exist_ok=True)
+tmp, h = gguf.with_name(gguf.name + ".tmp"), hashlib.sha256()
+with lzma.open(xz) as src, open(tmp, "wb") as dst:
+    while block := src.read(1 << 24):
+        h.update(block)
+        dst.write(block)
+xz.unlink()
+if h.hexdigest() != (stage / "smollm2.sha256").read_text().strip():
+    tmp.unlink()
+    sys.exit("SmolLM2's GGUF does not match its SHA-256")
+os.replace(tmp, gguf)
+print(f"SmolLM2's GGUF in {gguf}")
+PYEOF
 fi
 prompts=()
 [ -f "$stage/prompts.json" ] && prompts=(--prompts "$stage/prompts.json")
