@@ -6,7 +6,8 @@ and is every output the base's?
     python benchmarks/adapt.py --model runs/adapt-smollm2/adapter --quick    # a correctness pass in minutes
 
 Held-out sets (refusion.training.adapt.measure: never training prompts): the project's chat requests,
-GSM8K test, HumanEval, MBPP test, each asked as `refusion eval` asks it, chat template applied. Per thread
+GSM8K test, HumanEval, MBPP test, each asked as `refusion eval` asks it, chat template applied; the
+first --n of each set's seeded order (`refusion adapt` chose the adapter's settings on its last 16). Per thread
 count and batch size, the base's greedy AR decoding and the adapted model's own settings (its
 decoding.json: what `refusion generate --model DIR` runs) decode every prompt. Reported per row:
 identical (outputs token for token equal to the base's AR output at batch 1 and the first thread count),

@@ -13,8 +13,9 @@ from refusion.tasks.chat import load_chat
 from refusion.tasks.maths import gsm8k_prompt
 from refusion.tasks.sources import gsm8k_train_questions
 from refusion.training.adapt import magpie
-from refusion.training.adapt.measure import choose
+from refusion.training.adapt.measure import choose, held_out_examples
 from refusion.training.adapt.prompts import HeldOut, domain_counts, held_out_chat, parse_mix, user_prompts
+from refusion.training.adapt.recipe import Budget
 from refusion.training.self_generate import load_prompts
 from tests.helpers.tiny_causal_lm import make_causal_lm
 
@@ -47,6 +48,13 @@ def test_the_chat_set_is_many_kinds_of_unique_requests():
     assert len(exs) >= 50 and len({e.prompt for e in exs}) == len(exs) and len({e.id for e in exs}) == len(exs)
     assert len({e.meta["kind"] for e in exs}) >= 10
     assert [e.id for e in load_chat(n=5, seed=1)] == [e.id for e in load_chat(n=5, seed=1)] != [e.id for e in exs[:5]]
+
+
+def test_the_measurement_takes_other_held_out_prompts_than_the_benchmark():
+    bench = {e.id for e in held_out_examples("chat", 50)}  # benchmarks/adapt.py's default
+    chosen = [e.id for e in held_out_examples("chat", Budget().measure_prompts, last=True)]
+    assert len(chosen) == Budget().measure_prompts and not bench & set(chosen)
+    assert [e.id for e in held_out_examples("chat", 3)] == [e.id for e in load_chat(n=3)]  # as refusion.tasks samples
 
 
 def test_near_repeats_of_a_held_out_request_are_found():

@@ -31,17 +31,20 @@ QUICK_CANDIDATES = ("speculative", "speculative +lookup")
 TIE = 0.97
 
 
-def held_out_examples(domain: str, n: int, seed: int = 0) -> list:
-    """A seeded sample of n prompts of a held-out set (refusion.tasks Examples)."""
-    if domain == "chat":
-        from refusion.tasks.chat import load_chat
-
-        return load_chat("test", n=n, seed=seed)
+def held_out_examples(domain: str, n: int, seed: int = 0, last: bool = False) -> list:
+    """n prompts of a held-out set (refusion.tasks Examples): the first n of its order shuffled by `seed`
+    (refusion.tasks.common.subset), or with `last` the last n. The measurement that chooses an adapter's
+    settings takes the last ones, so that a benchmark's first ones (benchmarks/adapt.py) are others."""
     if domain not in HELD_OUT:
         raise ValueError(f"unknown held-out set {domain!r}; sets: {', '.join(HELD_OUT)}")
-    from refusion.tasks import get_task
+    if domain == "chat":
+        from refusion.tasks.chat import load_chat as load
+    else:
+        from refusion.tasks import get_task
 
-    return get_task(domain).load("test", n=n, seed=seed)
+        load = get_task(domain).load
+    every = load("test", n=10**9, seed=seed)  # (the whole set, in the seeded order)
+    return every[len(every) - n:] if last else every[:n]
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -109,7 +112,7 @@ def measure(adapter_dir: Path, base_dir: Path, out: Path, n: int, max_tokens: in
     base, adapted = load_model(base_dir), load_model(resolve_model(str(adapter_dir)))
     tok = Tokenizer.from_dir(base_dir)
     eos = sorted(set(base.config.eos_ids) | ({tok.eos_id} if tok.eos_id is not None else set()))
-    prompts = {d: [tok.chat_prompt_ids(e.prompt) for e in held_out_examples(d, n, seed)] for d in domains}
+    prompts = {d: [tok.chat_prompt_ids(e.prompt) for e in held_out_examples(d, n, seed, last=True)] for d in domains}
     todo = [(name, d) for d in domains for name in ["base ar", *names] if (threads, name, d) not in done]
     bar = None
     if progress and todo:
