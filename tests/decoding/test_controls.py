@@ -208,6 +208,24 @@ def test_rows_with_and_without_controls_share_a_batch():
         assert [v for _, lp in streamed[i, "c"] for v in lp.chosen] == ruled.logprobs.chosen
 
 
+@pytest.mark.parametrize("decoder", ["ar", "speculative"])
+def test_decode_streams_logprobs_as_a_fourth_argument(decoder):
+    model = tiny_model(1)
+    c = controls_cases()["all"]
+    got = collections.defaultdict(list)
+    res = decode(model, PROMPTS[:2], decoder, eos_ids=[EOS], gen_length=16, controls=[c, None],
+                 on_commit=lambda row, pos, tok, lp: got[row].append((pos, tok, lp)))
+    assert [t for _, tok, _ in got[0] for t in tok] == res[0].tokens
+    assert [v for _, _, lp in got[0] for v in lp.chosen] == res[0].logprobs.chosen
+    assert [t for _, tok, _ in got[1] for t in tok] == res[1].tokens and res[1].logprobs is None
+    assert all(lp is None for _, _, lp in got[1])
+    # without logprobs anywhere, the callback keeps its three arguments
+    three = []
+    decode(model, PROMPTS[:1], decoder, eos_ids=[EOS], gen_length=8, controls=controls_cases()["choice"],
+           on_commit=lambda row, pos, tok: three.append(tok))
+    assert three
+
+
 # ---- sampling: the exact controlled AR law on a 6-token vocabulary --------------------------------
 
 
