@@ -95,6 +95,11 @@ server runs its requests in the same batch. While every row that steps is plain,
 width policy, the feeds and the acceptance bookkeeping: the rows keep their newest token, column,
 write indices and mask on the device and their tokens on the host until one ends or the batch
 changes (SpeculativeBatch._plain_forward), the same forward and the same draws as a generic step.
+
+Controls (controls.py: a grammar, logit bias, penalties, logprobs): a controlled row steps
+generically, never plainly; before its feed its draft is cut where the grammar refuses it and given
+the tokens the grammar forces, and after the forward the logits of its verified columns get the
+controls AR decoding would apply at those positions (controlled.py), before the judge.
 """
 
 from __future__ import annotations
