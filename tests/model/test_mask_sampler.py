@@ -123,9 +123,9 @@ def test_speculative_feeds_the_chain_and_every_output_stays_ar(monkeypatch, look
     monkeypatch.setattr(MaskSampler, "draft", spy)
     advance = spec.SpeculativeSeq.advance
 
-    def watch(self, j, extra, mask_preds, redrafted=None, branch=None):  # (branch: a forking row's)
+    def watch(self, j, extra, mask_preds, redrafted=None, branch=None, **kw):  # (branch: a forking row's)
         k = self.fed_k
-        advance(self, j, extra, mask_preds, redrafted, branch)
+        advance(self, j, extra, mask_preds, redrafted, branch, **kw)
         if j == k and not self.done and mask_preds:
             held.append((extra, list(mask_preds)))
         elif redrafted and not self.done:
