@@ -19,6 +19,7 @@ from refusion.decoding.corpus import read_corpus
 from refusion.model.checkpoint import LOOKUP_CORPUS, load_model
 from refusion.model.tokenizer import Tokenizer
 from refusion.training.adapt import Options, recipe
+from refusion.training.adapt.measure import CANDIDATES
 from refusion.training.adapt.pipeline import Pipeline
 from refusion.training.adapt.recipe import QUICK_PROMPTS
 from tests.helpers.tiny_causal_lm import make_causal_lm
@@ -78,6 +79,10 @@ def test_quick_run_exports_an_adapter_whose_output_is_the_bases(base, quick_run,
     assert {s["name"] for s in summary} == {"base ar", "speculative", "speculative +lookup"}
     assert all(s["identical"] == s["n"] == 2 for s in summary)
     assert settings["decoder"] == "speculative" and settings["measured_by"].startswith("refusion adapt ")
+    # the setting chosen at batch 1 was run at batch 2 beside AR there (and its figure is in the note)
+    chosen = next(n for n, p in CANDIDATES.items() if p == settings["params"])
+    assert {(s["name"], s["batch_size"]) for s in summary if s["batch_size"] == 2} >= {("base ar", 2), (chosen, 2)}
+    assert "; batch 2: chat" in settings["note"]
     # `--model DIR/adapter` decodes with them, and its greedy answer is the base's, token for token
     model, ref, tok = load_model(resolve_model(str(adapter))), load_model(base), Tokenizer.from_dir(base)
     ids = [tok.chat_prompt_ids("Write a short email to my landlord.")]

@@ -8,7 +8,9 @@ decoding.json: among those that kept every output the base's, the ones within 3%
 over AR on each one's slowest domain) tie on the machine, and of them the one with the most tokens per
 forward wins, since a forward's cost grows less with its width on an accelerator than on a CPU.
 
-Rows are written to a JSON file as they finish; a rerun measures only the rows it lacks.
+The setting chosen is then run at batch 8 beside the base's AR there; one slower than AR at that batch
+gives way to the next best. Rows are written to a JSON file as they finish; a rerun measures only the
+rows it lacks.
 """
 
 from __future__ import annotations
@@ -82,20 +84,26 @@ def choose(summary: list[dict], threads: int, names: set[str] | None = None) -> 
 
 
 def note(summary: list[dict], name: str, threads: int) -> str:
-    rows = [s for s in summary if s["name"] == name and s["threads"] == threads and s["batch_size"] == 1]
-    figures = ", ".join(f"{s['bench']} TPF {s['tpf']:.2f} at {s['tps_vs_ar']:.2f}x AR" for s in rows)
-    return f"{name!r}: {figures} (batch 1, {threads} thread(s), every output the base's)"
+    rows = [s for s in summary if s["name"] == name and s["threads"] == threads]
+    figures = ", ".join(f"{s['bench']} TPF {s['tpf']:.2f} at {s['tps_vs_ar']:.2f}x AR" for s in rows
+                        if s["batch_size"] == 1)
+    wide = {s["batch_size"] for s in rows} - {1}
+    more = "".join(f"; batch {b}: " + ", ".join(f"{s['bench']} {s['tps_vs_ar']:.2f}x AR" for s in rows
+                                                 if s["batch_size"] == b) for b in sorted(wide))
+    return f"{name!r}: {figures} (batch 1, {threads} thread(s), every output the base's){more}"
 
 
 def measure(adapter_dir: Path, base_dir: Path, out: Path, n: int, max_tokens: int, quick: bool = False,
             threads: int | None = None, seed: int = 0, progress: bool = True,
-            log: Callable[[str], None] = print, command: str = "refusion adapt") -> str | None:
-    """Measure the candidates on the held-out sets (chat only with `quick`, which needs no download),
-    write the chosen one into adapter_dir/decoding.json; its name (None: none kept every output)."""
+            log: Callable[[str], None] = print, command: str = "refusion adapt", batch: int = 8) -> str | None:
+    """Measure the candidates on the held-out sets (chat only with `quick`, which needs no download) at
+    batch 1, and the one chosen (module docstring) at `batch` beside the base's AR there: one slower than
+    AR at that batch gives way to the next. Writes it into adapter_dir/decoding.json; its name (None:
+    none kept every output)."""
     import torch
 
     from refusion.bundled import resolve_model
-    from refusion.decoding import decode, model_settings
+    from refusion.decoding import model_settings
     from refusion.model.checkpoint import LOOKUP_CORPUS, load_model
     from refusion.model.tokenizer import Tokenizer
 
@@ -107,50 +115,34 @@ def measure(adapter_dir: Path, base_dir: Path, out: Path, n: int, max_tokens: in
     state = json.loads(out.read_text()) if out.is_file() else {}
     if state.get("key") != [n, max_tokens, seed, list(domains)]:
         state = {"key": [n, max_tokens, seed, list(domains)], "rows": []}
-    rows = state["rows"]
-    done = {(r["threads"], r["name"], r["bench"]) for r in rows}
     base, adapted = load_model(base_dir), load_model(resolve_model(str(adapter_dir)))
     tok = Tokenizer.from_dir(base_dir)
-    eos = sorted(set(base.config.eos_ids) | ({tok.eos_id} if tok.eos_id is not None else set()))
-    prompts = {d: [tok.chat_prompt_ids(e.prompt) for e in held_out_examples(d, n, seed, last=True)] for d in domains}
-    todo = [(name, d) for d in domains for name in ["base ar", *names] if (threads, name, d) not in done]
-    bar = None
-    if progress and todo:
-        from tqdm import tqdm
-
-        bar = tqdm(total=sum(len(prompts[d]) for _, d in todo), desc="measure", unit="prompt", dynamic_ncols=True)
-    if todo:  # first calls allocate and pick kernels
-        decode(base, prompts[domains[0]][:1], "ar", gen_length=8)
-        decode(adapted, prompts[domains[0]][:1], "speculative", gen_length=8, **CANDIDATES[names[0]])
-    for name, d in todo:
-        model, decoder, params = (base, "ar", {}) if name == "base ar" else (adapted, "speculative", CANDIDATES[name])
-        outputs, forwards, seconds = [], 0, 0.0
-        for p in prompts[d]:
-            t = time.perf_counter()
-            (r,) = decode(model, [p], decoder, eos_ids=eos, gen_length=max_tokens, **params)
-            seconds += time.perf_counter() - t
-            outputs.append(r.tokens)
-            forwards += r.forwards
-            if bar is not None:
-                bar.update(1)
-        rows.append(dict(threads=threads, batch_size=1, name=name, bench=d, outputs=outputs, forwards=forwards,
-                         seconds=seconds))
-        _write(out, state)
-    if bar is not None:
-        bar.close()
-    summary = summarize(rows)
-    state["summary"] = summary
-    _write(out, state)
+    rows = _Rows(state, out, base, adapted, tok, domains, n, seed, max_tokens, threads, progress)
+    rows.run([(1, name, d) for d in domains for name in ["base ar", *names]])
+    summary = summarize(state["rows"])
     for s in summary:
         if s["name"] != "base ar":
             log(f"measure: {s['name']:<36} {s['bench']:<9} identical {s['identical']}/{s['n']} TPF {s['tpf']:.2f} "
                 f"{s['tps_vs_ar']:.2f}x AR")
-    best = choose(summary, threads, set(names))
+    left, best = set(names), None
+    while (pick := choose(summary, threads, left)) is not None:
+        best = best or pick  # (kept if none holds at `batch`)
+        rows.run([(batch, name, d) for d in domains for name in ("base ar", pick)])
+        summary = summarize(state["rows"])
+        at = [s for s in summary if s["name"] == pick and s["batch_size"] == batch and s["threads"] == threads]
+        if all(s["tps_vs_ar"] >= 1.0 for s in at):
+            best = pick
+            log(f"measure: {pick!r} at batch {batch}: " + ", ".join(f"{s['bench']} {s['tps_vs_ar']:.2f}x AR" for s in at))
+            break
+        log(f"measure: {pick!r} is slower than AR at batch {batch} ("
+            + ", ".join(f"{s['bench']} {s['tps_vs_ar']:.2f}x" for s in at) + "): the next setting is tried")
+        left.discard(pick)
+    state["summary"] = summary
+    _write(out, state)
     if best is None:
         log("measure: no setting kept every output the base's: no decoding.json written (the decoder's defaults hold)")
         return None
-    settings = model_settings.ModelSettings("speculative", CANDIDATES[best],
-                                            measured_by=command,
+    settings = model_settings.ModelSettings("speculative", CANDIDATES[best], measured_by=command,
                                             note=note(summary, best, threads))
     model_settings.write(adapter_dir, settings)
     log(f"measure: decoding.json <- {settings.note}")
@@ -158,6 +150,57 @@ def measure(adapter_dir: Path, base_dir: Path, out: Path, n: int, max_tokens: in
         (adapter_dir / LOOKUP_CORPUS).unlink()  # its answers draft only with lookup, which did not pay
         log(f"measure: {LOOKUP_CORPUS} removed from {adapter_dir} (lookup drafts did not pay)")
     return best
+
+
+class _Rows:
+    """The measurement's rows (threads, batch, setting, domain), each run once: kept in state["rows"] and
+    written to `out` as they finish."""
+
+    def __init__(self, state: dict, out: Path, base, adapted, tok, domains, n: int, seed: int, max_tokens: int,
+                 threads: int, progress: bool) -> None:
+        self.state, self.out, self.base, self.adapted, self.threads = state, out, base, adapted, threads
+        self.max_tokens, self.progress, self.warm = max_tokens, progress, False
+        self.eos = sorted(set(base.config.eos_ids) | ({tok.eos_id} if tok.eos_id is not None else set()))
+        self.prompts = {d: [tok.chat_prompt_ids(e.prompt) for e in held_out_examples(d, n, seed, last=True)]
+                        for d in domains}
+
+    def run(self, wanted: list[tuple[int, str, str]]) -> None:
+        from refusion.decoding import decode
+
+        done = {(r["threads"], r["batch_size"], r["name"], r["bench"]) for r in self.state["rows"]}
+        todo = [(bs, name, d) for bs, name, d in wanted if (self.threads, bs, name, d) not in done]
+        if not todo:
+            return
+        bar = None
+        if self.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=sum(len(self.prompts[d]) for _, _, d in todo), desc="measure", unit="prompt",
+                       dynamic_ncols=True)
+        if not self.warm:  # first calls allocate and pick kernels
+            first = next(iter(self.prompts.values()))[:1]
+            decode(self.base, first, "ar", gen_length=8)
+            decode(self.adapted, first, "speculative", gen_length=8, **CANDIDATES["speculative +lookup"])
+            self.warm = True
+        for bs, name, d in todo:
+            model, decoder, params = ((self.base, "ar", {}) if name == "base ar"
+                                      else (self.adapted, "speculative", CANDIDATES[name]))
+            outputs, forwards, seconds = [], 0, 0.0
+            prompts = self.prompts[d]
+            for lo in range(0, len(prompts), bs):
+                t = time.perf_counter()
+                res = decode(model, prompts[lo:lo + bs], decoder, eos_ids=self.eos, gen_length=self.max_tokens,
+                             **params)
+                seconds += time.perf_counter() - t
+                outputs += [r.tokens for r in res]
+                forwards += sum(r.forwards for r in res)
+                if bar is not None:
+                    bar.update(len(res))
+            self.state["rows"].append(dict(threads=self.threads, batch_size=bs, name=name, bench=d, outputs=outputs,
+                                           forwards=forwards, seconds=seconds))
+            _write(self.out, self.state)
+        if bar is not None:
+            bar.close()
 
 
 def _write(path: Path, state: dict) -> None:

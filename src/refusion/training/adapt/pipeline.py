@@ -337,7 +337,7 @@ class Pipeline:
                      f"{estimate_seconds('measured prompt', 4 * b.measure_prompts * 5, self.parameters) / 60:.0f} min)")
         chosen = measure(self.run / "adapter", self.model_dir, self.run / "measure.json", b.measure_prompts,
                          b.measure_tokens, quick=self.opts.quick, threads=1, seed=self.opts.seed,
-                         progress=self.progress, log=self.run.log, command=self.command())
+                         progress=self.progress, log=self.run.log, command=self.command(), batch=b.measure_batch)
         self.run.finish("measure", started, decoding=chosen)
 
     def command(self) -> str:

@@ -49,10 +49,11 @@ class Budget:
     gen_batch: int = 32  # self-generate's batch: on a CPU a 32-row step costs about twice an 8-row one
     measure_prompts: int = 16  # held-out prompts per domain for choosing the decoding settings
     measure_tokens: int = 256
+    measure_batch: int = 8  # the batch the chosen setting must not be slower than AR at
 
 
 QUICK = Budget(steps=4, batch_size=2, micro_batch_size=1, warmup_steps=1, save_every=2, sampler_cuts=4,
-               sampler_steps=4, sampler_check_every=2, gen_batch=8, measure_prompts=2, measure_tokens=16)
+               sampler_steps=4, sampler_check_every=2, gen_batch=8, measure_prompts=2, measure_tokens=16, measure_batch=2)
 
 
 def budget(opts: Options, steps: int | None = None) -> Budget:
