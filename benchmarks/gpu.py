@@ -53,6 +53,7 @@ from refusion.runtime import count_host_syncs, resolve_device
 ROOT = Path(__file__).resolve().parents[1]
 
 PARTS = ("correctness", "decode", "serve", "forward")
+COMPILE_ROOM_S = 120  # budget a compiled pass of the forward part needs left to start
 CHAT = [  # chat prompts of the kinds a served model gets (the GSM8K questions come from --prompts or refusion.tasks)
     "Write a short poem about the sea.", "What is the capital of France, and why is it famous?",
     "Explain what a hash table is in two sentences.", "Give me three tips for sleeping better.",
@@ -314,7 +315,8 @@ def forward(run: Run, entry: dict, args: argparse.Namespace) -> None:
     # eager cells of every model first, then the compiled ones: compiling a large model is what may not fit
     for compiled in (False, True):
         for label, make in models.items():
-            if run.left() <= 0:
+            # (compiling cannot be stopped once started: it needs room, COMPILE_ROOM_S at least)
+            if run.left() <= (COMPILE_ROOM_S if compiled and not q else 0):
                 entry["models"].setdefault(label, {})["compiled_skipped" if compiled else "skipped"] = "over --budget-s"
                 continue
             cells = (widths, batches, caches)
