@@ -385,7 +385,9 @@ class SpeculativeBatch:
         else:
             mask = cols <= col_t[:, :, None]
         real = packed_index(fed_w, W, self.device)  # ragged rows: only real tokens
-        predicted = None if prefill else self.policy.predicted(seqs, meta[1])
+        # (the tokens a grammar forced are no evidence of how far drafts go: acceptance counts the rest)
+        forced = np.array([min(q.control.forced, q.fed_k) if q.control is not None else 0 for q in seqs])
+        predicted = None if prefill else self.policy.predicted(seqs, meta[1] - forced)
         chained = self._chained_masks(seqs, meta[0], need)
         out = self.model(ids_t, pos_t, attn_mask=mask[:, None], cache=cache, num_logits=need, real=real,
                          states=chained is not None)
@@ -428,7 +430,7 @@ class SpeculativeBatch:
                           logprobs=lps[b].cut(j) if b in lps else None)
         self.policy.offer_drafts(seqs)
         if not prefill:
-            self.policy.prior.record_many(kinds, host[:, 0], meta[1], predicted)
+            self.policy.prior.record_many(kinds, np.maximum(host[:, 0] - forced, 0), meta[1] - forced, predicted)
             cost = self.policy.cost
             if cost is not None:  # what this step took, its host work included
                 fed = int(fed_w.sum()) if cost.packed else B * W

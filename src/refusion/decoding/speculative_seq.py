@@ -167,8 +167,9 @@ class SpeculativeSeq:
                 self.draft = []  # the next step's masks draft from the committed tokens
             else:
                 self.draft = self.draft[j + 1:] + mask_preds if j < k else mask_preds[1:]
-        if k:
-            self.acceptance.record(self.kind, j, k)
+        f = min(self.control.forced, k) if self.control is not None else 0  # (forced: no evidence for the widths)
+        if k > f:
+            self.acceptance.record(self.kind, max(j - f, 0), k - f)
         if not prefill or k:
             self.drafts_tried += k > 0
             self.kind = widths.FRESH if j == k or redrafted is not None or self.fresh_after_miss else widths.AFTER_MISS
