@@ -96,10 +96,12 @@ class RowControl:
         out = []
         for at, tokens, kind in branches:
             n = 0
-            if at <= len(draft) and m.accept_many(draft[:at]) == at:  # (an EOS never sits before a fork)
+            reach = at <= len(draft) and self.eos.isdisjoint(draft[:at])
+            got = m.accept_many(draft[:at]) if reach else -1
+            if got == at:  # (not where the draft no longer reaches the fork, or holds an EOS before it)
                 e = next((i for i, t in enumerate(tokens) if t in self.eos), len(tokens))
                 n = m.valid_prefix(tokens[:e])
-                m.rollback(at)
+            m.rollback(max(got, 0))
             out.append((at, tokens[:n], kind))
         return out
 
