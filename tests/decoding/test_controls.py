@@ -165,6 +165,12 @@ def test_controlled_rows_fork_exactly(monkeypatch):
         got = spec.generate_speculative(model, PROMPTS, SpeculativeParams(gen_length=40, fork=True, lookup=True),
                                         eos_ids=[EOS], cost=cheap, controls=[c] * len(PROMPTS))
         assert [r.tokens for r in got] == want
+        # sampled: the reference's draws with the same seed
+        want = [reference(model, p, c, 24, [EOS], temperature=0.9, seed=seed)[0] for p in PROMPTS]
+        got = spec.generate_speculative(model, PROMPTS, SpeculativeParams(gen_length=24, fork=True, lookup=True,
+                                                                          temperature=0.9),
+                                        eos_ids=[EOS], seed=seed, cost=cheap, controls=[c] * len(PROMPTS))
+        assert [r.tokens for r in got] == want
     assert seen["fed"] > 20 and seen["several"] > 5 and seen["won"] > 5, seen
 
 
