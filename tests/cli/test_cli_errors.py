@@ -90,7 +90,7 @@ CASES = [
     (AR + ["--temperature", "nan"], "temperature must be a finite number >= 0 (0 = greedy), got nan"),
     (AR + ["--temperature", "inf"], "temperature must be a finite number >= 0 (0 = greedy), got inf"),
     (AR + ["--temperature", "-1"], "got -1.0"),
-    (AR + ["--top-k", "5"], "top_k and top_p apply only when sampling"),
+    (AR + ["--top-k", "5"], "top_k applies only when sampling"),
     (G + ["hello", "--temperature", "nan"], "temperature must be a finite number"),
     (G + ["hello", "--decoder", "mdm", "--temperature", "inf"], "got inf"),
     # generate: flags a decoder would ignore
@@ -109,7 +109,7 @@ CASES = [
     (SP + ["--draft-length", "-1"], "draft_length must be an integer >= 0 (0: plain AR), got -1"),
     (SP + ["--draft-length", "1000000000"],
      "draft_length 1000000000 exceeds 256, the most draft tokens a step may verify; lower draft_length"),
-    (SP + ["--top-p", "0.5"], "top_k and top_p apply only when sampling"),
+    (SP + ["--top-p", "0.5"], "top_p applies only when sampling"),
     (SP + ["--temperature", "1", "--top-p", "0"], "top_p must lie in (0, 1], got 0.0"),
     (AR + ["--slot-size", "4"], "--slot-size does not apply to decoder 'ar'"),
     (AR + ["--recompute-kv"], "--recompute-kv is no longer a flag"),

@@ -63,7 +63,7 @@ def test_commits_after_an_eos_are_reported_but_not_in_the_result():
 @pytest.mark.parametrize("decoder, params, message", [
     ("ar", dict(temperature=1.0, top_p=0.0), "top_p must lie in (0, 1], got 0.0"),
     ("ar", dict(temperature=math.nan), "temperature must be a finite number"),
-    ("ar", dict(top_k=3), "top_k and top_p apply only when sampling"),
+    ("ar", dict(top_k=3), "top_k applies only when sampling"),
     ("ar", dict(gen_length=4, max_new_tokens=4), "not both"),
     ("refusion", dict(gen_length=16, slot_size=32), "slot_size x serial_blocks = 32 x 1 = 32 exceeds gen_length 16"),
     ("refusion", dict(temperature=math.inf), "temperature must be a finite number"),

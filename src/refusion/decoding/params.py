@@ -56,8 +56,10 @@ def check_sampling(temperature: float, top_k: int | None = None, top_p: float | 
     if top_p is not None and (isinstance(top_p, bool) or not (isinstance(top_p, (int, float)) and 0.0 < top_p <= 1.0)):
         # top_p = 0 would keep no token at all (every probability -inf, then NaN)
         raise ValueError(f"top_p must lie in (0, 1], got {top_p!r}")
-    if temperature == 0 and (top_k is not None or top_p is not None):
-        raise ValueError("top_k and top_p apply only when sampling: set temperature > 0 (0 = greedy)")
+    given = [name for name, v in (("top_k", top_k), ("top_p", top_p)) if v is not None]
+    if temperature == 0 and given:
+        raise ValueError(f"{' and '.join(given)} {'apply' if len(given) > 1 else 'applies'} only when sampling: "
+                         "set temperature > 0 (0, the default, is greedy)")
 
 
 def as_prompts(prompts) -> list[list[int]]:
