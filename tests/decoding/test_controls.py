@@ -20,7 +20,7 @@ import torch
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HF
 
-from refusion.decoding import Controls, controlled, decode, grammar
+from refusion.decoding import Controls, decode, grammar
 from refusion.decoding import speculative as spec
 from refusion.decoding.speculative import SpeculativeBatch, SpeculativeParams
 from refusion.model.config import ModelConfig
@@ -188,18 +188,6 @@ def test_forced_tokens_join_the_draft():
     # `ar` drafts nothing: a forward per token, but the end, which the grammar forces after the last
     ar = decode(model, PROMPTS, "ar", eos_ids=[EOS], gen_length=40, controls=c)
     assert [r.tokens for r in ar] == want and all(r.forwards == len(r.tokens) - 1 for r in ar)
-
-
-def test_a_refused_draft_token_gives_way_to_the_first_allowed_candidate():
-    a, b, c, d, x = (LETTERS.index(ch) for ch in "abcdu")
-    row = controlled.RowControl(Controls(grammar=grammar.regex(letters(), "a[bc]d+")), {EOS}, CFG["vocab_size"])
-    draft = [a, x, d, d]
-    row.keep_alts(draft, [[], [x, d, c, b], [], []])
-    assert row.prepare(draft, jump=False, most=8) == [a, c, d, d]  # (c: the first the grammar allows)
-    row.keep_alts([a, x, d], [[], [x, d], []])
-    assert row.prepare([a, x, d], jump=False, most=8) == [a]  # no candidate allowed: the draft stops
-    assert row.prepare([a, x, d, d], jump=False, most=8) == [a]  # candidates kept for another draft: none
-    assert row.matcher.accepted == 0  # (the matcher stays at the committed tokens)
 
 
 def test_rows_with_and_without_controls_share_a_batch():
