@@ -12,8 +12,7 @@ Before the feed, a row's draft is cut where the grammar stops allowing it (a tok
 refuses could never be accepted), and wherever along it the grammar forces text (one way on: a
 property's name, punctuation), that text's tokens take those positions in the draft (jump-forward;
 the verification checks them like any draft). A draft that runs out where the grammar forces more
-is extended by it. Where the grammar refuses the masks' draft token, the next of that mask's most
-likely tokens (`candidates`, kept beside the draft) that it allows takes its place.
+is extended by it.
 
 Branches (fork): a branch token's column gets the controls of its own prefix (the draft up to the
 fork, then the branch), so a branch that goes further commits AR's tokens too; branches are cut
@@ -33,8 +32,6 @@ from torch import Tensor
 from refusion.decoding.controls import Controls, Logprobs
 from refusion.decoding.sampling import sampling_probs
 
-CANDIDATES = 8  # a mask's most likely tokens a controlled row's draft may take where the grammar refuses its first
-
 
 class RowControl:
     """A controlled row's state: its grammar matcher (at the committed tokens) and its settings."""
@@ -45,29 +42,15 @@ class RowControl:
         self.eos = eos
         self.eos_ids = np.array(sorted(t for t in eos if 0 <= t < vocab), dtype=np.int64)
         self.forced = 0  # tokens at the head of the draft the grammar forced (always fed)
-        self.alts: list[list[int]] = []  # per draft position, the mask's other likely tokens
-        self.alts_of: list[int] = []  # the draft they were kept for (another draft, a copy, has none)
-
-    def keep_alts(self, draft: list[int], alts: list[list[int]]) -> None:
-        self.alts, self.alts_of = alts, list(draft)
-
-    def alts_for(self, draft: list[int]) -> list[list[int]]:
-        """The kept candidates per position of `draft` (none where they were kept for another draft)."""
-        alts = self.alts if self.alts_of == draft else []
-        return alts[: len(draft)] + [[] for _ in range(len(draft) - len(alts))]
-
-    def _allows(self, t: int) -> bool:
-        return self.matcher.is_complete() if t in self.eos else self.matcher.allows(t)
 
     def prepare(self, draft: list[int], jump: bool, most: int) -> list[int]:
-        """The draft to feed, at most `most` tokens: at each position the draft's token or else the
-        first of its candidates (alts_for) the grammar allows, up to a position where none is; and
-        wherever the grammar forces text (jump), its tokens in the positions they take."""
+        """The draft to feed, at most `most` tokens: the draft's tokens while the grammar allows them,
+        up to the first it refuses; and wherever the grammar forces text (jump), its tokens in the
+        positions they take, in place of the draft's there."""
         m = self.matcher
         if m is None:
             self.forced = 0
             return draft
-        alts = self.alts_for(draft)
         out: list[int] = []
         self.forced = -1  # (until the first draft token: the forced tokens at the head)
         i = 0
@@ -83,18 +66,18 @@ class RowControl:
                 self.forced = len(out)
             if i >= len(draft):
                 break
-            t = next((c for c in [draft[i], *alts[i]] if self._allows(c)), None)
-            if t is None:
+            t = draft[i]
+            if t in self.eos:
+                if m.is_complete():
+                    out.append(t)
+                break
+            if not m.accept(t):
                 break
             out.append(t)
-            if t in self.eos:
-                break
-            m.accept(t)
             i += 1
         if self.forced < 0:
             self.forced = len(out)
         m.rollback(sum(t not in self.eos for t in out))
-        self.keep_alts(out, alts)  # (by position: forced text and candidates took the draft's places)
         return out
 
     def ends_only(self) -> bool:
@@ -158,16 +141,6 @@ class RowControl:
                 logprobs.chosen.append(0.0)
                 logprobs.top.append([(end, 0.0)] if self.c.logprobs else [])
         return tokens, logprobs
-
-
-def candidates(logits: Tensor, rows: list[int]) -> Tensor:
-    """[B, N * K]: each column's K (CANDIDATES, at most the vocabulary) most likely tokens, best
-    first, for the rows given (zero for the others): a controlled row's draft candidates."""
-    B, N, V = logits.shape
-    out = torch.zeros(B, N, min(CANDIDATES, V), dtype=torch.long, device=logits.device)
-    at = torch.tensor(rows, device=logits.device)
-    out[at] = logits[at].topk(out.shape[2], -1).indices
-    return out.flatten(1)
 
 
 def columns(q, a: int) -> list[tuple[int, list[int]]]:

@@ -400,12 +400,9 @@ class SpeculativeBatch:
         lps = controlled.logprobs(seqs, ruled, logits, meta[0], ids_t[:, W - need:], extra) if ruled else {}
         if chained is not None:
             drafts = self._chain(drafts, logits, states, j, k_t, extra, *chained)
-        # the step's one transfer: j, extra, how far each branch went, the drafts (from column h), and
-        # with controlled rows each column's candidates (from h + need)
-        cands = [controlled.candidates(logits, ruled)] if ruled else []
-        host = torch.cat([j[:, None], extra[:, None], went, drafts, *cands], 1).cpu().numpy()
+        # the step's one transfer: j, extra, how far each branch went, the drafts (from column h)
+        host = torch.cat([j[:, None], extra[:, None], went, drafts], 1).cpu().numpy()
         h = 2 + S
-        alts = host[:, h + need:].reshape(B, need, -1) if ruled else None
         kinds = np.array([q.kind for q in seqs])
         for b, (q, (ids, _)) in enumerate(zip(seqs, feeds)):
             a, k, j = int(meta[0, b]), q.fed_k, int(host[b, 0])
@@ -430,8 +427,7 @@ class SpeculativeBatch:
             else:
                 end = a + q.fed_branches[0][0] if q.fed_branches else need
                 q.advance(j, int(host[b, 1]), host[b, h + masks_from: h + end].tolist(),
-                          logprobs=lps[b].cut(j) if b in lps else None,
-                          mask_alts=alts[b, masks_from:end].tolist() if q.control is not None else None)
+                          logprobs=lps[b].cut(j) if b in lps else None)
         self.policy.offer_drafts(seqs)
         if not prefill:
             self.policy.prior.record_many(kinds, np.maximum(host[:, 0] - forced, 0), meta[1] - forced, predicted)

@@ -125,14 +125,12 @@ class SpeculativeSeq:
         return ids, pos
 
     def advance(self, j: int, extra: int, mask_preds: list[int], redrafted: list[int] | None = None,
-                branch: tuple[list[int], int] | None = None, logprobs: Logprobs | None = None,
-                mask_alts: list[list[int]] | None = None) -> None:
+                branch: tuple[list[int], int] | None = None, logprobs: Logprobs | None = None) -> None:
         """Commit the first j draft tokens and `extra`; keep their KV; make the next draft (after a
         rejection, `redrafted` when this step fed redraft blocks: the draft from the accepted tokens).
         branch: (a branch's tokens, r) where that branch went further (j is its fork): its first r
         tokens come after the draft's j (the decoder has moved their KV to the columns after those).
-        logprobs: of the j draft tokens and extra, where the row's controls ask for them. mask_alts: a
-        controlled row's candidates beside mask_preds (controlled.RowControl.prepare)."""
+        logprobs: of the j draft tokens and extra, where the row's controls ask for them."""
         prefill = self.x is None
         k = self.fed_k
         run = self.draft[:j] + (branch[0][:branch[1]] if branch is not None else [])
@@ -155,17 +153,20 @@ class SpeculativeSeq:
             self.res.finished = eos_at is not None
         if prefill and not self.causal_first:
             self.c = self.P
-        else:  # the prompt (prefill) or x, and the accepted drafts: their KV was computed by this forward
+            self.draft = mask_preds  # (the first mask's prediction was `extra`)
+        else:
+            # the prompt (prefill) or x, and the accepted drafts: their KV was computed by this forward
             self.c = self.P + j if prefill else self.c + len(run) + 1
-        rest = branch[0][branch[1] + 1:] if branch is not None else None
-        alts = None
-        if self.control is not None:  # (the candidates follow the draft's positions)
-            alts = self._next_draft(j, k, self.control.alts_for(self.draft),
-                                    _blank(mask_preds) if mask_alts is None else mask_alts,
-                                    _blank(redrafted), _blank(rest), prefill)
-        self.draft = self._next_draft(j, k, self.draft, mask_preds, redrafted, rest, prefill)
-        if alts is not None:
-            self.control.keep_alts(self.draft, alts)
+            # after a mismatch the rest of the old draft still guesses the positions after `extra`;
+            # after a full accept `extra` took the first mask's position
+            if branch is not None:  # (the masks sat behind the first draft)
+                self.draft = [] if self.fresh_after_miss else branch[0][branch[1] + 1:]
+            elif redrafted is not None and j < k:
+                self.draft = redrafted
+            elif j < k and self.fresh_after_miss:
+                self.draft = []  # the next step's masks draft from the committed tokens
+            else:
+                self.draft = self.draft[j + 1:] + mask_preds if j < k else mask_preds[1:]
         f = min(self.control.forced, k) if self.control is not None else 0  # (forced: no evidence for the widths)
         if k > f:
             self.acceptance.record(self.kind, max(j - f, 0), k - f)
@@ -186,23 +187,6 @@ class SpeculativeSeq:
             else:
                 self.on_commit(positions, commit)
 
-    def _next_draft(self, j: int, k: int, old: list, preds: list, redrafted: list | None, rest: list | None,
-                    prefill: bool) -> list:
-        """The draft after a step (or what lies beside it: any list by draft position), from the one fed
-        (old), the masks' (preds), the redraft block's (redrafted) and a branch's rest past its accepted
-        tokens (rest)."""
-        if prefill and not self.causal_first:
-            return preds  # (the first mask's prediction was `extra`)
-        # after a mismatch the rest of the old draft still guesses the positions after `extra`;
-        # after a full accept `extra` took the first mask's position
-        if rest is not None:  # (the masks sat behind the first draft)
-            return [] if self.fresh_after_miss else rest
-        if redrafted is not None and j < k:
-            return redrafted
-        if j < k and self.fresh_after_miss:
-            return []  # the next step's masks draft from the committed tokens
-        return old[j + 1:] + preds if j < k else preds[1:]
-
     def draft_end(self) -> int:
         """How many draft tokens are worth feeding before the draft's own EOS (every one, with
         none): a draft predicting that the answer ends there makes wider ones a waste."""
@@ -216,8 +200,3 @@ class SpeculativeSeq:
     def result(self) -> DecodeResult:
         self.res.seconds = time.perf_counter() - self.start
         return self.res
-
-
-def _blank(xs: list | None) -> list | None:
-    """No candidates beside each of xs."""
-    return None if xs is None else [[] for _ in xs]
