@@ -310,7 +310,7 @@ class Pipeline:
         tok = self.tokenizer()
         answers = []
         for r in load_records(self.run / "data.jsonl"):
-            ids = tok.encode(r["response"])
+            ids = tok.encode(r["response"], parse_special=False)  # text is text: no control token from an answer
             if r.get("finished") and tok.eos_id is not None:  # the answer ended there: its end is drafted too
                 ids.append(tok.eos_id)
             answers.append(ids)
