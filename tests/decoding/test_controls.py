@@ -27,6 +27,7 @@ from refusion.model.config import ModelConfig
 from refusion.model.tokenizer import Tokenizer
 from refusion.model.transformer import Transformer
 from tests.decoding.test_decoding_speculative import chi2
+from tests.helpers.fork_counter import count_forks
 from tests.helpers.reference_controls import next_distribution, reference
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -146,16 +147,7 @@ def test_controlled_rows_fork_exactly(monkeypatch):
     output is still the reference's, with branches fed, several at once, and going further."""
     from refusion.decoding import costs
 
-    seen = dict(fed=0, several=0, won=0)
-    plain = spec.SpeculativeSeq.advance
-
-    def advance(self, j, extra, mask_preds, redrafted=None, branch=None, **kw):
-        seen["fed"] += len(self.fed_branches) > 0
-        seen["several"] += len(self.fed_branches) > 1
-        seen["won"] += branch is not None
-        plain(self, j, extra, mask_preds, redrafted, branch, **kw)
-
-    monkeypatch.setattr(spec.SpeculativeSeq, "advance", advance)
+    seen = count_forks(monkeypatch)
     cheap = costs.CostModel.of(lambda rows, tokens: 1e-3 + 1e-7 * tokens)  # wide forwards cost next to nothing
     c = Controls(grammar=grammar.regex(letters(), "([a-m]+n)*[o-v]+"), logit_bias={4: 3.0, 12: -2.0},
                  presence_penalty=-0.5, frequency_penalty=0.4)

@@ -13,6 +13,7 @@ from refusion.decoding.speculative_policy import branches
 from refusion.decoding.params import MAX_BRANCHES
 from refusion.model.cache import KVCache
 from tests.decoding.test_decoding_speculative import MASK, PROMPTS, ar, tiny_model
+from tests.helpers.fork_counter import count_forks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -27,17 +28,7 @@ FORK = [dict(lookup=True), dict(lookup=True, widths="fixed", draft_length=3), di
 @pytest.fixture
 def forks(monkeypatch):
     """Counts the steps that fed a branch, those that fed two or more, and those a branch went further in."""
-    seen = dict(fed=0, several=0, won=0)
-    plain = spec.SpeculativeSeq.advance
-
-    def advance(self, j, extra, mask_preds, redrafted=None, branch=None, **kw):
-        seen["fed"] += len(self.fed_branches) > 0
-        seen["several"] += len(self.fed_branches) > 1
-        seen["won"] += branch is not None
-        plain(self, j, extra, mask_preds, redrafted, branch, **kw)
-
-    monkeypatch.setattr(spec.SpeculativeSeq, "advance", advance)
-    return seen
+    return count_forks(monkeypatch)
 
 
 @pytest.mark.parametrize("seed", range(4))
