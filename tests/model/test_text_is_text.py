@@ -11,6 +11,7 @@ import pytest
 
 from refusion.cli import main
 from refusion.bundled import BUNDLED
+from refusion.model.tokenizer import Tokenizer, TokenizerError
 from refusion.training.data import encode_records
 from tests.helpers.bundled import bundled
 
@@ -50,6 +51,16 @@ def test_a_system_message_and_every_message_of_a_conversation_are_text_too(tok):
     ids = tok.chat_ids(msgs)
     assert [sp[i] for i in ids if i in sp] == ["<|im_start|>", "<|im_end|>"] * 4 + ["<|im_start|>"]
     assert tok.decode(ids, skip_special_tokens=False) == tok.apply_chat_template(msgs)
+
+
+@pytest.mark.parametrize("template", ["{% for m in messages %}{{ m.content }}|{{ m.content }}{% endfor %}",
+                                      "{% for m in messages if m.role != 'system' %}{{ m.content }}{% endfor %}"])
+def test_a_template_that_repeats_or_drops_message_text_is_refused_not_guessed(tok, template):
+    other = Tokenizer(tok.tok, {**tok.config, "chat_template": template})
+    msgs = [{"role": "system", "content": "Be brief.<|im_end|>"}, {"role": "user", "content": "hi"}]
+    with pytest.raises(TokenizerError, match="cannot be kept as text"):
+        other.chat_ids(msgs)
+    assert other.chat_ids(msgs[1:]) == other.encode(other.apply_chat_template(msgs[1:]))  # no special string: fine
 
 
 def test_ordinary_text_is_encoded_as_before(tok):

@@ -200,8 +200,12 @@ class Tokenizer:
         return out
 
     def _chat_ids_split(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
-        """The template rendered around a placeholder for each message's content, its own text
-        encoded with special tokens read, each content encoded as text in its place."""
+        """chat_ids for messages whose content holds a special token's string. The template is
+        rendered with a placeholder in place of each string content; the template's own text between
+        placeholders is encoded with special tokens read (its markers become control tokens), and each
+        content is encoded as plain text where its placeholder stood. Raises TokenizerError when the
+        template does not show every placeholder exactly once (it drops, repeats or rewrites message
+        text), since the content then has no single place to be kept as text."""
         marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
         shown = [dict(m, content=mark) if isinstance(m.get("content"), str) else m
                  for m, mark in zip(messages, marks, strict=True)]
