@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -35,7 +34,7 @@ from refusion.bundled import ADAPTER_CONFIG, adapter_base, resolve_model
 from refusion.decoding import decode
 from refusion.model.checkpoint import load_model
 from refusion.model.tokenizer import Tokenizer
-from refusion.training.adapt.measure import HELD_OUT, held_out_examples
+from refusion.training.adapt.measure import HELD_OUT, decode_all, eos_ids, held_out_examples, summarize
 
 sys.path.insert(0, str(Path(__file__).parent))
 from smollm2_speculative import adapter_costs, peak_memory  # noqa: E402  (the same measures of an adapter's cost)
@@ -46,32 +45,8 @@ TARGET_SPEED_B1, TARGET_SPEED_B8 = 2.0, 1.0
 
 def run(model, prompts: list[list[int]], decoder: str | None, batch_size: int, max_tokens: int, eos: list[int],
         label: str) -> dict:
-    outputs, forwards, seconds = [], 0, 0.0
-    for i in tqdm(range(0, len(prompts), batch_size), desc=label, unit="batch", leave=False, mininterval=10,
-                  file=sys.stderr):
-        t = time.perf_counter()
-        res = decode(model, prompts[i:i + batch_size], decoder, eos_ids=eos, gen_length=max_tokens)
-        seconds += time.perf_counter() - t
-        outputs += [r.tokens for r in res]
-        forwards += sum(r.forwards for r in res)
-    return dict(outputs=outputs, forwards=forwards, seconds=seconds)
-
-
-def summarize(rows: list[dict], ref_threads: int) -> list[dict]:
-    key = {(r["threads"], r["batch_size"], r["name"], r["bench"]): r for r in rows}
-    out = []
-    for r in rows:
-        ref = key.get((ref_threads, 1, "base ar", r["bench"]))
-        ar = key.get((r["threads"], r["batch_size"], "base ar", r["bench"]))
-        tokens = sum(map(len, r["outputs"]))
-        tps = tokens / r["seconds"]
-        ar_tps = sum(map(len, ar["outputs"])) / ar["seconds"] if ar else None
-        out.append(dict(threads=r["threads"], batch_size=r["batch_size"], name=r["name"], bench=r["bench"],
-                        n=len(r["outputs"]),
-                        identical=sum(a == b for a, b in zip(r["outputs"], ref["outputs"], strict=True)) if ref else None,
-                        tokens=tokens, tpf=tokens / max(r["forwards"], 1), tps=tps,
-                        tps_vs_ar=tps / ar_tps if ar_tps else None))
-    return out
+    with tqdm(total=len(prompts), desc=label, unit="prompt", leave=False, mininterval=10, file=sys.stderr) as bar:
+        return decode_all(model, prompts, decoder, batch_size, max_tokens, eos, done=bar.update)
 
 
 def targets(summary: list[dict]) -> list[str]:
@@ -133,7 +108,7 @@ def main() -> None:
     if differ:
         sys.exit(f"{out} holds a run with other {', '.join(differ)}: choose another --out (or remove it)")
     base, adapted, tok = load_model(base_dir), load_model(adapted_dir), Tokenizer.from_dir(base_dir)
-    eos = sorted(set(base.config.eos_ids) | ({tok.eos_id} if tok.eos_id is not None else set()))
+    eos = eos_ids(base, tok)
     prompts = {d: [tok.chat_prompt_ids(e.prompt) for e in held_out_examples(d, args.n, args.seed)] for d in domains}
     rows = state.get("rows", [])
     done = {(r["threads"], r["batch_size"], r["name"], r["bench"]) for r in rows}
@@ -156,7 +131,7 @@ def main() -> None:
                           f"TPS {tokens / r['seconds']:8.1f}", flush=True)
                     out.parent.mkdir(parents=True, exist_ok=True)
                     out.write_text(json.dumps(dict(args=vars(args), torch=torch.__version__, rows=rows)))
-    summary = summarize(rows, thread_counts[0])
+    summary = summarize(rows, reference=(thread_counts[0], 1))
     costs = state.get("costs")
     if costs is None:
         costs = adapter_costs(base, adapted, adapter_dir)

@@ -13,7 +13,7 @@ from refusion.tasks.chat import load_chat
 from refusion.tasks.maths import gsm8k_prompt
 from refusion.tasks.sources import gsm8k_train_questions
 from refusion.training.adapt import magpie
-from refusion.training.adapt.measure import choose, held_out_examples
+from refusion.training.adapt.measure import choose, held_out_examples, summarize
 from refusion.training.adapt.prompts import HeldOut, domain_counts, held_out_chat, parse_mix, user_prompts
 from refusion.training.adapt.recipe import Budget
 from refusion.training.self_generate import load_prompts
@@ -143,3 +143,20 @@ def test_choose_keeps_every_answer_then_ties_within_three_percent_go_to_tokens_p
     assert choose(summary, 1) == "b"  # c changed an answer; b's slowest (1.95x) ties a's 2.0x; b drafts further
     assert choose(summary, 1, {"a", "c", "d"}) == "a"
     assert choose(summary, 2) is None and choose(rows("c", (9, 10), (3.0, 3.0), (4.0, 4.0)), 1) is None
+
+
+def test_summaries_compare_outputs_with_the_base_ar_at_the_same_batch_or_the_reference():
+    def row(batch, name, outputs, forwards, seconds):
+        return dict(threads=1, batch_size=batch, name=name, bench="chat", outputs=outputs, forwards=forwards,
+                    seconds=seconds)
+
+    rows = [row(1, "base ar", [[1, 2], [3]], 3, 3.0), row(2, "base ar", [[1, 2], [4]], 3, 1.0),
+            row(1, "spec", [[1, 2], [3]], 1, 1.0), row(2, "spec", [[1, 2], [4]], 2, 2.0)]
+    own = {(s["name"], s["batch_size"]): s for s in summarize(rows)}
+    assert own["spec", 1] == dict(threads=1, batch_size=1, name="spec", bench="chat", n=2, identical=2, tokens=3,
+                                  tpf=3.0, tps=3.0, tps_vs_ar=3.0)
+    assert own["spec", 2]["identical"] == 2 and own["spec", 2]["tpf"] == 1.5 and own["spec", 2]["tps_vs_ar"] == 0.5
+    ref = {(s["name"], s["batch_size"]): s for s in summarize(rows, reference=(1, 1))}
+    assert ref["spec", 2]["identical"] == ref["base ar", 2]["identical"] == 1  # batch 2's second output differs
+    assert ref["spec", 2]["tps_vs_ar"] == 0.5  # speed still against AR at its own batch
+    assert summarize(rows[2:])[0]["identical"] is None and summarize(rows[2:])[0]["tps_vs_ar"] is None

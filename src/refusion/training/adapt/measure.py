@@ -49,22 +49,46 @@ def held_out_examples(domain: str, n: int, seed: int = 0, last: bool = False) ->
     return every[len(every) - n:] if last else every[:n]
 
 
-def summarize(rows: list[dict]) -> list[dict]:
-    """Per (threads, batch, setting, domain): outputs identical to the base AR's at the same threads and
-    batch, TPF, TPS and TPS / AR."""
+def summarize(rows: list[dict], reference: tuple[int, int] | None = None) -> list[dict]:
+    """Per (threads, batch, setting, domain): outputs identical to the base AR's (at the same threads and
+    batch, or at the (threads, batch) `reference`), TPF, TPS and TPS / AR (at the same threads and batch)."""
     key = {(r["threads"], r["batch_size"], r["name"], r["bench"]): r for r in rows}
     out = []
     for r in rows:
         ar = key.get((r["threads"], r["batch_size"], "base ar", r["bench"]))
+        ref = key.get((*reference, "base ar", r["bench"])) if reference else ar
         tokens = sum(map(len, r["outputs"]))
         tps = tokens / r["seconds"] if r["seconds"] else 0.0
         ar_tps = sum(map(len, ar["outputs"])) / ar["seconds"] if ar and ar["seconds"] else None
         out.append(dict(threads=r["threads"], batch_size=r["batch_size"], name=r["name"], bench=r["bench"],
                         n=len(r["outputs"]),
-                        identical=sum(a == b for a, b in zip(r["outputs"], ar["outputs"], strict=True)) if ar else None,
+                        identical=sum(a == b for a, b in zip(r["outputs"], ref["outputs"], strict=True)) if ref else None,
                         tokens=tokens, tpf=tokens / max(r["forwards"], 1), tps=tps,
                         tps_vs_ar=tps / ar_tps if ar_tps else None))
     return out
+
+
+def eos_ids(model, tok) -> list[int]:
+    """The ids that end an answer: the model's and the tokenizer's."""
+    return sorted(set(model.config.eos_ids) | ({tok.eos_id} if tok.eos_id is not None else set()))
+
+
+def decode_all(model, prompts: list[list[int]], decoder: str | None, batch_size: int, max_tokens: int,
+               eos: list[int], params: dict | None = None, done: Callable[[int], None] | None = None) -> dict:
+    """Every prompt decoded, `batch_size` at a time: dict(outputs, forwards, seconds of decoding); `done` is
+    called with each batch's size."""
+    from refusion.decoding import decode
+
+    outputs, forwards, seconds = [], 0, 0.0
+    for lo in range(0, len(prompts), batch_size):
+        t = time.perf_counter()
+        res = decode(model, prompts[lo:lo + batch_size], decoder, eos_ids=eos, gen_length=max_tokens, **(params or {}))
+        seconds += time.perf_counter() - t
+        outputs += [r.tokens for r in res]
+        forwards += sum(r.forwards for r in res)
+        if done is not None:
+            done(len(res))
+    return dict(outputs=outputs, forwards=forwards, seconds=seconds)
 
 
 def choose(summary: list[dict], threads: int, names: set[str] | None = None) -> str | None:
@@ -160,7 +184,7 @@ class _Rows:
                  threads: int, progress: bool) -> None:
         self.state, self.out, self.base, self.adapted, self.threads = state, out, base, adapted, threads
         self.max_tokens, self.progress, self.warm = max_tokens, progress, False
-        self.eos = sorted(set(base.config.eos_ids) | ({tok.eos_id} if tok.eos_id is not None else set()))
+        self.eos = eos_ids(base, tok)
         self.prompts = {d: [tok.chat_prompt_ids(e.prompt) for e in held_out_examples(d, n, seed, last=True)]
                         for d in domains}
 
@@ -185,19 +209,9 @@ class _Rows:
         for bs, name, d in todo:
             model, decoder, params = ((self.base, "ar", {}) if name == "base ar"
                                       else (self.adapted, "speculative", CANDIDATES[name]))
-            outputs, forwards, seconds = [], 0, 0.0
-            prompts = self.prompts[d]
-            for lo in range(0, len(prompts), bs):
-                t = time.perf_counter()
-                res = decode(model, prompts[lo:lo + bs], decoder, eos_ids=self.eos, gen_length=self.max_tokens,
-                             **params)
-                seconds += time.perf_counter() - t
-                outputs += [r.tokens for r in res]
-                forwards += sum(r.forwards for r in res)
-                if bar is not None:
-                    bar.update(len(res))
-            self.state["rows"].append(dict(threads=self.threads, batch_size=bs, name=name, bench=d, outputs=outputs,
-                                           forwards=forwards, seconds=seconds))
+            row = decode_all(model, self.prompts[d], decoder, bs, self.max_tokens, self.eos, params,
+                             bar.update if bar is not None else None)
+            self.state["rows"].append(dict(threads=self.threads, batch_size=bs, name=name, bench=d, **row))
             _write(self.out, self.state)
         if bar is not None:
             bar.close()
