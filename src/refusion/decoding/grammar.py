@@ -99,7 +99,6 @@ class Matcher:
         self.grammar = grammar
         self._m = _llg().LLMatcher(grammar._vocab.ll, grammar._compiled, log_level=0)
         self._check()
-        self.accepted = 0  # tokens accepted and not rolled back
 
     def _check(self) -> None:
         if self._m.is_error():
@@ -117,22 +116,13 @@ class Matcher:
         if self.is_complete():
             _set(row, eos)
 
-    def allows(self, token: int) -> bool:
-        """Whether `token` (a text token) may come next; the state does not change."""
-        return self._m.validate_tokens([token]) == 1
-
     def valid_prefix(self, tokens: list[int]) -> int:
         """How many of tokens, from the first, the grammar allows in turn; the state does not change."""
         return self._m.validate_tokens(tokens) if tokens else 0
 
     def accept(self, token: int) -> bool:
         """Advance over `token`; False (and no change) where the grammar does not allow it."""
-        if self._m.validate_tokens([token]) != 1:
-            return False
-        ok = self._m.consume_token(token)
-        self._check()
-        self.accepted += ok
-        return ok
+        return self.accept_many([token]) == 1
 
     def accept_many(self, tokens: list[int]) -> int:
         """Advance over the longest allowed prefix of tokens; returns its length."""
@@ -140,7 +130,6 @@ class Matcher:
         if n:
             self._m.consume_tokens(tokens[:n])
             self._check()
-            self.accepted += n
         return n
 
     def rollback(self, n: int) -> None:
@@ -148,7 +137,6 @@ class Matcher:
         if n:
             self._m.rollback(n)
             self._check()
-            self.accepted -= n
 
     def forced(self) -> list[int]:
         """The tokens the grammar allows alone from here, in order (empty where it offers a choice)."""
