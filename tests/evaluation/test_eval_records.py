@@ -11,18 +11,15 @@ import sys
 import time
 
 import pytest
-import torch
 
 import refusion.evaluation.evaluate as evaluate_module
 from refusion.cli import main
 from refusion.evaluation.evaluate import EvalConfig, evaluate
 from refusion.evaluation.records import EvalInterrupted, partial_path
 from refusion.files import WriteError
-from refusion.model.config import ModelConfig
-from refusion.model.transformer import Transformer
 from refusion.tasks import Example, Score, Task
-from refusion.training.data import train_bpe_tokenizer
 from tests.helpers.full_disk import full_disk
+from tests.helpers.tiny_sums_model import tiny_sums_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 N = 7  # examples: with batches of 2, the last batch is short
@@ -31,11 +28,7 @@ CFG = EvalConfig("ar", {"max_new_tokens": 8, "temperature": 1.0}, batch_size=2, 
 
 @pytest.fixture(scope="module")
 def tiny():
-    torch.manual_seed(0)
-    tok = train_bpe_tokenizer([f"what is {i} plus {i + 1}? {2 * i + 1}" for i in range(50)], vocab_size=280)
-    cfg = ModelConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
-                      num_kv_heads=1, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id, mask_token_id=tok.mask_id)
-    return Transformer(cfg).init_weights(seed=0).eval(), tok
+    return tiny_sums_model()
 
 
 def echo_task(n: int = N) -> Task:

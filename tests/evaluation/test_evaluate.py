@@ -4,26 +4,19 @@ import json
 from dataclasses import replace
 
 import pytest
-import torch
 
 from refusion.cli import main
 from refusion.model.checkpoint import save_model
-from refusion.model.config import ModelConfig
-from refusion.training.data import train_bpe_tokenizer
 from refusion.evaluation.evaluate import EvalConfig, evaluate, model_label, wilson_interval
 from refusion.evaluation.run import eval_tasks, run_eval
-from refusion.model.transformer import Transformer
 from refusion.evaluation.report import averages, curve_point, last_steps, load_summaries, report
 from refusion.tasks import Example, Score, Task
+from tests.helpers.tiny_sums_model import tiny_sums_model
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    torch.manual_seed(0)
-    tok = train_bpe_tokenizer([f"what is {i} plus {i + 1}? {2 * i + 1}" for i in range(50)], vocab_size=280)
-    cfg = ModelConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
-                      num_kv_heads=1, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id, mask_token_id=tok.mask_id)
-    return Transformer(cfg).init_weights(seed=0).eval(), tok
+    return tiny_sums_model()
 
 
 def echo_task(n: int = 5) -> Task:
