@@ -23,6 +23,12 @@ def write_jsonl(tmp_path_factory, recs: list[dict]) -> Path:
     return path
 
 
+def doubling_file(tmp_path_factory) -> Path:
+    """40 one-step records ("What is 3 plus 3?" -> "6."): for tests of a step or two."""
+    return write_jsonl(tmp_path_factory, [{"query": f"What is {a} plus {a}?", "response": f"{2 * a}."}
+                                          for a in range(40)])
+
+
 @pytest.fixture(scope="module")
 def data_file(tmp_path_factory) -> Path:
     """Addition problems with a worked answer: learnable in a few dozen steps."""

@@ -16,17 +16,14 @@ from refusion.model.config import ConfigError
 from refusion.runtime import count_parameters
 from refusion.training.config import TrainConfig
 from refusion.training.setup import cpu_bf16_is_emulated
+from tests.helpers.train_helpers import TINY, doubling_file
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # (--threads=2 below sets torch's threads)
-TINY = {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2}
 
 
 @pytest.fixture(scope="module")
 def data_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "add.jsonl"
-    path.write_text("\n".join(json.dumps({"query": f"What is {a} plus {a}?", "response": f"{2 * a}."})
-                              for a in range(40)))
-    return path
+    return doubling_file(tmp_path_factory)
 
 
 def _train(data_file, out, capsys, *extra: str) -> str:

@@ -19,18 +19,15 @@ from refusion.training.self_generate import Prompt, self_generate
 from tests.helpers.bundled import bundled
 from tests.helpers.full_disk import full_disk
 from tests.helpers.tiny_gguf import write_byte_level_gguf
+from tests.helpers.train_helpers import TINY, doubling_file
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-TINY = {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2}
 FULL = "No space left on device (the disk is full: free some space or write somewhere else)"
 
 
 @pytest.fixture(scope="module")
 def data_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "add.jsonl"
-    path.write_text("\n".join(json.dumps({"query": f"What is {a} plus {a}?", "response": f"{2 * a}."})
-                              for a in range(40)))
-    return path
+    return doubling_file(tmp_path_factory)
 
 
 @pytest.mark.parametrize("real", [True, False], ids=["tmpfs", "patched"])
