@@ -13,8 +13,14 @@ from refusion.bundled import BUNDLED
 from refusion.decoding import decode
 
 
+NAME = "refusion-tiny"  # the name tests serve the bundled model under
 CFG = load_config(BUNDLED)  # the bundled model's config, and the same without a mask token
 NO_MASK = dataclasses.replace(CFG, mask_token_id=None)
+
+
+def chat_ids(text: str) -> list[int]:
+    """The bundled model's chat prompt for one user message."""
+    return bundled()[1].chat_prompt_ids(text)
 
 
 def task_prompts(per_task: int = 2) -> list[str]:

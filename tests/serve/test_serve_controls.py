@@ -22,30 +22,11 @@ pytest.importorskip("uvicorn")
 import torch  # noqa: E402
 
 from refusion.decoding import Controls, decode, grammar  # noqa: E402
-from refusion.serve.app import ServeConfig, Server  # noqa: E402
-from tests.helpers.serving import LiveServer, bundled  # noqa: E402
+from tests.helpers.serving import NAME, bundled, chat_ids  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-NAME = "refusion-tiny"
 CODE = "Continue this Python code:\nimport os"  # many likely continuations: samples differ
 ADD = "Add: 12 + 30 + 7"
-
-
-@pytest.fixture(scope="module")
-def live(one_thread):
-    model, tok = bundled()
-    srv = LiveServer(Server(model, tok, ServeConfig(model_name=NAME, max_tokens_cap=512)))
-    yield srv
-    srv.close()
-
-
-@pytest.fixture(scope="module")
-def client(live):
-    return openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-def chat_ids(text: str) -> list[int]:
-    return bundled()[1].chat_prompt_ids(text)
 
 
 def ar(prompt_ids: list[int], gen_length: int, controls: Controls | None = None, **params):

@@ -17,31 +17,11 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
-from refusion.serve.app import ServeConfig, Server  # noqa: E402
 from refusion.serve.params import choose  # noqa: E402
 from refusion.serve.schemas import parse_completion  # noqa: E402
-from tests.helpers.serving import CFG, LiveServer, bundled, solo, task_prompts  # noqa: E402
+from tests.helpers.serving import CFG, NAME, bundled, chat_ids, solo, task_prompts  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-NAME = "refusion-tiny"
-
-
-@pytest.fixture(scope="module")
-def live(one_thread):
-    model, tok = bundled()
-    srv = LiveServer(Server(model, tok, ServeConfig(model_name=NAME, max_tokens_cap=512)))
-    yield srv
-    srv.close()
-
-
-@pytest.fixture(scope="module")
-def client(live):
-    return openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-def chat_ids(text: str) -> list[int]:
-    _, tok = bundled()
-    return tok.chat_prompt_ids(text)
 
 
 def expected(prompt_ids: list[int], body: dict):
