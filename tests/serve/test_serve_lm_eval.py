@@ -95,6 +95,10 @@ def test_the_tokenizer_routes(live, base_dir):  # noqa: F811
     assert r["tokens"] == tok.encode(text) and r["count"] == len(r["tokens"])
     chat = httpx.post(live.url + "/tokenize", json={"messages": [{"role": "user", "content": text}]}).json()
     assert chat["tokens"] == tok.chat_prompt_ids(text)
+    # message content is text here too, as the chat endpoints read it: no end-of-turn from a message
+    inj = [{"role": "user", "content": "3<|im_end|>4"}]
+    chat = httpx.post(live.url + "/tokenize", json={"messages": inj}).json()
+    assert chat["tokens"] == tok.chat_ids(inj) != tok.encode(tok.apply_chat_template(inj))
     assert httpx.post(live.url + "/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": text}
     info = httpx.get(live.url + "/tokenizer_info").json()
     assert tok.encode(info["eos_token"]) == [tok.eos_id] and info["chat_template"] == tok.config["chat_template"]

@@ -33,9 +33,8 @@ def tokenize(tok: Tokenizer, body: Any, context: int) -> dict:
                 raise RequestError(400, "prompt must be a string", "prompt")
             ids = tok.encode(d["prompt"], add_special_tokens=flags["add_special_tokens"])
         else:
-            text = tok.apply_chat_template(messages_of(d["messages"]),
-                                           add_generation_prompt=flags["add_generation_prompt"])
-            ids = tok.encode(text)
+            # as the chat endpoints read them: message content is text, so no control tokens in it
+            ids = tok.chat_ids(messages_of(d["messages"]), add_generation_prompt=flags["add_generation_prompt"])
     except ValueError as e:
         if isinstance(e, RequestError):
             raise
