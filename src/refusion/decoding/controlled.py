@@ -172,7 +172,10 @@ def apply(seqs: list, rows: list[int], logits: Tensor, anchor: np.ndarray) -> Te
     R = len(bi)
     bits = np.full((R, (V + 31) // 32), -1, dtype=np.int32)
     bias_r, bias_t, bias_v = [], [], []
-    count_r, count_t = [], []
+    # the response before each column's position: the committed tokens, counted once per row (in its
+    # first column, which every column of the row then copies), then the column's own prefix
+    done_r, done_t, count_r, count_t = [], [], [], []
+    first = np.arange(R)  # each column's row's first column
     pres, freq = np.zeros(R, dtype=np.float32), np.zeros(R, dtype=np.float32)
     r0 = 0
     for b in rows:
@@ -189,18 +192,24 @@ def apply(seqs: list, rows: list[int], logits: Tensor, anchor: np.ndarray) -> Te
                 bias_v += vals
         if ctl.c.penalised:
             pres[r0: r0 + n], freq[r0: r0 + n] = ctl.c.presence_penalty, ctl.c.frequency_penalty
-            for i, p in enumerate(prefixes):  # the response before that position: committed, then the prefix
-                told = q.res.tokens + p
-                count_r += [r0 + i] * len(told)
-                count_t += told
+            first[r0: r0 + n] = r0
+            done_r += [r0] * len(q.res.tokens)
+            done_t += q.res.tokens
+            for i, p in enumerate(prefixes):
+                count_r += [r0 + i] * len(p)
+                count_t += p
         r0 += n
     if bias_r:
         sub.index_put_((torch.tensor(bias_r, device=dev), torch.tensor(bias_t, device=dev)),
                        torch.tensor(bias_v, device=dev, dtype=sub.dtype), accumulate=True)
-    if count_r:
+    if done_r or count_r:
+        d, c = len(done_r), len(count_r)
+        idx = torch.from_numpy(np.concatenate([done_r, done_t, count_r, count_t, first]).astype(np.int64)).to(dev)
         counts = torch.zeros_like(sub)
-        counts.index_put_((torch.tensor(count_r, device=dev), torch.tensor(count_t, device=dev)),
-                          torch.ones(len(count_r), device=dev, dtype=sub.dtype), accumulate=True)
+        counts.index_put_((idx[:d], idx[d: 2 * d]), torch.ones(d, device=dev, dtype=sub.dtype), accumulate=True)
+        counts = counts[idx[2 * d + 2 * c:]]
+        counts.index_put_((idx[2 * d: 2 * d + c], idx[2 * d + c: 2 * d + 2 * c]),
+                          torch.ones(c, device=dev, dtype=sub.dtype), accumulate=True)
         p_t, f_t = torch.from_numpy(pres).to(dev)[:, None], torch.from_numpy(freq).to(dev)[:, None]
         sub -= p_t * (counts > 0) + f_t * counts
     if any(seqs[b].control.matcher is not None for b in rows):
