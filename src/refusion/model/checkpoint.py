@@ -15,12 +15,13 @@ writes weights that arrive one group at a time, a shard as soon as it is full.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -273,6 +274,19 @@ def _atomic_dir(path: Path, overwrite: bool):
     return Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
 
 
+@contextlib.contextmanager
+def atomic_dir(path: Path, overwrite: bool) -> Iterator[Path]:
+    """A temporary directory beside `path` to fill; it becomes `path` (atomically) when the block ends,
+    and is removed if the block fails, so `path` is never half-written."""
+    tmp = _atomic_dir(path, overwrite)
+    try:
+        yield tmp
+        _commit_dir(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def _commit_dir(tmp: Path, path: Path) -> None:
     # mkdtemp makes a private (0700) directory: give it the permissions a plain mkdir would have
     umask = os.umask(0)
@@ -342,14 +356,9 @@ def write_model_dir(path: str | Path, cfg: ModelConfig, weights: Iterable[tuple[
     one group at a time (refusion.training.sharded_checkpoint's export streams them block by block):
     a shard is written as soon as it is full."""
     path = Path(path)
-    with writing(path):  # a full disk: one line naming the directory, and no half-written one
-        tmp = _atomic_dir(path, overwrite)
-        try:
-            _fill_model_dir(tmp, cfg, weights, tokenizer, dtype, max_shard_bytes, extra_files)
-            _commit_dir(tmp, path)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+    # a full disk: one line naming the directory, and no half-written one
+    with writing(path), atomic_dir(path, overwrite) as tmp:
+        _fill_model_dir(tmp, cfg, weights, tokenizer, dtype, max_shard_bytes, extra_files)
     return path
 
 

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import shutil
 from pathlib import Path
 
 import torch
 
 from refusion.bundled import is_model_name
 from refusion.files import writing
-from refusion.model.checkpoint import DTYPES, STATE_FILE, _atomic_dir, _commit_dir, save_model
+from refusion.model.checkpoint import DTYPES, STATE_FILE, atomic_dir, save_model
 from refusion.model.lora import merged_state_dict
 from refusion.model.mask_adapter import save_mask_adapter
 from refusion.model.transformer import Transformer
@@ -92,13 +91,7 @@ def adapter_base_name(init: str) -> str:
 
 def _save_adapter(run: Run, path: Path, dtype: torch.dtype | None, extra: dict | None) -> None:
     """A mask-only run's mask path (save_mask_adapter) and `extra` files, written atomically."""
-    with writing(path):
-        tmp = _atomic_dir(path, overwrite=True)
-        try:
-            save_mask_adapter(run.model, tmp, base=adapter_base_name(run.cfg.init), dtype=dtype)
-            for name, data in (extra or {}).items():
-                (tmp / name).write_bytes(data)
-            _commit_dir(tmp, path)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+    with writing(path), atomic_dir(path, overwrite=True) as tmp:
+        save_mask_adapter(run.model, tmp, base=adapter_base_name(run.cfg.init), dtype=dtype)
+        for name, data in (extra or {}).items():
+            (tmp / name).write_bytes(data)

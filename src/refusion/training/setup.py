@@ -14,7 +14,6 @@ import functools
 import os
 import platform
 import random
-import shutil
 import sys
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from refusion.files import writing
-from refusion.model.checkpoint import (STATE_FILE, _atomic_dir, _commit_dir, add_mask_token, load_config, load_model,
+from refusion.model.checkpoint import (STATE_FILE, add_mask_token, atomic_dir, load_config, load_model,
                                        register_mask_token)
 from refusion.model.config import ModelConfig
 from refusion.model.lora import apply_lora
@@ -198,14 +197,9 @@ def _tokenizer(cfg: TrainConfig, out: Path, ckpt: Path | None, rank: int, world:
         texts = [t for r in records() for t in (r["query"], r["response"])]
         log(f"training a BPE tokenizer on {len(texts) // 2} records")
         tok = train_bpe_tokenizer(texts, cfg.vocab_size)
-        with writing(tok_dir):  # whole or not at all: a resumed run takes a tokenizer.json as finished
-            tmp = _atomic_dir(tok_dir, overwrite=True)
-            try:
-                tok.save(tmp)
-                _commit_dir(tmp, tok_dir)
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
+        # whole or not at all: a resumed run takes a tokenizer.json as finished
+        with writing(tok_dir), atomic_dir(tok_dir, overwrite=True) as tmp:
+            tok.save(tmp)
         log(f"trained a {len(tok)}-token BPE tokenizer -> {tok_dir}")
     if world > 1:
         dist.barrier()
