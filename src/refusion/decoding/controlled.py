@@ -31,6 +31,7 @@ from torch import Tensor
 
 from refusion.decoding.controls import Controls, Logprobs
 from refusion.decoding.sampling import sampling_probs
+from refusion.runtime import to_device
 
 
 class RowControl:
@@ -158,18 +159,17 @@ def columns(q, a: int) -> list[tuple[int, list[int]]]:
 
 def apply(seqs: list, rows: list[int], logits: Tensor, anchor: np.ndarray) -> Tensor:
     """Apply the controls of seqs[b] for b in rows (each with q.control) to logits [B, N, V] at their
-    verified columns (`columns`), in place."""
+    verified columns (`columns`), in place. (Copies to the device through to_device: the host does
+    not wait for the forward.)"""
     B, N, V = logits.shape
     dev = logits.device
     rows = [b for b in rows if seqs[b].control.c.shapes_logits]
     if not rows:
         return logits
     cols = {b: columns(seqs[b], int(anchor[b])) for b in rows}
-    bi = [b for b in rows for _ in cols[b]]
-    ci = [c for b in rows for c, _ in cols[b]]
-    b_t, c_t = torch.tensor(bi, device=dev), torch.tensor(ci, device=dev)
+    b_t, c_t = to_device(np.array([[b, c] for b in rows for c, _ in cols[b]], dtype=np.int64).T.copy(), dev)
+    R = len(b_t)
     sub = logits[b_t, c_t]  # [R, V] (a copy)
-    R = len(bi)
     bits = np.full((R, (V + 31) // 32), -1, dtype=np.int32)
     bias_r, bias_t, bias_v = [], [], []
     # the response before each column's position: the committed tokens, counted once per row (in its
@@ -200,20 +200,21 @@ def apply(seqs: list, rows: list[int], logits: Tensor, anchor: np.ndarray) -> Te
                 count_t += p
         r0 += n
     if bias_r:
-        sub.index_put_((torch.tensor(bias_r, device=dev), torch.tensor(bias_t, device=dev)),
-                       torch.tensor(bias_v, device=dev, dtype=sub.dtype), accumulate=True)
+        bias_i = to_device(np.array([bias_r, bias_t], dtype=np.int64), dev)
+        sub.index_put_((bias_i[0], bias_i[1]), to_device(np.array(bias_v, dtype=np.float32), dev, sub.dtype),
+                       accumulate=True)
     if done_r or count_r:
         d, c = len(done_r), len(count_r)
-        idx = torch.from_numpy(np.concatenate([done_r, done_t, count_r, count_t, first]).astype(np.int64)).to(dev)
+        idx = to_device(np.concatenate([done_r, done_t, count_r, count_t, first]).astype(np.int64), dev)
         counts = torch.zeros_like(sub)
         counts.index_put_((idx[:d], idx[d: 2 * d]), torch.ones(d, device=dev, dtype=sub.dtype), accumulate=True)
         counts = counts[idx[2 * d + 2 * c:]]
         counts.index_put_((idx[2 * d: 2 * d + c], idx[2 * d + c: 2 * d + 2 * c]),
                           torch.ones(c, device=dev, dtype=sub.dtype), accumulate=True)
-        p_t, f_t = torch.from_numpy(pres).to(dev)[:, None], torch.from_numpy(freq).to(dev)[:, None]
+        p_t, f_t = to_device(np.stack([pres, freq]), dev, sub.dtype)[:, :, None]
         sub -= p_t * (counts > 0) + f_t * counts
     if any(seqs[b].control.matcher is not None for b in rows):
-        sub.masked_fill_(~unpack(torch.from_numpy(bits).to(dev), V), float("-inf"))
+        sub.masked_fill_(~unpack(to_device(bits, dev), V), float("-inf"))
     logits[b_t, c_t] = sub
     return logits
 
