@@ -76,8 +76,8 @@ def decode(model: Transformer, prompts: list[list[int]], decoder: str | None = N
     return get(decoder).runner()(model, prompts, p, eos_ids=eos_ids, seed=seed, on_commit=on_commit)
 
 
-_LAZY = {"DecodeResult": "common", "Controls": "controls", "Logprobs": "controls", "generate_mdm": "mdm", "generate_refusion": "refusion",
-         "SpeculativeBatch": "speculative", "generate_speculative": "speculative"}
+_LAZY = {"DecodeResult": "common", "Controls": "controls", "Logprobs": "controls", "generate_mdm": "mdm",
+         "generate_refusion": "refusion", "SpeculativeBatch": "speculative", "generate_speculative": "speculative"}
 
 
 def __getattr__(name: str):
@@ -88,6 +88,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["DECODERS", "ARParams", "Controls", "DecodeResult", "Logprobs", "Decoder", "MDMParams", "ReFusionParams", "SpeculativeBatch",
-           "SpeculativeParams", "decode", "default_decoder", "generate_mdm", "generate_refusion",
+__all__ = ["DECODERS", "ARParams", "Controls", "DecodeResult", "Logprobs", "Decoder", "MDMParams", "ReFusionParams",
+           "SpeculativeBatch", "SpeculativeParams", "decode", "default_decoder", "generate_mdm", "generate_refusion",
            "generate_speculative", "make_params", "mismatch", "register", "unregister"]
