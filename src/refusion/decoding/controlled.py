@@ -254,7 +254,9 @@ def logprobs(seqs: list, rows: list[int], logits: Tensor, anchor: np.ndarray, id
     chosen = torch.stack([logp.gather(1, nxt[:, None])[:, 0], logp.gather(1, extra[b_t][:, None])[:, 0]], 1)
     K = max(seqs[b].control.c.logprobs for b in rows)
     top_v, top_i = logp.topk(K, -1) if K else (logp[:, :0], logp[:, :0].long())
-    chosen, top_v, top_i = chosen.cpu().numpy(), top_v.cpu().tolist(), top_i.cpu().tolist()
+    # one transfer (token ids are exact in float32: vocabularies are below 2^24)
+    host = torch.cat([chosen, top_v, top_i.to(top_v.dtype)], 1).cpu().numpy()
+    chosen, top_v, top_i = host[:, :2], host[:, 2: 2 + K].tolist(), host[:, 2 + K:].astype(np.int64).tolist()
     out: dict[int, _Pending] = {}
     r = 0
     for b in rows:
