@@ -11,8 +11,10 @@ exactly what AR decoding would at that position, and the verification's tokens a
 Before the feed, a row's draft is cut where the grammar stops allowing it (a token the grammar
 refuses could never be accepted), and wherever along it the grammar forces text (one way on: a
 property's name, punctuation), that text's tokens take those positions in the draft (jump-forward;
-the verification checks them like any draft). A draft that runs out where the grammar forces more
-is extended by it.
+the verification checks them like any draft). Where the forced text's last token could still merge
+with what follows, no token is forced, but that text's tokens are drafted the same way
+(grammar.Matcher.forced_text). A draft that runs out where the grammar forces more is extended by
+it. (A grammar row also drafts copies of its prompt's bytes: text_copy.py.)
 
 Branches (fork): a branch token's column gets the controls of its own prefix (the draft up to the
 fork, then the branch), so a branch that goes further commits AR's tokens too; branches are cut
@@ -57,6 +59,8 @@ class RowControl:
         i = 0
         while len(out) < most:
             forced = m.forced() if jump else []
+            if not forced and jump and self.forced < 0:
+                forced = m.forced_text()  # (drafted whatever the width too: the model rarely refuses it)
             if forced:
                 forced = forced[: most - len(out)]
                 m.accept_many(forced)

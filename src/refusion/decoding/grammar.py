@@ -46,6 +46,11 @@ def _llg():
     return llguidance
 
 
+class GrammarError(ValueError):
+    """A grammar the library compiled but could not follow while decoding (it compiles lazily: a
+    pattern like `a{1000000}` fails at its first token). The request's fault, not the decoder's."""
+
+
 class _Vocab:
     """llguidance's view of one tokenizer, and which ids a grammar may never allow (built once per
     tokenizer: about a second)."""
@@ -87,6 +92,14 @@ class Grammar:
     def matcher(self) -> Matcher:
         return Matcher(self)
 
+    def text(self, tokens: list[int]) -> bytes:
+        """The tokenizer's bytes of tokens (the grammar's view of the vocabulary)."""
+        return bytes(self._vocab.ll.decode_bytes(tokens))
+
+    def tokens(self, text: bytes) -> list[int]:
+        """The tokenizer's tokens of text."""
+        return list(self._vocab.ll.tokenize_bytes(text))
+
     def __repr__(self) -> str:
         s = self.source if len(self.source) <= 60 else self.source[:57] + "..."
         return f"Grammar({self.kind}: {s})"
@@ -102,7 +115,8 @@ class Matcher:
 
     def _check(self) -> None:
         if self._m.is_error():
-            raise ValueError(f"grammar error: {self._m.get_error()}")
+            raise GrammarError(f"the grammar failed while decoding ({_one_line(self._m.get_error())}): "
+                               "a simpler schema or pattern (smaller repetition counts, fewer alternatives) may do")
 
     def fill(self, row: np.ndarray, eos: np.ndarray) -> None:
         """Write the allowed next tokens into row (int32 words, bit t % 32 of word t // 32; at least
@@ -141,6 +155,16 @@ class Matcher:
     def forced(self) -> list[int]:
         """The tokens the grammar allows alone from here, in order (empty where it offers a choice)."""
         return list(self._m.compute_ff_tokens())
+
+    def forced_text(self) -> list[int]:
+        """The tokens of the text the grammar forces from here: `forced()` and beyond it, where the
+        forced text's last token could still merge with what follows (` "` before a string value:
+        no token is forced, but the text's tokens are a draft a model rarely rejects)."""
+        text = bytes(self._m.compute_ff_bytes())
+        if not text:
+            return []
+        tokens = self.grammar.tokens(text)
+        return tokens[: self.valid_prefix(tokens)]
 
     def is_complete(self) -> bool:
         """Whether the text so far is a whole match (an end of sequence is allowed now)."""
