@@ -258,6 +258,10 @@ class FeedPolicy:
                         if q.fork:
                             runner_up = self.corpus.runner_up(q.index.tokens, draft, q.p.draft_length)
                             others.setdefault(id(q), []).extend([runner_up] if runner_up else [])
+            if q.text is not None:
+                copy, n = q.text.propose(q.p.draft_length)
+                if copy:
+                    offers.append((q, copy, widths.text_copy_kind(n)))
             if q.plan is not None:
                 g = len(q.res.tokens)  # the response position the draft starts at
                 if g < len(q.plan):

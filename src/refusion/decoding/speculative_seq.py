@@ -13,6 +13,7 @@ from refusion.decoding.common import DecodeResult
 from refusion.decoding.controlled import RowControl
 from refusion.decoding.controls import Logprobs
 from refusion.decoding.lookup import NgramIndex
+from refusion.decoding.text_copy import TextCopy
 from refusion.decoding.params import MAX_DRAFT, SpeculativeParams
 
 
@@ -51,6 +52,8 @@ class SpeculativeSeq:
         self.start = time.perf_counter()
         self.fed_k = 0  # draft tokens fed in the step now running
         self.index = NgramIndex(prompt) if lookup else None  # the text lookup drafts copy from
+        g = control.c.grammar if control is not None else None
+        self.text = TextCopy(prompt, g.text, g.tokens) if lookup and g is not None else None  # (its bytes)
         self.plan = plan  # a draft answer, by response position (SpeculativeBatch.add)
         if plan and self.causal_first:  # the prefill can verify it: the prompt's last token predicts its first
             self.draft, self.kind = list(plan), widths.PLAN
@@ -181,6 +184,8 @@ class SpeculativeSeq:
         self.branches, self.branch_widths = [], []
         if self.index is not None:
             self.index.extend(commit)
+        if self.text is not None:
+            self.text.extend([t for t in commit if t not in self.eos])
         if self.on_commit is not None and commit:
             if logprobs is not None:
                 self.on_commit(positions, commit, logprobs)

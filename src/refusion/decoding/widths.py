@@ -113,7 +113,16 @@ CORPUS = PLAN + 1  # PLAN: a draft answer given with the prompt (plan-and-infill
 # counted only where tested: where the first draft failed at the branch's fork
 SECOND = CORPUS + 4 * max(CORPUS_NGRAMS)
 ALTERNATIVE = SECOND + 1
-KINDS = ALTERNATIVE + 1
+# a copy of the prompt's bytes, tokenized afresh (text_copy.py: grammar rows), apart by the bytes matched
+TEXT_COPY = ALTERNATIVE + 1
+TEXT_COPY_LENGTHS = 4  # (1, 2, 3, 4 or more bytes)
+KINDS = TEXT_COPY + TEXT_COPY_LENGTHS
+
+
+def text_copy_kind(n: int) -> int:
+    """The kind of a copy of the prompt's bytes found by matching the answer's last n bytes: a short
+    match occurs by chance far more often, so each length up to TEXT_COPY_LENGTHS is counted apart."""
+    return TEXT_COPY + min(n, TEXT_COPY_LENGTHS) - 1
 
 
 def lookup_kind(n: int, support: int = COPY_AGREED) -> int:
