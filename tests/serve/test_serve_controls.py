@@ -13,16 +13,14 @@ from __future__ import annotations
 import json
 import re
 
+import httpx
+import jsonschema
+import openai
 import pytest
+import torch
 
-openai = pytest.importorskip("openai")
-httpx = pytest.importorskip("httpx")
-pytest.importorskip("uvicorn")
-
-import torch  # noqa: E402
-
-from refusion.decoding import Controls, decode, grammar  # noqa: E402
-from tests.helpers.serving import NAME, bundled, chat_ids  # noqa: E402
+from refusion.decoding import Controls, decode, grammar
+from tests.helpers.serving import NAME, bundled, chat_ids
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 CODE = "Continue this Python code:\nimport os"  # many likely continuations: samples differ
@@ -296,6 +294,26 @@ def test_bad_controls_are_400s_and_the_server_stays_up(client, live):
     assert client.chat.completions.create(model=NAME, messages=msgs, max_tokens=4).choices[0].message.content
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_grammar_that_fails_while_decoding_is_a_400(client, live, stream):
+    """llguidance compiles lazily: `a{1000000}` passes compilation and fails at its first token,
+    inside the engine, before anything was sent: a 400 naming the grammar, streamed or not, and the
+    next request is answered as before."""
+    msgs = [{"role": "user", "content": ADD}]
+    (want,) = decode(bundled()[0], [chat_ids(ADD)], "speculative", gen_length=8)
+    body = dict(model=NAME, messages=msgs, max_tokens=8, extra_body={"structured_outputs": {"regex": "a{1000000}"}})
+    with pytest.raises(openai.BadRequestError) as e:
+        if stream:
+            for _ in client.chat.completions.create(stream=True, **body):
+                pass
+        else:
+            client.chat.completions.create(**body)
+    assert "the grammar failed while decoding" in e.value.body["message"], e.value.body
+    ok = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=8, extra_body={"decoder": "speculative"})
+    assert ok.choices[0].message.content == bundled()[1].decode(want.tokens)
+    assert httpx.get(live.url + "/health").json()["status"] == "ok"
+
+
 SCHEMAS = [
     {"type": "object", "properties": {"sum": {"type": "integer", "minimum": 0, "maximum": 999},
                                       "op": {"enum": ["add", "sort", "repeat"]}},
@@ -316,7 +334,6 @@ SCHEMAS = [
 
 @pytest.mark.parametrize("schema", SCHEMAS, ids=["enum", "nested-array-bounds", "pattern"])
 def test_response_format_json_schema_validates_and_equals_ar(client, schema):
-    jsonschema = pytest.importorskip("jsonschema")
     _, tok = bundled()
     rf = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
     kw = dict(model=NAME, messages=[{"role": "user", "content": ADD}], max_tokens=96, response_format=rf)
@@ -336,7 +353,7 @@ def test_response_format_json_schema_validates_and_equals_ar(client, schema):
 
 
 def test_parse_with_a_pydantic_model(client):
-    pydantic = pytest.importorskip("pydantic")
+    import pydantic
 
     from typing import Annotated, Literal
 
@@ -360,4 +377,4 @@ def test_json_object_and_structured_outputs_json(client):
         value = json.loads(r.choices[0].text)
         assert isinstance(value, dict) and r.choices[0].finish_reason == "stop"
         if "structured_outputs" in kw["extra_body"]:
-            pytest.importorskip("jsonschema").validate(value, schema)
+            jsonschema.validate(value, schema)

@@ -44,6 +44,7 @@ from typing import Any
 from refusion.decoding import SpeculativeBatch, decode, registry
 from refusion.decoding.common import DecodeResult
 from refusion.decoding.controls import Logprobs
+from refusion.decoding.grammar import GrammarError
 from refusion.decoding.scoring import prompt_logprobs
 from refusion.model.transformer import Transformer
 from refusion.serve.params import DecoderChoice
@@ -65,7 +66,15 @@ class Event:
     result: DecodeResult | None = None
     cancelled: bool = False
     message: str = ""
+    status: int = 500  # error: the HTTP status, where it still can be sent (400: the request's fault)
     logprobs: Logprobs | None = None
+
+
+def failed(e: Exception) -> Event:
+    """The error event of a job whose decode raised e: a 400 where its grammar failed, else a 500."""
+    if isinstance(e, GrammarError):
+        return Event("error", message=str(e), status=400)
+    return Event("error", message=f"decoding failed: {type(e).__name__}: {e}")
 
 
 @dataclass
@@ -298,7 +307,7 @@ class Engine:
                 job.steps += 1
         except Exception as e:
             log.exception("job %d failed alone", job.id)
-            self._emit(job, Event("error", message=f"decoding failed: {type(e).__name__}: {e}"))
+            self._emit(job, failed(e))
 
     def _committer(self, job: Job) -> Callable[..., None]:
         """on_commit for one job; positions it has already sent (before a retry) are not sent again."""
@@ -328,7 +337,7 @@ class Engine:
                 for job in jobs:
                     self._run_static([job])
                 return
-            self._emit(jobs[0], Event("error", message=f"decoding failed: {type(e).__name__}: {e}"))
+            self._emit(jobs[0], failed(e))
             return
         for job, res in zip(jobs, results):
             self._emit(job, Event("done", result=res, cancelled=job.cancelled))

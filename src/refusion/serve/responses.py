@@ -123,7 +123,7 @@ class RequestRun:
 
     async def events(self) -> AsyncIterator[tuple]:
         """("commit", choice, delta_text, commits, logprobs) ... ("done", choice, result,
-        finish_reason, logprobs) for each choice, or ("error", message), which ends the request.
+        finish_reason, logprobs) for each choice, or ("error", message, status), which ends the request.
         logprobs: (tokens, logprobs, tops) newly due. Events that arrived together are merged per
         choice, so a slow reader gets fewer, larger chunks."""
         try:
@@ -137,7 +137,7 @@ class RequestRun:
                         self.cancel()
                         return
                     if ev.kind == "error":
-                        yield "error", ev.message
+                        yield "error", ev.message, ev.status
                         return
                     c = self.choices[i]
                     if ev.kind == "prompt":
@@ -224,7 +224,7 @@ class RequestRun:
         offsets = {c.index: len(self._echo_text(c)) if self.echo else 0 for c in self.choices}
         async for kind, *payload in self.events():
             if kind == "error":
-                return RequestError(500, payload[0], type="server_error")
+                return error_of(*payload)
             c, due = payload[0], payload[-1]
             if self.shapes is not None and due[0]:
                 part, offsets[c.index] = self._answer_logprobs(due, offsets[c.index])
@@ -266,10 +266,9 @@ class RequestRun:
         async for kind, *payload in self.events():
             if kind == "error":
                 if first:
-                    yield RequestError(500, payload[0], type="server_error")
+                    yield error_of(*payload)
                 else:  # headers are out: OpenAI's way is an error object in the stream
-                    yield _sse({"error": {"message": payload[0], "type": "server_error", "param": None,
-                                          "code": None}})
+                    yield _sse({"error": error_of(*payload).body()["error"]})
                 return
             first = False
             c, due = payload[0], payload[-1]
@@ -362,3 +361,10 @@ def _cut(res: DecodeResult, n: int) -> DecodeResult:
 
 def _sse(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+def error_of(message: str, status: int) -> RequestError:
+    """The error a failed job's request answers: the request's fault (4xx), or the server's."""
+    if status < 500:
+        return RequestError(status, message)
+    return RequestError(status, message, type="server_error")
