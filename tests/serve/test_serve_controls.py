@@ -142,6 +142,27 @@ def test_echo_streamed_with_max_tokens_0(client):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 
+def test_echo_scores_each_prompt_once_for_its_n_choices(client, monkeypatch):
+    import refusion.serve.engine as engine
+
+    calls = []
+    real = engine.prompt_logprobs
+    monkeypatch.setattr(engine, "prompt_logprobs", lambda model, prompt, top: calls.append(prompt) or real(model, prompt, top))
+    prompts = [ADD, "Sort: 5 3 9"]
+    got = client.completions.create(model=NAME, prompt=prompts, max_tokens=4, echo=True, logprobs=1, n=3,
+                                    temperature=0.8, seed=5)
+    ids = [bundled()[1].encode(p) for p in prompts]
+    assert sorted(calls) == sorted(ids)  # once per prompt, not per choice
+    assert len(got.choices) == 6
+    for p, k, group in zip(prompts, map(len, ids), (got.choices[:3], got.choices[3:]), strict=True):
+        first = group[0].logprobs
+        assert first.token_logprobs[0] is None and all(v is not None for v in first.token_logprobs[1:k])
+        for c in group:  # (each choice's echo: the prompt's logprobs, then its own answer's)
+            assert c.text.startswith(p)
+            assert c.logprobs.tokens[:k] == first.tokens[:k]
+            assert c.logprobs.token_logprobs[:k] == first.token_logprobs[:k]
+
+
 def test_echo_with_an_answer_and_streamed(client, live):
     _, tok = bundled()
     body = dict(model=NAME, prompt=ADD, max_tokens=12, echo=True, logprobs=1)

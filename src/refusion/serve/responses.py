@@ -105,8 +105,12 @@ class RequestRun:
     def jobs(self, seeds: list[int | None]) -> list[Job]:
         """One job per choice (the app submits them)."""
         score = self.req.logprobs if self.echo else None
+        scored: set[tuple[int, ...]] = set()  # (a prompt's n choices share its logprobs: events())
         for c, seed in zip(self.choices, seeds, strict=True):
-            c.job = Job(prompt=c.prompt, choice=self.choice, seed=seed, sink=self.sink(c.index), score=score)
+            first = tuple(c.prompt) not in scored
+            scored.add(tuple(c.prompt))
+            c.job = Job(prompt=c.prompt, choice=self.choice, seed=seed, sink=self.sink(c.index),
+                        score=score if first else None)
         return [c.job for c in self.choices]
 
     def cancel(self) -> None:
@@ -140,8 +144,10 @@ class RequestRun:
                         yield "error", ev.message, ev.status
                         return
                     c = self.choices[i]
-                    if ev.kind == "prompt":
-                        c.prompt_logprobs = ev.logprobs
+                    if ev.kind == "prompt":  # (scored by its first choice: the engine admits it first)
+                        for d in self.choices:
+                            if d.prompt == c.prompt:
+                                d.prompt_logprobs = ev.logprobs
                     elif ev.kind == "commit":
                         pending[i] = self._commit(c, ev, *pending.get(i, ("", [])))
                     elif ev.kind == "done":
