@@ -79,8 +79,8 @@ def _controls(args: argparse.Namespace, tok, decoder: str):
     if args.json_schema is not None and args.regex is not None:
         raise ValueError("give --json-schema or --regex, not both")
     if not registry.get(decoder).controls:
-        takes = ", ".join(n for n in registry.names() if registry.get(n).controls)
-        raise ValueError(f"--json-schema and --regex need a decoder that keeps to a grammar exactly ({takes}), "
+        raise ValueError(f"--json-schema and --regex need a decoder that keeps to a grammar exactly "
+                         f"({', '.join(registry.with_controls())}), "
                          f"not {decoder}: add --decoder speculative")
     if tok is None:
         raise ValueError("--json-schema and --regex need the model's tokenizer (tokenizer.json)")

@@ -24,7 +24,7 @@ from refusion.decoding import model_settings
 from refusion.decoding import params as _builtin  # noqa: F401  (registers the built-in decoders)
 from refusion.decoding.params import ARParams, MDMParams, ReFusionParams, SpeculativeParams, as_prompts, check_seed
 from refusion.decoding.registry import (Decoder, default_decoder, get, make_params, mismatch, names, register,
-                                       unregister)
+                                       unregister, with_controls)
 
 if TYPE_CHECKING:
     from refusion.decoding.common import DecodeResult
@@ -68,9 +68,8 @@ def decode(model: Transformer, prompts: list[list[int]], decoder: str | None = N
         per_row = [c if c is not None and c.active else None for c in as_list(controls, len(prompts))]
         if any(per_row):
             if not get(decoder).controls:
-                takes = [n for n in names() if get(n).controls]
                 raise ValueError(f"decoder {decoder!r} cannot apply grammar, logit_bias, penalties or logprobs "
-                                 f"exactly; use one that does: {', '.join(takes)}")
+                                 f"exactly; use one that does: {', '.join(with_controls())}")
             return get(decoder).runner()(model, prompts, p, eos_ids=eos_ids, seed=seed, on_commit=on_commit,
                                          controls=per_row)
     return get(decoder).runner()(model, prompts, p, eos_ids=eos_ids, seed=seed, on_commit=on_commit)

@@ -117,6 +117,11 @@ def names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
+def with_controls(among: tuple[str, ...] | None = None) -> list[str]:
+    """The decoders (of `among`, default all) that apply controls exactly (Decoder.controls)."""
+    return [n for n in (names() if among is None else among) if _REGISTRY[n].controls]
+
+
 def get(name: str) -> Decoder:
     try:
         return _REGISTRY[name]

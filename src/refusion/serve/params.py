@@ -73,7 +73,7 @@ def choose(req: GenerationRequest, config: ModelConfig, max_tokens: int,
         return DecoderChoice(decoder, {"gen_length": 0}, None, 0)
     asked = req.control_fields()
     if asked and not registry.get(decoder).controls:
-        able = [n for n in registry.available(config) if registry.get(n).controls]
+        able = registry.with_controls(registry.available(config))
         if req.decoder is not None or not able:
             raise RequestError(400, f"decoder {decoder!r} cannot apply {asked[0]}; the decoders that can: "
                                     f"{', '.join(able)} (their verify pass sees the causal distribution)", asked[0])
