@@ -40,6 +40,7 @@ import torch
 
 from refusion.bundled import resolve_model
 from refusion.decoding import Controls, controlled, decode, grammar
+from refusion.files import write_text
 from refusion.model.checkpoint import load_model
 from refusion.model.tokenizer import Tokenizer
 
@@ -237,7 +238,7 @@ def main() -> None:
     if args.grammar_cost:
         config = json.loads((model_dir / "config.json").read_text())
         res = grammar_cost(tok, config["vocab_size"], args.repeats)
-        path.write_text(json.dumps(dict(model=args.model, vocab=config["vocab_size"], results=res), indent=1))
+        write_text(path, json.dumps(dict(model=args.model, vocab=config["vocab_size"], results=res), indent=1))
         print("| library, grammar | ms per token (fill + accept) | compile ms | tokens |\n|---|---|---|---|")
         for k, v in res.items():
             print(f"| {k} | {v['ms_per_token']:.3f} | {v['compile_ms']:.1f} | {v['tokens']} |")
@@ -246,7 +247,7 @@ def main() -> None:
     rows, prompts, schemas = load_prompts(tok, 5 if args.quick else args.n)
     decode(model, prompts[:1], "ar", gen_length=8)  # warm-up: first calls allocate and pick kernels
     out = run(model, tok, rows, prompts, schemas, args.gen_length)
-    path.write_text(json.dumps(dict(model=args.model, gen_length=args.gen_length, threads=args.threads,
+    write_text(path, json.dumps(dict(model=args.model, gen_length=args.gen_length, threads=args.threads,
                                     n=len(rows), settings=out), indent=1))
     print(table(out))
     print(f"(written to {path})")
