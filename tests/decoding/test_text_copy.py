@@ -49,13 +49,13 @@ def test_a_copy_continues_the_prompt_where_the_answer_quotes_it_without_its_spac
     assert c.propose(2) == (list(b"."), 6)  # 'Madrid' matched now
 
 
-def test_no_copy_without_a_match_and_the_latest_occurrence_wins():
-    c = bytewise(b"ab1 ab2")
+def test_no_copy_without_a_match_and_the_latest_occurrence_with_a_continuation_wins():
+    c = bytewise(b"ab1 ab2 ab")
     assert c.propose(4) == ([], 0)  # nothing answered yet
     c.extend(list(b"q"))
     assert c.propose(4) == ([], 0)
     c.extend(list(b"ab"))
-    assert c.propose(4) == (list(b"2"), 2)
+    assert c.propose(4) == (list(b"2 ab"), 2)  # (not the one that ends the prompt: nothing follows it)
 
 
 def test_a_copy_cut_inside_the_text_drops_its_last_token():
@@ -74,8 +74,10 @@ def test_the_match_is_the_longest_suffix_found(prompt, answer):
     """The binary search against every suffix length tried in turn."""
     c = bytewise(prompt)
     c.extend(list(answer))
-    want = max((n for n in range(MIN_MATCH, len(c.tail) + 1) if c.tail[-n:] in prompt), default=0)
+    want = max((n for n in range(MIN_MATCH, len(c.tail) + 1) if c.tail[-n:] in prompt[:-1]), default=0)
     assert c.match() == want
+    copy, n = c.propose(4)
+    assert n == want and (copy == [] if n == 0 else len(copy) >= 1)
 
 
 def merging() -> Tokenizer:

@@ -13,8 +13,8 @@ from refusion.decoding.common import DecodeResult
 from refusion.decoding.controlled import RowControl
 from refusion.decoding.controls import Logprobs
 from refusion.decoding.lookup import NgramIndex
-from refusion.decoding.text_copy import TextCopy
 from refusion.decoding.params import MAX_DRAFT, SpeculativeParams
+from refusion.decoding.text_copy import TextCopy
 
 
 class SpeculativeSeq:

@@ -28,6 +28,7 @@ class TextCopy:
                  tokens: Callable[[bytes], list[int]]) -> None:
         self._text, self._tokens = text, tokens
         self.source = text(prompt)
+        self._searched = self.source[:-1]  # (an occurrence that ends the prompt has nothing to copy)
         self.tail = b""
 
     def extend(self, tokens: list[int]) -> None:
@@ -35,15 +36,15 @@ class TextCopy:
             self.tail = (self.tail + self._text(tokens))[-MAX_MATCH:]
 
     def match(self) -> int:
-        """The length of the longest suffix of the answer's tail found in the prompt (0: none of
-        MIN_MATCH or more). Occurrence shrinks to shorter suffixes, so a binary search finds it."""
-        lo, hi = 0, len(self.tail)  # lo: a length known to occur (0: none yet), hi: the longest to try
-        if hi < MIN_MATCH or self.tail[-MIN_MATCH:] not in self.source:
+        """The length of the longest suffix of the answer's tail found in the prompt with a byte after
+        it (0: none of MIN_MATCH or more). A suffix that occurs has its shorter ones occur too, so a
+        binary search finds it."""
+        if len(self.tail) < MIN_MATCH or self.tail[-MIN_MATCH:] not in self._searched:
             return 0
-        lo = MIN_MATCH
+        lo, hi = MIN_MATCH, len(self.tail)  # lo: a length known to occur, hi: the longest still possible
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self.tail[-mid:] in self.source:
+            if self.tail[-mid:] in self._searched:
                 lo = mid
             else:
                 hi = mid - 1
@@ -55,10 +56,8 @@ class TextCopy:
         n = self.match()
         if n == 0 or k <= 0:
             return [], 0
-        start = self.source.rfind(self.tail[-n:]) + n
+        start = self._searched.rfind(self.tail[-n:]) + n
         cont = self.source[start:start + BYTES_PER_TOKEN * k]
-        if not cont:
-            return [], 0
         tokens = self._tokens(cont)
         if start + len(cont) < len(self.source) and len(tokens) > 1:
             tokens = tokens[:-1]  # (the cut may have split the last token: a shorter one than the text's)
