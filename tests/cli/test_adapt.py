@@ -21,7 +21,7 @@ from refusion.model.tokenizer import Tokenizer
 from refusion.training.adapt import Options, recipe
 from refusion.training.adapt.measure import CANDIDATES
 from refusion.training.adapt.pipeline import Pipeline
-from refusion.training.adapt.recipe import QUICK_PROMPTS
+from refusion.training.adapt.recipe import QUICK, QUICK_PROMPTS
 from tests.helpers.tiny_causal_lm import make_causal_lm
 from tests.helpers.tiny_gguf import write_byte_level_gguf
 
@@ -65,6 +65,9 @@ def test_quick_run_exports_an_adapter_whose_output_is_the_bases(base, quick_run,
     assert [r["query"] for r in data] != [] and {r["query"] for r in data} == {p["query"] for p in prompts}
     assert {p["domain"] for p in prompts} <= {"prose", "maths", "code"} and {"maths", "code"} <= {
         p["domain"] for p in prompts}
+    # the sampler learned from a seeded sample of the answers, at most its budget's
+    features = torch.load(out / "sampler" / "features.pt", weights_only=True)
+    assert features["config"]["examples"] == min(len(data), QUICK.sampler_examples) < len(data)
     # the export: the mask path naming its base, and the answers kept as lookup drafts, one per record
     adapter = out / "adapter"
     meta = json.loads((adapter / "mask_adapter.json").read_text())

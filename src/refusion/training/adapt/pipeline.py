@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import random
 import shlex
 import shutil
 import time
@@ -239,7 +240,7 @@ class Pipeline:
               threads=self.threads)
         secs = [json.loads(x)["seconds"] for x in (out / "metrics.jsonl").read_text().splitlines()]
         pace = sum(secs[1:]) / max(len(secs) - 1, 1) if len(secs) > 1 else secs[0]
-        n = self.run.state["stages"]["prompts"]["count"]
+        n = min(self.run.state["stages"]["prompts"]["count"], full.sampler_examples)
         after = (estimate_seconds("sampler example", n, self.parameters)
                  + estimate_seconds("measured prompt", 4 * full.measure_prompts * 5, self.parameters))
         left = self.hours * 3600 - (time.time() - self.t0) - after
@@ -269,6 +270,9 @@ class Pipeline:
         model, tok = load_model(model_dir), Tokenizer.from_dir(model_dir)
         set_threads(self.threads)
         records = load_records(self.run / "data.jsonl")
+        if len(records) > b.sampler_examples:  # a seeded sample across the domains (data.jsonl is in their order)
+            keep = sorted(random.Random(self.opts.seed).sample(range(len(records)), b.sampler_examples))
+            records = [records[i] for i in keep]
         out = self.run / "sampler"
         out.mkdir(exist_ok=True)
         self.run.log(f"sampler: the masks' drafts behind {b.sampler_cuts} prefixes of {len(records)} answers (first "

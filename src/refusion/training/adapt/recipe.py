@@ -44,6 +44,7 @@ class Budget:
     warmup_steps: int = 20
     save_every: int = 20
     sampler_cuts: int = 16
+    sampler_examples: int = 1200  # answers the sampler learns from: its features cost forwards, its gain is small
     sampler_steps: int = 3000
     sampler_check_every: int = 250
     gen_batch: int = 32  # self-generate's batch: on a CPU a 32-row step costs about twice an 8-row one
@@ -52,7 +53,7 @@ class Budget:
     measure_batch: int = 8  # the batch the chosen setting must not be slower than AR at
 
 
-QUICK = Budget(steps=4, batch_size=2, micro_batch_size=1, warmup_steps=1, save_every=2, sampler_cuts=4,
+QUICK = Budget(steps=4, batch_size=2, micro_batch_size=1, warmup_steps=1, save_every=2, sampler_cuts=4, sampler_examples=3,
                sampler_steps=4, sampler_check_every=2, gen_batch=8, measure_prompts=2, measure_tokens=16, measure_batch=2)
 
 
