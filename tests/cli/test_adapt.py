@@ -5,8 +5,10 @@ and what cannot be adapted (or resumed) is refused in one line. On SmolLM2 itsel
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -135,6 +137,30 @@ def test_a_cut_run_finishes_to_the_adapter_of_an_uncut_one(base, quick_run, tmp_
     assert adapt(base, cut) == 0
     for f in ("prompts.jsonl", "data.jsonl", "train/adapter/mask_adapter.safetensors"):
         assert (cut / f).read_bytes() == (whole / f).read_bytes(), f
+
+
+def test_a_killed_stage_keeps_its_seconds(base, tmp_path, monkeypatch):
+    """`kill` (SIGTERM) stops a run as Ctrl-C does: exit 130, the stage that was running keeps its seconds so
+    far, and a resume adds to them (state.json's seconds are a stage's whole wall time)."""
+    out = tmp_path / "run"
+    train = Pipeline.train
+
+    def killed_while_training(self):
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)  # (the signal ends this)
+
+    monkeypatch.setattr(Pipeline, "train", killed_while_training)
+    before = signal.getsignal(signal.SIGTERM)
+    assert adapt(base, out) == 130
+    assert signal.getsignal(signal.SIGTERM) is before
+    cut = json.loads((out / "state.json").read_text())["stages"]["train"]
+    assert not cut.get("done") and 0.5 <= cut["seconds"] < 30
+    assert "train: stopped after" in (out / "log").read_text()
+    monkeypatch.setattr(Pipeline, "train", train)
+    assert adapt(base, out) == 0
+    whole = json.loads((out / "state.json").read_text())["stages"]["train"]
+    assert whole["done"] and whole["seconds"] >= cut["seconds"]
 
 
 def test_what_cannot_be_adapted_or_resumed_is_refused_in_one_line(base, tmp_path, capsys):

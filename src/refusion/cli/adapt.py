@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from refusion.cli.args import positive_int
@@ -47,7 +48,12 @@ def cmd_adapt(args: argparse.Namespace) -> None:
     opts = Options(prompts=args.prompts or (QUICK_PROMPTS if args.quick else DEFAULT_PROMPTS),
                    mix=parse_mix(args.mix or DEFAULT_MIX), prompts_file=args.prompts_file, quick=args.quick,
                    max_tokens=16 if args.quick else Options.max_tokens)
-    final = adapt(args.model, args.out, opts, hours=args.hours, threads=args.threads,
-                  progress=not args.no_progress, export=args.export)
+    # `kill` stops it as Ctrl-C does: the stage that was running keeps its seconds (the run's record)
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        final = adapt(args.model, args.out, opts, hours=args.hours, threads=args.threads,
+                      progress=not args.no_progress, export=args.export)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(final)
     sys.stdout.flush()

@@ -364,7 +364,12 @@ class Pipeline:
         self.run.log(f"{'resuming' if self.run.state['stages'] else 'starting'} {self.model} -> {self.run.path} "
                      f"(log {self.run / 'log'})")
         for stage in stages:
-            getattr(self, stage)()
+            started = time.time()
+            try:
+                getattr(self, stage)()
+            except BaseException:
+                self.run.stopped(stage, started)
+                raise
         final = self.run / "adapter"
         if self.export_to is not None:
             self._copy(final, self.export_to)

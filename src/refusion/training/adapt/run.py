@@ -85,8 +85,18 @@ class RunDir:
         self.save()
 
     def finish(self, stage: str, started: float, **fields: Any) -> None:
-        prev = self.state["stages"].get(stage, {}).get("seconds", 0.0)
-        self.record(stage, done=True, seconds=round(prev + time.time() - started, 1), **fields)
+        self.record(stage, done=True, seconds=self._seconds(stage, started), **fields)
+
+    def stopped(self, stage: str, started: float) -> None:
+        """A stage cut off (Ctrl-C, `kill`, an error): its seconds so far are kept, so that a stage's record
+        is its whole wall time however often it was resumed."""
+        if not self.done(stage):
+            seconds = self._seconds(stage, started)
+            self.record(stage, seconds=seconds)
+            self.log(f"{stage}: stopped after {seconds / 60:.1f} min in all; the same command resumes it")
+
+    def _seconds(self, stage: str, started: float) -> float:
+        return round(self.state["stages"].get(stage, {}).get("seconds", 0.0) + time.time() - started, 1)
 
 
 def fingerprint(path: Path) -> str:
