@@ -18,6 +18,26 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     os.environ["OMP_NUM_THREADS"] = str(_SHARE)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cost_tables_of_its_own(tmp_path_factory):
+    """The suite's processes (its command-line and script subprocesses) measure forward costs on a busy
+    machine; decoding/costs.py keeps measured tables in the cache, where they would become the user's.
+    The suite gets a cache of its own whose downloads (models, packages) are the user's."""
+    from refusion.model.fetch import cache_dir
+
+    real, mine = cache_dir(), tmp_path_factory.mktemp("refusion-cache")
+    for name in ("models", "pypi", "npm"):
+        (real / name).mkdir(parents=True, exist_ok=True)
+        (mine / name).symlink_to(real / name, target_is_directory=True)
+    before = os.environ.get("REFUSION_CACHE")
+    os.environ["REFUSION_CACHE"] = str(mine)
+    yield
+    if before is None:
+        os.environ.pop("REFUSION_CACHE", None)
+    else:
+        os.environ["REFUSION_CACHE"] = before
+
+
 def pytest_collection_modifyitems(items):
     """The tests that take minutes (marked slow or long) first: parallel workers then end together,
     rather than one running a long test collected last while the other waits."""
