@@ -29,13 +29,9 @@ def cost_tables_of_its_own(tmp_path_factory):
     for name in ("models", "pypi", "npm"):
         (real / name).mkdir(parents=True, exist_ok=True)
         (mine / name).symlink_to(real / name, target_is_directory=True)
-    before = os.environ.get("REFUSION_CACHE")
-    os.environ["REFUSION_CACHE"] = str(mine)
-    yield
-    if before is None:
-        os.environ.pop("REFUSION_CACHE", None)
-    else:
-        os.environ["REFUSION_CACHE"] = before
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("REFUSION_CACHE", str(mine))
+        yield
 
 
 def pytest_collection_modifyitems(items):

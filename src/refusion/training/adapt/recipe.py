@@ -53,8 +53,9 @@ class Budget:
     measure_batch: int = 8  # the batch the chosen setting must not be slower than AR at
 
 
-QUICK = Budget(steps=4, batch_size=2, micro_batch_size=1, warmup_steps=1, save_every=2, sampler_cuts=4, sampler_examples=3,
-               sampler_steps=4, sampler_check_every=2, gen_batch=8, measure_prompts=2, measure_tokens=16, measure_batch=2)
+QUICK = Budget(steps=4, batch_size=2, micro_batch_size=1, warmup_steps=1, save_every=2, sampler_cuts=4,
+               sampler_examples=3, sampler_steps=4, sampler_check_every=2, gen_batch=8, measure_prompts=2,
+               measure_tokens=16, measure_batch=2)
 
 
 def budget(opts: Options, steps: int | None = None) -> Budget:
