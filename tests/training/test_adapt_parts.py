@@ -13,7 +13,7 @@ from refusion.tasks.chat import load_chat
 from refusion.tasks.maths import gsm8k_prompt
 from refusion.tasks.sources import gsm8k_train_questions
 from refusion.training.adapt import magpie
-from refusion.training.adapt.measure import choose, held_out_examples, summarize
+from refusion.training.adapt.measure import choose, held_out_examples, summarize, to_time
 from refusion.training.adapt.prompts import HeldOut, domain_counts, held_out_chat, parse_mix, user_prompts
 from refusion.training.adapt.recipe import Budget
 from refusion.training.self_generate import load_prompts
@@ -160,3 +160,22 @@ def test_summaries_compare_outputs_with_the_base_ar_at_the_same_batch_or_the_ref
     assert ref["spec", 2]["identical"] == ref["base ar", 2]["identical"] == 1  # batch 2's second output differs
     assert ref["spec", 2]["tps_vs_ar"] == 0.5  # speed still against AR at its own batch
     assert summarize(rows[2:])[0]["identical"] is None and summarize(rows[2:])[0]["tps_vs_ar"] is None
+
+
+def test_a_resumed_measurement_times_a_domains_rows_together():
+    """Rows of one batch and domain are compared with each other, so a resume that lacks one of them
+    times the others again in the same process; complete groups and other processes' spare rows stay."""
+    def row(bs, name, d, process):
+        return dict(threads=1, batch_size=bs, name=name, bench=d, process=process)
+
+    rows = [row(1, "base ar", "chat", "old"), row(1, "a", "chat", "old"), row(1, "b", "chat", "old"),
+            row(1, "base ar", "maths", "old"), row(1, "a", "maths", "old"),
+            row(1, "x", "maths", "old"),  # (a setting no longer wanted)
+            row(8, "base ar", "chat", "now")]
+    wanted = [(1, n, d) for d in ("chat", "maths") for n in ("base ar", "a", "b")] + [(8, "base ar", "chat"),
+                                                                                      (8, "a", "chat")]
+    kept, todo = to_time(rows, wanted, threads=1, process="now")
+    assert todo == [(1, "base ar", "maths"), (1, "a", "maths"), (1, "b", "maths"), (8, "a", "chat")]
+    assert kept == [r for r in rows if r["bench"] == "chat" or r["name"] == "x"]
+    assert to_time(rows, wanted[:3], threads=1, process="now") == (rows, [])  # complete: nothing timed again
+    assert to_time(rows, wanted[:3], threads=2, process="now")[1] == wanted[:3]  # other threads: other rows

@@ -10,13 +10,14 @@ forward wins, since a forward's cost grows less with its width on an accelerator
 
 The setting chosen is then run at batch 8 beside the base's AR there; one slower than AR at that batch
 gives way to the next best. Rows are written to a JSON file as they finish; a rerun measures only the
-rows it lacks.
+rows it lacks, and a domain's rows at a batch are all timed by one process (to_time).
 """
 
 from __future__ import annotations
 
 import json
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,7 +28,7 @@ CANDIDATES: dict[str, dict] = {
     "speculative +lookup": {**_POLICY, "lookup": True},
     "speculative +lookup +fork": {**_POLICY, "lookup": True, "fork": True},
     **{f"speculative +lookup +fork price {share}": {"lookup": True, "fork": True, "width_price": share}
-       for share in (0.25, 0.5)},
+       for share in (0.25, 0.05, 0.02)},
 }
 QUICK_CANDIDATES = ("speculative", "speculative +lookup")
 TIE = 0.97
@@ -176,6 +177,27 @@ def measure(adapter_dir: Path, base_dir: Path, out: Path, n: int, max_tokens: in
     return best
 
 
+def to_time(rows: list[dict], wanted: list[tuple[int, str, str]], threads: int,
+            process: str) -> tuple[list[dict], list[tuple[int, str, str]]]:
+    """(the rows kept, the (batch, setting, domain) rows to time now, in `wanted`'s order). A batch's
+    rows of one domain are compared with each other (speed over AR), so they are timed by one process
+    on one machine: where one of them is missing, those an earlier process timed are timed again."""
+    def key(bs: int, name: str, d: str) -> tuple:
+        return threads, bs, name, d
+
+    have = {(r["threads"], r["batch_size"], r["name"], r["bench"]): r for r in rows}
+    groups: dict[tuple[int, str], list[str]] = {}
+    for bs, name, d in wanted:
+        groups.setdefault((bs, d), []).append(name)
+    again: set[tuple] = set()
+    for (bs, d), names in groups.items():
+        if any(key(bs, n, d) not in have for n in names):
+            earlier = [key(bs, n, d) for n in names if key(bs, n, d) in have]
+            again |= {k for k in earlier if have[k].get("process") != process}
+    kept = [r for r in rows if (r["threads"], r["batch_size"], r["name"], r["bench"]) not in again]
+    return kept, [(bs, n, d) for bs, n, d in wanted if key(bs, n, d) in again or key(bs, n, d) not in have]
+
+
 class _Rows:
     """The measurement's rows (threads, batch, setting, domain), each run once: kept in state["rows"] and
     written to `out` as they finish."""
@@ -184,6 +206,7 @@ class _Rows:
                  threads: int, progress: bool) -> None:
         self.state, self.out, self.base, self.adapted, self.threads = state, out, base, adapted, threads
         self.max_tokens, self.progress, self.warm = max_tokens, progress, False
+        self.process = uuid.uuid4().hex  # (to_time: the rows this process timed)
         self.eos = eos_ids(base, tok)
         self.prompts = {d: [tok.chat_prompt_ids(e.prompt) for e in held_out_examples(d, n, seed, last=True)]
                         for d in domains}
@@ -191,8 +214,7 @@ class _Rows:
     def run(self, wanted: list[tuple[int, str, str]]) -> None:
         from refusion.decoding import decode
 
-        done = {(r["threads"], r["batch_size"], r["name"], r["bench"]) for r in self.state["rows"]}
-        todo = [(bs, name, d) for bs, name, d in wanted if (self.threads, bs, name, d) not in done]
+        self.state["rows"], todo = to_time(self.state["rows"], wanted, self.threads, self.process)
         if not todo:
             return
         bar = None
@@ -211,7 +233,8 @@ class _Rows:
                                       else (self.adapted, "speculative", CANDIDATES[name]))
             row = decode_all(model, self.prompts[d], decoder, bs, self.max_tokens, self.eos, params,
                              bar.update if bar is not None else None)
-            self.state["rows"].append(dict(threads=self.threads, batch_size=bs, name=name, bench=d, **row))
+            self.state["rows"].append(dict(threads=self.threads, batch_size=bs, name=name, bench=d,
+                                           process=self.process, **row))
             _write(self.out, self.state)
         if bar is not None:
             bar.close()
