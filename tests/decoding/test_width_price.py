@@ -9,7 +9,7 @@ import pytest
 
 from refusion.decoding import costs, widths
 from refusion.decoding.speculative import SpeculativeBatch, SpeculativeParams, generate_speculative
-from refusion.decoding.speculative_policy import FeedPolicy, fade
+from refusion.decoding.speculative_policy import FeedPolicy
 from tests.decoding.test_decoding_speculative import PROMPTS, ar, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -53,7 +53,7 @@ def test_the_policy_keeps_its_priced_table_per_share():
     batch.step()
     policy: FeedPolicy = batch.policy
     first = policy.cost_table(batch.running)
-    assert first.share == 0.625 and policy.cost_table(batch.running) is first  # 0.25, faded over 2 rows
+    assert first.share == 0.25 and policy.cost_table(batch.running) is first
     assert policy.cost_table(batch.running[:1]).share == 0.5 and policy.cost_table(batch.running) is first
 
 
@@ -92,7 +92,7 @@ def test_a_share_is_the_decode_on_a_table_priced_so_and_feeds_wider(fork):
     assert sum(fed) / len(fed) > sum(full_fed) / len(full_fed)  # wider forwards, on average
 
 
-def test_a_batch_prices_width_at_the_lowest_share_its_rows_ask_faded_by_its_rows():
+def test_a_batch_prices_width_at_the_lowest_share_its_rows_ask():
     model = tiny_model(0)
     table = costs.CostModel.of(cpu_like)
     batch = SpeculativeBatch(model, eos_ids=[], cost=table)
@@ -100,10 +100,8 @@ def test_a_batch_prices_width_at_the_lowest_share_its_rows_ask_faded_by_its_rows
         batch.add(PROMPTS[0], SpeculativeParams(gen_length=20, width_price=share))
     batch.step()
     policy: FeedPolicy = batch.policy
-    assert policy.cost_table(batch.running).share == pytest.approx(1 - 0.5 / 3)
-    assert policy.cost_table(batch.running[1:2]).share == 0.5
+    assert policy.cost_table(batch.running).share == 0.5
     assert policy.cost_table(batch.running[:1]) is table and policy.cost_table() is table
-    assert [fade(0.2, r) for r in (0, 1, 2, 8)] == pytest.approx([0.2, 0.2, 0.6, 0.9])
 
 
 @pytest.mark.parametrize("bad", [0, -0.5, 1.5, True, "half", float("nan")])

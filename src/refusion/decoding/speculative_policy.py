@@ -20,11 +20,6 @@ from refusion.decoding.speculative_seq import SpeculativeSeq
 from refusion.model.transformer import Transformer
 
 
-def fade(share: float, rows: int) -> float:
-    """The share of width's measured cost a batch of `rows` rows counts (FeedPolicy.cost_table)."""
-    return 1 - (1 - share) / max(rows, 1)
-
-
 class FeedPolicy:
     """The choices of what a batch's rows feed each step, and the state they read:
 
@@ -45,13 +40,10 @@ class FeedPolicy:
 
     def cost_table(self, seqs: list[SpeculativeSeq] = ()) -> costs.CostModel | costs.WidthPriced:
         """The cost table (measured on first use), as these rows price width: at the lowest share of
-        its measured cost any of them asks (SpeculativeParams.width_price), for one row; R rows count
-        1 - (1 - share) / R of it. (The share stands for what a wider step drafts for the steps after
-        it, which is a row's own gain, while the forward's extra cost is every row's width: a batch of
-        8 SmolLM2 rows at share 0.25 ran slower than AR.)"""
+        its measured cost any of them asks (SpeculativeParams.width_price)."""
         if self.cost is None:
             self.cost = costs.cost_model(self.model)
-        share = fade(min((q.p.width_price for q in seqs), default=1.0), len(seqs))
+        share = min((q.p.width_price for q in seqs), default=1.0)
         if share == 1:
             return self.cost
         if share not in self.priced:  # (kept: its grids are read every step; self.cost is set once)
