@@ -17,7 +17,9 @@ from tests.helpers.fork_counter import count_forks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-CHEAP = costs.CostModel.of(lambda rows, tokens: 1e-3 + 1e-7 * tokens)  # wide forwards cost next to nothing
+# wide forwards cost next to nothing, as on an accelerator (not packed: a CPU batch feeds no branches,
+# FeedPolicy.cpu_batch)
+CHEAP = costs.CostModel.of(lambda rows, tokens: 1e-3 + 1e-7 * tokens, packed=False)
 DEAR = costs.CostModel.of(lambda rows, tokens: 1e-3 * tokens)  # every token as dear as a forward of one
 
 FORK = [dict(lookup=True), dict(lookup=True, widths="fixed", draft_length=3), dict(lookup=True, widths="adaptive"),
@@ -288,3 +290,35 @@ def test_fork_is_refused_with_redraft_and_counts_in_the_widest_step_only_when_on
     assert SpeculativeParams(fork=True, widths="fixed", draft_length=3, mask_length=2).max_width == (
         1 + 3 + 2 + MAX_BRANCHES * 3)
 
+
+
+def test_a_cpu_batch_feeds_no_branches_and_prices_width_in_full(forks):
+    """On a CPU's (packed) cost table, rows stepping together feed no branches and price width in full;
+    a row alone forks and takes its width_price (FeedPolicy.cpu_batch). The output is AR's either way."""
+    packed = costs.CostModel.of(lambda rows, tokens: 1e-3 + 1e-7 * tokens)
+    params = SpeculativeParams(gen_length=40, lookup=True, fork=True, width_price=0.25)
+    for seed in range(4):
+        model = tiny_model(seed)
+        want = [r.tokens for r in ar(model, PROMPTS, 40, [])]
+        batch = SpeculativeBatch(model, eos_ids=[], cost=packed)
+        sids = [batch.add(p, params) for p in PROMPTS]
+        got, together = {}, 0
+        while len(batch):
+            several, fed = len(batch.running) > 1, forks["fed"]
+            if several:
+                assert batch.policy.cost_table(batch.running) is packed
+            got.update((sid, r.tokens) for sid, r in batch.step())
+            if several:
+                together += 1
+                assert forks["fed"] == fed
+        assert [got[sid] for sid in sids] == want and together > 5
+    alone = forks["fed"]
+    for seed in range(4):
+        for p in PROMPTS:
+            batch = SpeculativeBatch(tiny_model(seed), eos_ids=[], cost=packed)
+            batch.add(p, params)
+            batch.step()
+            assert batch.policy.cost_table(batch.running).share == 0.25
+            while len(batch):
+                batch.step()
+    assert forks["fed"] - alone > 5

@@ -47,7 +47,7 @@ def test_a_priced_grid_is_kept_until_its_table_moves():
 
 def test_the_policy_keeps_its_priced_table_per_share():
     model = tiny_model(0)
-    batch = SpeculativeBatch(model, eos_ids=[], cost=costs.CostModel.of(cpu_like))
+    batch = SpeculativeBatch(model, eos_ids=[], cost=costs.CostModel.of(cpu_like, packed=False))  # (batches priced)
     batch.add(PROMPTS[0], SpeculativeParams(gen_length=8, width_price=0.5))
     batch.add(PROMPTS[1], SpeculativeParams(gen_length=8, width_price=0.25))
     batch.step()
@@ -92,15 +92,19 @@ def test_a_share_is_the_decode_on_a_table_priced_so_and_feeds_wider(fork):
     assert sum(fed) / len(fed) > sum(full_fed) / len(full_fed)  # wider forwards, on average
 
 
-def test_a_batch_prices_width_at_the_lowest_share_its_rows_ask():
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_batch_prices_width_at_the_lowest_share_its_rows_ask_but_on_a_cpu(packed):
+    """On an accelerator's table a batch counts the lowest share its rows ask; a CPU batch (a packed
+    table, several rows) counts width in full, and a row alone its own share (FeedPolicy.cpu_batch)."""
     model = tiny_model(0)
-    table = costs.CostModel.of(cpu_like)
+    table = costs.CostModel.of(cpu_like, packed=packed)
     batch = SpeculativeBatch(model, eos_ids=[], cost=table)
     for share in (1.0, 0.5, 0.75):
         batch.add(PROMPTS[0], SpeculativeParams(gen_length=20, width_price=share))
     batch.step()
     policy: FeedPolicy = batch.policy
-    assert policy.cost_table(batch.running).share == 0.5
+    assert policy.cost_table(batch.running) is table if packed else policy.cost_table(batch.running).share == 0.5
+    assert policy.cost_table(batch.running[1:2]).share == 0.5
     assert policy.cost_table(batch.running[:1]) is table and policy.cost_table() is table
 
 

@@ -40,15 +40,22 @@ class FeedPolicy:
 
     def cost_table(self, seqs: list[SpeculativeSeq] = ()) -> costs.CostModel | costs.WidthPriced:
         """The cost table (measured on first use), as these rows price width: at the lowest share of
-        its measured cost any of them asks (SpeculativeParams.width_price)."""
-        if self.cost is None:
-            self.cost = costs.cost_model(self.model)
-        share = min((q.p.width_price for q in seqs), default=1.0)
+        its measured cost any of them asks (SpeculativeParams.width_price), in full in a CPU batch."""
+        share = 1.0 if self.cpu_batch(len(seqs)) else min((q.p.width_price for q in seqs), default=1.0)
         if share == 1:
             return self.cost
         if share not in self.priced:  # (kept: its grids are read every step; self.cost is set once)
             self.priced[share] = costs.WidthPriced(self.cost, share)
         return self.priced[share]
+
+    def cpu_batch(self, rows: int) -> bool:
+        """Whether a step of `rows` rows is a CPU batch (several rows, a packed cost table). Its forward
+        is bound by arithmetic, and there `width_price` below 1 and `fork` fed SmolLM2's chat requests
+        slower than AR at batch 8 (docs/adapt.md, "The candidates"): such a step prices width in full
+        and feeds no branches. A row alone, or a batch on an accelerator, takes them as asked."""
+        if self.cost is None:
+            self.cost = costs.cost_model(self.model)
+        return self.cost.packed and rows > 1
 
     def choose(self, running: list[SpeculativeSeq], rechoose: bool) -> None:
         """Before a step: each row's width and masks (chosen afresh where `rechoose` or every
@@ -150,7 +157,7 @@ class FeedPolicy:
         were lately where they were tested (widths.SECOND, widths.ALTERNATIVE)."""
         for q in running:
             q.branch_widths = [0] * len(q.branches)
-        if not any(q.branches for q in running):  # (only a row that forks holds any)
+        if not any(q.branches for q in running) or self.cpu_batch(len(running)):  # (only a row that forks holds any)
             return
         seqs = [q for q in running if q.x is not None]  # (a prefill never forks)
         left = [q.p.gen_length - len(q.res.tokens) for q in seqs]
