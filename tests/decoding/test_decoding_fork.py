@@ -291,7 +291,6 @@ def test_fork_is_refused_with_redraft_and_counts_in_the_widest_step_only_when_on
         1 + 3 + 2 + MAX_BRANCHES * 3)
 
 
-
 def test_a_cpu_batch_feeds_no_branches_and_prices_width_in_full(forks):
     """On a CPU's (packed) cost table, rows stepping together feed no branches and price width in full;
     a row alone forks and takes its width_price (FeedPolicy.cpu_batch). The output is AR's either way."""
@@ -311,6 +310,8 @@ def test_a_cpu_batch_feeds_no_branches_and_prices_width_in_full(forks):
             if several:
                 together += 1
                 assert forks["fed"] == fed
+            if len(batch.running) > 1:  # (and the rows still together are offered none)
+                assert not any(q.branches for q in batch.running)
         assert [got[sid] for sid in sids] == want and together > 5
     alone = forks["fed"]
     for seed in range(4):

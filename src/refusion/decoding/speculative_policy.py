@@ -51,8 +51,8 @@ class FeedPolicy:
     def cpu_batch(self, rows: int) -> bool:
         """Whether a step of `rows` rows is a CPU batch (several rows, a packed cost table). Its forward
         is bound by arithmetic, and there `width_price` below 1 and `fork` fed SmolLM2's chat requests
-        slower than AR at batch 8 (docs/adapt.md, "The candidates"): such a step prices width in full
-        and feeds no branches. A row alone, or a batch on an accelerator, takes them as asked."""
+        slower than AR at batch 8 (docs/adapt.md, "The candidates"): such a step prices width in full,
+        and its rows are offered no branches and feed none. A row alone, or a batch on an accelerator, takes them as asked."""
         if self.cost is None:
             self.cost = costs.cost_model(self.model)
         return self.cost.packed and rows > 1
@@ -157,7 +157,8 @@ class FeedPolicy:
         were lately where they were tested (widths.SECOND, widths.ALTERNATIVE)."""
         for q in running:
             q.branch_widths = [0] * len(q.branches)
-        if not any(q.branches for q in running) or self.cpu_batch(len(running)):  # (only a row that forks holds any)
+        # only a row that forks holds branches, and none is fed in a CPU batch (cpu_batch)
+        if not any(q.branches for q in running) or self.cpu_batch(len(running)):
             return
         seqs = [q for q in running if q.x is not None]  # (a prefill never forks)
         left = [q.p.gen_length - len(q.res.tokens) for q in seqs]
@@ -249,20 +250,24 @@ class FeedPolicy:
         others, and the copy's and the corpus's other ways on, as its branches (branches)."""
         offers = []
         others: dict[int, list[list[int]]] = {}  # a forking row's alternatives (ALTERNATIVE branches)
+        # a CPU batch feeds no branches (cpu_batch), so its rows are offered none
+        alone = not self.cpu_batch(sum(not q.done for q in seqs))
         for q in seqs:
             if q.done:
                 continue
+            if q.fork and not alone:
+                q.branches = []
             if q.index is not None:
                 copy, n = q.index.propose(q.p.draft_length)
                 if copy:
                     offers.append((q, copy, widths.lookup_kind(n, q.index.support(n))))
-                    if q.fork:
+                    if q.fork and alone:
                         others[id(q)] = q.index.alternatives(q.p.draft_length, MAX_BRANCHES)
                 if self.corpus is not None:
                     draft, n, contested = self.corpus.offer(q.index.tokens, q.p.draft_length)
                     if draft:
                         offers.append((q, draft, widths.corpus_kind(n, bool(copy), contested)))
-                        if q.fork:
+                        if q.fork and alone:
                             runner_up = self.corpus.runner_up(q.index.tokens, draft, q.p.draft_length)
                             others.setdefault(id(q), []).extend([runner_up] if runner_up else [])
             if q.text is not None:
@@ -290,7 +295,7 @@ class FeedPolicy:
         for q, *drafts in held.values():
             drafts.sort(key=lambda d: d[:2], reverse=True)  # (stable; a plan wins a tie: it was asked for)
             _, _, q.draft, q.kind = drafts[0]
-            if q.fork:
+            if q.fork and alone:
                 q.branches = branches(q.draft, [(d[2], widths.SECOND) for d in drafts[1:]]
                                        + [(d, widths.ALTERNATIVE) for d in others.get(id(q), [])])
 
