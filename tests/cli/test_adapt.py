@@ -178,7 +178,7 @@ def test_what_cannot_be_adapted_or_resumed_is_refused_in_one_line(base, tmp_path
     other = make_causal_lm(tmp_path / "other", seed=2)
     cases = [
         ([str(other), "--out", str(out), "--quick"], f"--out {out} holds a run of another model ({base})"),
-        ([str(base), "--out", str(out), "--quick", "--prompts", "9"], "holds a run with other prompts (prompts=6)"),
+        ([str(base), "--out", str(out), "--quick", "--prompts", "9"], "holds a run with other prompts (prompts=8)"),
         ([str(BUNDLED), "--out", str(tmp_path / "x")], "is a ReFusion model already (its masks draft), not a causal LM"),
         ([str(base), "--out", str(tmp_path / "y"), "--mix", "poetry=1"], "--mix: 'poetry=1' is not DOMAIN=SHARE"),
         ([str(base), "--out", str(tmp_path / "z"), "--hours", "-1"], "--hours -1.0: give a positive number"),

@@ -1,5 +1,6 @@
 """The parts of `refusion adapt` on hand-made cases: the domain mix, the held-out chat set and the check
-that keeps training prompts off it, the model's own user turns (Magpie), the choice of decoding settings."""
+that keeps training prompts off it, the model's own user turns (Magpie) and function requests (MBPP's
+way), the choice of decoding settings."""
 
 import gzip
 import json
@@ -12,10 +13,12 @@ from refusion.model.tokenizer import Tokenizer
 from refusion.tasks.chat import load_chat
 from refusion.tasks.maths import gsm8k_prompt
 from refusion.tasks.sources import gsm8k_train_questions
-from refusion.training.adapt import magpie
+from refusion.tasks.code import load_mbpp
+from refusion.training.adapt import code_tasks, magpie, prompts
+from refusion.training.adapt.held_out import HeldOut, held_out_chat, held_out_code, task_words
 from refusion.training.adapt.measure import choose, held_out_examples, summarize, to_time
-from refusion.training.adapt.prompts import HeldOut, domain_counts, held_out_chat, parse_mix, user_prompts
-from refusion.training.adapt.recipe import Budget
+from refusion.training.adapt.prompts import choose_prompts, domain_counts, parse_mix, user_prompts
+from refusion.training.adapt.recipe import Budget, Options
 from refusion.training.self_generate import load_prompts
 from tests.helpers.tiny_causal_lm import make_causal_lm
 
@@ -179,3 +182,71 @@ def test_a_resumed_measurement_times_a_domains_rows_together():
     assert kept == [r for r in rows if r["bench"] == "chat" or r["name"] == "x"]
     assert to_time(rows, wanted[:3], threads=1, process="now") == (rows, [])  # complete: nothing timed again
     assert to_time(rows, wanted[:3], threads=2, process="now")[1] == wanted[:3]  # other threads: other rows
+
+
+def test_a_function_request_is_its_first_line_when_that_reads_as_one_task():
+    ok = "Write a function to find the largest of three numbers."
+    assert code_tasks.statement(ok + "\nThe numbers are given as a list.", finished=False) == ok
+    assert code_tasks.statement("  " + ok + "  ", finished=True) == ok
+    assert code_tasks.statement(ok, finished=False) is None  # cut off: the line may go on
+    assert code_tasks.statement("Write a function to sort it", finished=True) is None  # no full stop
+    assert code_tasks.statement("Write a python function to call `sorted` on a list.", finished=True) is None
+    assert code_tasks.statement("Write a function to.", finished=True) is None  # too short to be a task
+
+
+def test_tests_are_the_assert_lines_a_continuation_starts_with():
+    text = (" largest(1, 2, 3) == 3\nassert largest(5, 4, 3) == 5\nassert largest(0, 0, 0) == 0\n"
+            "assert largest(9, 1, 1) == 9\n")
+    assert code_tasks.tests_of(text, finished=False) == ["assert largest(1, 2, 3) == 3", "assert largest(5, 4, 3) == 5",
+                                         "assert largest(0, 0, 0) == 0"]  # three at most
+    assert code_tasks.tests_of(" f(1) == 2\nprint(f(1))\nassert f(2) == 3", True) == ["assert f(1) == 2"]
+    assert code_tasks.tests_of(" f(1 == 2\nassert f(2) == 3", True) == []  # not Python: no tests
+    assert code_tasks.tests_of("ion_error()", True) == []  # "assertion_error()" is not an assert
+    assert code_tasks.tests_of(" f(1) == 2; x = 1", True) == []  # one assert statement a line
+    # a cut continuation's last line may be a cut assert ("assert f" parses): an ended one's is whole
+    assert code_tasks.tests_of(" f(1) == 2\nassert f", finished=False) == ["assert f(1) == 2"]
+    assert code_tasks.tests_of(" f(1) == 2\nassert f(2) == 3", finished=True) == ["assert f(1) == 2", "assert f(2) == 3"]
+
+
+def test_held_out_code_tasks_are_found_without_the_words_every_request_shares():
+    held = held_out_code()
+    first = load_mbpp()[0].prompt.split("\n")[0]
+    assert held.repeats(task_words(first)) and held.repeats(task_words(first.replace("function", "python function")))
+    assert task_words("Write a python function to count the vowels.") == "count the vowels."
+    assert task_words("write a function that counts the vowels.") == "counts the vowels."
+    assert not held.repeats(task_words("Write a python function to compute the volume of a torus given both radii."))
+    # without the shared words dropped, two unrelated short requests would look alike
+    mbpp_like = "Write a python function to find the maximum of a list of numbers."
+    asked = "Write a python function to find the minimum."
+    assert HeldOut([mbpp_like]).repeats(asked) and not HeldOut([task_words(mbpp_like)]).repeats(task_words(asked))
+
+
+def test_function_requests_come_with_tests_in_mbpp_s_form_and_resume_to_the_same(tiny, tmp_path, monkeypatch):
+    model, tok = tiny
+    monkeypatch.setattr(code_tasks, "statement", lambda text, finished: text.strip()[:40] + ".")
+    monkeypatch.setattr(code_tasks, "tests_of", lambda text, finished: ["assert f(" + str(len(text)) + ") == 1"])
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    whole, dropped = code_tasks.code_tasks(model, tok, 4, HeldOut([]), a, 4, lambda m: None, 1, progress=False)
+    assert dropped == 0 and 1 <= len(whole) <= 4
+    for made in whole:
+        line, tests = made.split(code_tasks.MBPP_TESTS)
+        assert line.startswith(code_tasks.LEADS) and tests.startswith("assert f(")
+    code_tasks.code_tasks(model, tok, 2, HeldOut([]), b, 3, lambda m: None, 1, progress=False)
+    again, _ = code_tasks.code_tasks(model, tok, 4, HeldOut([]), b, 2, lambda m: None, 1, progress=False)
+    assert again == whole  # the samples are the seeds', whatever the batch or the stops
+    requests = [json.loads(x) for x in (a / "code_requests.jsonl").read_text().splitlines()]
+    assert {r["text"].startswith(code_tasks.LEADS[r["seed"] % 2]) for r in requests} == {True}
+
+
+def test_code_prompts_are_half_functions_half_requests_in_mbpp_s_form(tiny, tmp_path, monkeypatch):
+    model, tok = tiny
+    monkeypatch.setattr(code_tasks, "statement", lambda text, finished: text.strip()[:40] + ".")
+    monkeypatch.setattr(code_tasks, "tests_of", lambda text, finished: ["assert f(1) == 1"])
+    monkeypatch.setattr(prompts, "held_out_code", lambda: HeldOut([]))  # (the tiny model's words are random)
+    opts = Options(prompts=5, mix={"code": 1.0})
+    chosen, stats = choose_prompts(model, tok, opts, [], 10**6, tmp_path, 4, lambda m: None, 1, progress=False)
+    assert [p.source for p in chosen] == ["code"] * 5 and stats["held_out_repeats_dropped"] == 0
+    asked = [p.query for p in chosen]
+    assert [q.startswith("Complete the following Python function.") for q in asked] == [True] * 3 + [False] * 2
+    assert all(q.endswith(code_tasks.MBPP_TESTS + "assert f(1) == 1") for q in asked[3:])

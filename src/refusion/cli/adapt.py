@@ -25,8 +25,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     a.add_argument("model", help="a causal LM: a Hugging Face directory, a llama GGUF file, or a name (smollm2)")
     a.add_argument("--out", required=True, help="the run directory (created; a rerun resumes it)")
-    a.add_argument("--prompts", type=positive_int, help="training prompts in all, shared by the mix (default 3600)")
-    a.add_argument("--mix", help="domains and their shares, e.g. prose=1,maths=1,code=1 (the default) or code=1")
+    a.add_argument("--prompts", type=positive_int, help="training prompts in all, shared by the mix (default 6000)")
+    a.add_argument("--mix", help="domains and their shares, e.g. prose=2,maths=1,code=2 (the default) or code=1")
     a.add_argument("--prompts-file", help="your own prompts too (one a line, or JSONL with \"query\"), all of them")
     a.add_argument("--hours", type=float, help="a time budget: training takes the steps that fit in it (at most "
                    "the recipe's), at the pace of its first steps")

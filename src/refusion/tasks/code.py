@@ -17,10 +17,19 @@ def load_mbpp(split: str = "test", n: int | None = None, seed: int = 0) -> list[
     exs = []
     for d in request_docs("mbpp"):
         tests = ast.literal_eval(d["test_list"]) if isinstance(d["test_list"], str) else d["test_list"]
-        prompt = f"{d['text']}\nYour code should pass these tests:\n\n" + "\n".join(tests)
+        prompt = mbpp_prompt(d["text"], tests)
         exs.append(Example(f"mbpp/{d['task_id']}", prompt, d["code"].replace("\r\n", "\n"),
                            {"tests": tests, "setup": d.get("test_setup_code") or ""}))
     return subset(exs, n, seed)
+
+
+MBPP_TESTS = "\nYour code should pass these tests:\n\n"
+
+
+def mbpp_prompt(statement: str, tests: list[str]) -> str:
+    """The user message of an MBPP task: its statement, then its asserts (MBPP's, and self-generated
+    training data's)."""
+    return statement + MBPP_TESTS + "\n".join(tests)
 
 
 def complete_function_prompt(code: str) -> str:

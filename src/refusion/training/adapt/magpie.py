@@ -47,9 +47,10 @@ def acceptable(text: str, specials: list[str]) -> bool:
 
 def sample_user_turns(model: Transformer, tok: Tokenizer, out: Path, seeds: range, max_tokens: int = 96,
                       temperature: float = 1.0, top_p: float = 0.95, batch_size: int = 32,
-                      progress: bool = True) -> None:
+                      progress: bool = True, lead: str = "", desc: str = "user turns") -> None:
     """Draw one user turn per seed not yet in `out` (appended to it as each finishes), batch_size at a
-    time in one continuous batch."""
+    time in one continuous batch. `lead`: the turn's first words, given (a record's text starts with
+    them), so that the model writes a request of that kind."""
     from refusion.decoding import ARParams
     from refusion.training.self_generate import decode_stream
 
@@ -57,17 +58,17 @@ def sample_user_turns(model: Transformer, tok: Tokenizer, out: Path, seeds: rang
     todo = [s for s in seeds if s not in done]
     if not todo:
         return
-    prefix = user_prefix_ids(tok)
+    prefix = user_prefix_ids(tok) + (tok.encode(lead) if lead else [])
     eos = sorted(set(model.config.eos_ids) | ({tok.eos_id} if tok.eos_id is not None else set()))
     params = ARParams(gen_length=max_tokens, temperature=temperature, top_p=top_p)
     bar = None
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(todo), desc="user turns", unit="turn", dynamic_ncols=True)
+        bar = tqdm(total=len(todo), desc=desc, unit="turn", dynamic_ncols=True)
     with open(out, "a", encoding="utf-8") as f:
         for seed, r in decode_stream(model, ((s, prefix, s) for s in todo), params, eos, batch_size):
-            text = tok.decode(r.tokens[:-1] if r.finished else r.tokens)
+            text = lead + tok.decode(r.tokens[:-1] if r.finished else r.tokens)
             f.write(json.dumps({"seed": seed, "text": text, "finished": bool(r.finished)}) + "\n")
             f.flush()
             if bar is not None:
@@ -79,7 +80,7 @@ def sample_user_turns(model: Transformer, tok: Tokenizer, out: Path, seeds: rang
 def kept_user_turns(out: Path, specials: list[str]) -> list[str]:
     """The sampled turns worth asking, in seed order: ended by the model, acceptable, each once."""
     seen, kept = set(), []
-    recs = sorted((json.loads(line) for line in _lines(out)), key=lambda r: r["seed"])
+    recs = sorted((json.loads(line) for line in records(out)), key=lambda r: r["seed"])
     for r in recs:
         text = r["text"].strip()
         key = normalized(text)
@@ -89,7 +90,8 @@ def kept_user_turns(out: Path, specials: list[str]) -> list[str]:
     return kept
 
 
-def _lines(out: Path) -> list[str]:
+def records(out: Path) -> list[str]:
+    """A samples file's lines (none if it is missing), a torn last line (a kill) dropped from it."""
     if not out.exists():
         return []
     lines = out.read_text(encoding="utf-8").splitlines()
@@ -107,4 +109,4 @@ def _lines(out: Path) -> list[str]:
 
 
 def _done_seeds(out: Path) -> set[int]:
-    return {json.loads(line)["seed"] for line in _lines(out)}
+    return {json.loads(line)["seed"] for line in records(out)}

@@ -145,7 +145,7 @@ class Pipeline:
         started = time.time()
         room = min(1024, self.base_model().config.max_position_embeddings)
         chosen, stats = choose_prompts(self.base_model(), self.tokenizer(), self.opts, self.user, room,
-                                       self.run / "user_turns.jsonl", self.budget.gen_batch, self.run.log,
+                                       self.run.path, self.budget.gen_batch, self.run.log,
                                        self.parameters, self.progress)
         tmp = self.run / "prompts.jsonl.tmp"
         tmp.write_text("".join(json.dumps({"domain": p.source, "query": p.query}) + "\n" for p in chosen),

@@ -3,25 +3,27 @@ a test split.
 
     prose   the model's own user turns (magpie.py): it writes the questions it expects
     maths   GSM8K's train questions (shipped in the package), as the GSM8K benchmark asks them
-    code    public functions of the Python standard library, as HumanEval asks for a function
+    code    public functions of the Python standard library, as HumanEval asks for a function, and
+            the model's own function requests with tests, as MBPP asks (code_tasks.py): half each
     user    the user's own prompts (--prompts-file: one per line, or JSONL with a "query" or "prompt"),
             all of them, beside the mix
 
-`parse_mix("prose=1,maths=1,code=1")` gives each domain's share of the budget. Every training prompt
-that nearly repeats a held-out chat request (tasks/chat.py) is dropped and counted: the measurement
-must see requests the masks never learned from.
+`parse_mix("prose=2,maths=1,code=2")` gives each domain's share of the budget. Every training prompt
+that nearly repeats a held-out request (held_out.py) is dropped and counted: the measurement must see
+requests the masks never learned from.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from refusion.training.adapt import magpie
+from refusion.training.adapt.code_tasks import code_tasks
+from refusion.training.adapt.held_out import HeldOut, held_out_chat, held_out_code
 from refusion.training.adapt.recipe import Options, estimate_seconds
 from refusion.training.self_generate import Prompt, load_prompts
 
@@ -30,12 +32,12 @@ if TYPE_CHECKING:
     from refusion.model.transformer import Transformer
 
 DOMAINS = ("prose", "maths", "code")
-DEFAULT_MIX = "prose=1,maths=1,code=1"
+DEFAULT_MIX = "prose=2,maths=1,code=2"
 _SOURCE = {"maths": "gsm8k-train", "code": "stdlib-functions"}  # (self_generate's source names)
 
 
 def parse_mix(text: str) -> dict[str, float]:
-    """{"prose": 1.0, ...} from "prose=1,maths=1,code=1"; a ValueError names a bad item."""
+    """{"prose": 2.0, ...} from "prose=2,maths=1,code=2"; a ValueError names a bad item."""
     mix: dict[str, float] = {}
     for item in filter(None, (x.strip() for x in text.split(","))):
         name, eq, share = item.partition("=")
@@ -91,55 +93,35 @@ def fixed_prompts(domain: str, n: int, seed: int) -> list[Prompt]:
     return [Prompt(domain, p.query) for p in load_prompts(_SOURCE[domain], n, seed)] if n else []
 
 
-# ---- near-duplicates of the held-out chat requests ------------------------------------------------
-
-
-def _bigrams(text: str) -> set[tuple[str, str]]:
-    words = re.findall(r"[a-z0-9]+", text.lower())
-    return {(words[i], words[i + 1]) for i in range(len(words) - 1)} or {(w, "") for w in words}
-
-
-class HeldOut:
-    """Held-out requests, to find training prompts that nearly repeat one: most of the request's word
-    pairs in the prompt, or most of a short prompt's in the request."""
-
-    def __init__(self, requests: list[str], share: float = 0.7) -> None:
-        self.grams = [g for g in map(_bigrams, requests) if g]
-        self.share = share
-
-    def repeats(self, prompt: str) -> bool:
-        g = _bigrams(prompt)
-        if not g:
-            return False
-        return any(len(g & h) >= self.share * min(len(g), len(h)) for h in self.grams)
-
-
-def held_out_chat() -> HeldOut:
-    from refusion.tasks.chat import load_chat
-
-    return HeldOut([e.prompt for e in load_chat()])
-
-
 # ---- the stage --------------------------------------------------------------------------------------
 
 
-def choose_prompts(model: Transformer, tok: Tokenizer, opts: Options, user: list[str], room: int, turns: Path,
+def choose_prompts(model: Transformer, tok: Tokenizer, opts: Options, user: list[str], room: int, run_dir: Path,
                    batch_size: int, log: Callable[[str], None], parameters: int, progress: bool = True
                    ) -> tuple[list[Prompt], dict[str, int]]:
     """The training prompts of the mix (each once, in domain order: maths, code, prose, user), without
-    near-repeats of the held-out chat requests or prompts whose longest answer would not fit in `room`
-    tokens; and how many of each were dropped. The model's user turns are sampled into `turns`."""
+    near-repeats of held-out requests or prompts whose longest answer would not fit in `room` tokens;
+    and how many of each were dropped. Half the code prompts are standard-library functions asked
+    HumanEval's way, half the model's own function requests asked MBPP's way (code_tasks.py; all of
+    them functions where its chat template cannot prompt it). The model's samples go into run_dir."""
     counts = domain_counts({d: opts.mix[d] for d in DOMAINS if opts.mix.get(d)}, opts.prompts)
     held = held_out_chat()
     out: list[Prompt] = []
     dropped = 0
-    for domain in ("maths", "code"):
-        chosen = fixed_prompts(domain, counts.get(domain, 0), opts.seed)
+    tasks = counts.get("code", 0) // 2 if _can_prompt(tok) else 0
+    for domain, n in (("maths", counts.get("maths", 0)), ("code", counts.get("code", 0) - tasks)):
+        chosen = fixed_prompts(domain, n, opts.seed)
         got = [p for p in chosen if not held.repeats(p.query)]
         dropped += len(chosen) - len(got)
         out += got
+    if tasks:
+        made, n_dropped = code_tasks(model, tok, tasks, held_out_code(), run_dir, batch_size, log, parameters,
+                                     progress)
+        dropped += n_dropped
+        out += [Prompt("code", q) for q in made]
     if counts.get("prose"):
-        kept, n_dropped = user_turns(model, tok, counts["prose"], held, turns, batch_size, log, parameters, progress)
+        kept, n_dropped = user_turns(model, tok, counts["prose"], held, run_dir / "user_turns.jsonl", batch_size,
+                                     log, parameters, progress)
         dropped += n_dropped
         out += [Prompt("prose", q) for q in kept]
     mine = list(dict.fromkeys(user))
@@ -148,6 +130,14 @@ def choose_prompts(model: Transformer, tok: Tokenizer, opts: Options, user: list
     out = list({p.query: p for p in reversed(out)}.values())[::-1]  # each query once, first place kept
     fits = [p for p in out if len(tok.chat_prompt_ids(p.query)) + opts.max_tokens <= room]
     return fits, {"held_out_repeats_dropped": dropped, "too_long_dropped": len(out) - len(fits)}
+
+
+def _can_prompt(tok: Tokenizer) -> bool:
+    try:
+        magpie.user_prefix_ids(tok)
+    except ValueError:
+        return False
+    return True
 
 
 def user_turns(model: Transformer, tok: Tokenizer, n: int, held: HeldOut, path: Path, batch_size: int,

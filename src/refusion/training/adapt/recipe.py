@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
-DEFAULT_PROMPTS = 3600  # 1,200 per domain: the shipped adapter's 2,400 answers kept, 1,200 chat turns new
-QUICK_PROMPTS = 6
+DEFAULT_PROMPTS = 6000  # prose 2,400, maths 1,200, code 2,400 (half HumanEval's way, half MBPP's)
+QUICK_PROMPTS = 8
 DEFAULT_STEPS = 900
 MAX_TOKENS = 256  # the longest answer learned from (a cut one gets no EOS)
 
@@ -22,7 +22,7 @@ class Options:
     """What defines a run (a rerun in the same directory must give the same; the rest may change)."""
 
     prompts: int = DEFAULT_PROMPTS
-    mix: dict[str, float] = field(default_factory=lambda: {"prose": 1.0, "maths": 1.0, "code": 1.0})
+    mix: dict[str, float] = field(default_factory=lambda: {"prose": 2.0, "maths": 1.0, "code": 2.0})
     prompts_file: str | None = None  # (its text's SHA-256 is compared, so an edited file is noticed)
     max_tokens: int = MAX_TOKENS
     quick: bool = False
