@@ -23,7 +23,7 @@ from refusion.model.tokenizer import Tokenizer
 from refusion.training.adapt import Options, recipe
 from refusion.training.adapt.measure import CANDIDATES
 from refusion.training.adapt.pipeline import Pipeline
-from refusion.training.adapt.recipe import QUICK, QUICK_PROMPTS
+from refusion.training.adapt.recipe import QUICK, QUICK_PROMPTS, RANK
 from tests.helpers.tiny_causal_lm import make_causal_lm
 from tests.helpers.tiny_gguf import write_byte_level_gguf
 
@@ -73,7 +73,7 @@ def test_quick_run_exports_an_adapter_whose_output_is_the_bases(base, quick_run,
     # the export: the mask path naming its base, and the answers kept as lookup drafts, one per record
     adapter = out / "adapter"
     meta = json.loads((adapter / "mask_adapter.json").read_text())
-    assert meta["base"] == str(base.resolve()) and meta["rank"] == 16
+    assert meta["base"] == str(base.resolve()) and meta["rank"] == RANK
     settings = json.loads((adapter / "decoding.json").read_text())
     if settings["params"]["lookup"]:
         assert int((read_corpus(adapter / LOOKUP_CORPUS).tokens == -1).sum()) == len(data)

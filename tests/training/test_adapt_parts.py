@@ -18,6 +18,7 @@ from refusion.training.adapt import code_tasks, magpie, prompts
 from refusion.training.adapt.held_out import HeldOut, held_out_chat, held_out_code, task_words
 from refusion.training.adapt.measure import choose, held_out_examples, summarize, to_time
 from refusion.training.adapt.prompts import choose_prompts, domain_counts, parse_mix, user_prompts
+from refusion.training.adapt import recipe
 from refusion.training.adapt.recipe import Budget, Options
 from refusion.training.self_generate import load_prompts
 from tests.helpers.tiny_causal_lm import make_causal_lm
@@ -250,3 +251,15 @@ def test_code_prompts_are_half_functions_half_requests_in_mbpp_s_form(tiny, tmp_
     asked = [p.query for p in chosen]
     assert [q.startswith("Complete the following Python function.") for q in asked] == [True] * 3 + [False] * 2
     assert all(q.endswith(code_tasks.MBPP_TESTS + "assert f(1) == 1") for q in asked[3:])
+
+
+@pytest.mark.parametrize("emulated, dtype", [(True, "float32"), (False, "bfloat16")])
+def test_training_runs_in_bfloat16_only_where_the_machine_multiplies_in_it(monkeypatch, emulated, dtype):
+    import torch
+
+    from refusion.training import setup
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(setup, "cpu_bf16_is_emulated", lambda: emulated)
+    assert recipe.train_dtype() == dtype
+    assert f'dtype="{dtype}"' in recipe.train_overrides("m", "d.jsonl", "out", 2048, Budget())

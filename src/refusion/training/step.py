@@ -164,7 +164,8 @@ def _backward(run: Run, inputs: TrainInputs, batch: Batch, n_ar: Tensor, B: int,
 def _mask_only_backward(run: Run, inputs: TrainInputs, masks: DraftMasks, batch: Batch, n_ar: Tensor, B: int
                         ) -> tuple[dict[str, Tensor], int]:
     """The mask-only variant, per micro-batch: the in-order example runs on the frozen model without a
-    graph, into a cache (its next-token loss, the base's, is only logged); the masks run on top of it
+    graph, into a cache (with mask_target "distribution" its logits too, and their next-token loss, the
+    base's, is logged as ar_loss); the masks run on top of it
     and their loss trains the mask path, the only parameters that require gradients. Each mask's
     target is its token, or with mask_target "distribution" the base's next-token distribution at its
     position, read from the in-order pass's logits (no forward added)."""
@@ -178,19 +179,23 @@ def _mask_only_backward(run: Run, inputs: TrainInputs, masks: DraftMasks, batch:
         sub_batch = _batch_rows(batch, lo, lo + run.micro).to(run.device)
         tokens += int((~clean.pad).sum()) + int(sub_masks.valid.sum())
         cache = KVCache(model.config.num_layers)
+        base = None
         with torch.no_grad(), autocast:
-            logits = model(clean.input_ids, clean.position_ids, None, cache=cache)
-            ar, n_ar_sub = ar_term(token_ce(logits, clean.labels), clean, n_ar.to(run.device))
-            base = base_distribution(logits, sub_batch.prompt_len.to(run.device), sub_masks.valid) \
-                if cfg.mask_target == "distribution" else None
-        del logits
+            if cfg.mask_target == "distribution":
+                logits = model(clean.input_ids, clean.position_ids, None, cache=cache)
+                ar, n_ar_sub = ar_term(token_ce(logits, clean.labels), clean, n_ar.to(run.device))
+                base = base_distribution(logits, sub_batch.prompt_len.to(run.device), sub_masks.valid)
+                del logits
+            else:  # only the cache is needed: the LM head on every clean row would cost about a tenth of the step
+                model(clean.input_ids, clean.position_ids, None, cache=cache, num_logits=1)
         with autocast:
             logits = model(sub_masks.input_ids, sub_masks.position_ids, sub_masks.attn_mask(len(cache)), cache=cache)
         ce = token_ce(logits, sub_masks.labels) if base is None else soft_ce(logits, base, sub_masks.valid)
         mdm = (ce.sum(1) / sub_batch.response_len.to(ce.device).clamp(min=1)).sum() / B
         mdm.backward()
-        stats = dict(loss=mdm.detach(), ar_loss=ar, mdm_loss=mdm.detach(), n_ar_tokens=n_ar_sub,
-                     n_masked_tokens=sub_masks.valid.sum())
+        stats = dict(loss=mdm.detach(), mdm_loss=mdm.detach(), n_masked_tokens=sub_masks.valid.sum())
+        if base is not None:  # (the base's own next-token loss, logged where its logits were computed anyway)
+            stats.update(ar_loss=ar, n_ar_tokens=n_ar_sub)
         valid = sub_masks.valid
         offset = torch.arange(valid.shape[1], device=valid.device)[None, :] - sub_masks.block
         # (the argmax before selecting rows: logits[valid] would copy every mask's vocabulary-wide row)

@@ -220,7 +220,8 @@ class Pipeline:
                      + (f", from step {last.name.split('-')[-1]}" if last else "")
                      + f" (first guess {estimate_seconds('step', b.steps, self.parameters) / 60:.0f} min) -> {out}")
         self._free()
-        train(cfg, resume=True, progress=self.progress, allow_changed=["max_steps"], threads=self.threads)
+        # (a run resumed on another machine may train in another dtype: train_dtype is the machine's)
+        train(cfg, resume=True, progress=self.progress, allow_changed=["max_steps", "dtype"], threads=self.threads)
         self.run.finish("train", started)
         self.run.log(f"train: done -> {out / 'adapter'}")
 
