@@ -2,8 +2,9 @@
 resumes from its own files when cut off (run.py lists them):
 
     base      the model: a directory or a name as it is; a GGUF file imported into DIR/base once
-    prompts   DIR/prompts.jsonl: the mix of domains (prompts.py), the model's user turns sampled into
-              DIR/user_turns.jsonl, near-repeats of the held-out chat requests dropped
+    prompts   DIR/prompts.jsonl: the mix of domains (prompts.py), the model's user turns and function
+              requests sampled into DIR/user_turns.jsonl and DIR/code_*.jsonl, near-repeats of held-out
+              requests dropped
     data      DIR/data.jsonl: the model's own greedy answers (training/self_generate.py, batched); for
               SmolLM2 it starts from the answers kept in configs/smollm2-refusion-data.jsonl.gz
     train     DIR/train: the mask-only recipe (recipe.py), from its last checkpoint
@@ -154,7 +155,7 @@ class Pipeline:
         per = {d: sum(p.source == d for p in chosen) for d in (*DOMAINS, "user")}
         self.run.finish("prompts", started, count=len(chosen), domains=per, **stats)
         self.run.log(f"prompts: {len(chosen)} ({', '.join(f'{d} {n}' for d, n in per.items() if n)}); dropped: "
-                     f"{stats['held_out_repeats_dropped']} that nearly repeat a held-out chat request, "
+                     f"{stats['held_out_repeats_dropped']} that nearly repeat a held-out request, "
                      f"{stats['too_long_dropped']} too long for {room} tokens with an answer")
 
     # ---- data -----------------------------------------------------------------------------------

@@ -3,7 +3,8 @@
     DIR/state.json     the base, the options that define the run, each stage's record (done, seconds,
                        counts), written atomically after every change
     DIR/log            one timestamped line per event, appended (the progress bars go to the terminal)
-    DIR/user_turns.jsonl, prompts.jsonl, data.jsonl, train/, sampler/, measure.json   stages' work
+    DIR/user_turns.jsonl, code_requests.jsonl, code_tests.jsonl (the model's samples), prompts.jsonl,
+        data.jsonl, train/, sampler/, measure.json                                         stages' work
     DIR/adapter/       the result: a mask adapter directory naming its base (`--model DIR/adapter`)
 
 A directory holding another model's run, or a run with other defining options, is refused by name.
