@@ -108,30 +108,11 @@ def _sample_tests(model: Transformer, tok: Tokenizer, out: Path, statements: dic
                   progress: bool) -> None:
     """Each statement's tests as the model continues them (sampled from its seed), appended to `out`."""
     from refusion.decoding import ARParams
-    from refusion.training.self_generate import decode_stream
 
-    done = {json.loads(x)["seed"] for x in magpie.records(out)}
-    todo = [s for s in statements if s not in done]
-    if not todo:
-        return
     prefix = magpie.user_prefix_ids(tok)
-    eos = sorted(set(model.config.eos_ids) | ({tok.eos_id} if tok.eos_id is not None else set()))
-    params = ARParams(gen_length=32 * MOST_TESTS, temperature=0.7, top_p=0.95)
-    jobs = ((s, prefix + tok.encode(statements[s] + MBPP_TESTS + "assert", parse_special=False), s) for s in todo)
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(todo), desc="their tests", unit="task", dynamic_ncols=True)
-    with open(out, "a", encoding="utf-8") as f:
-        for seed, r in decode_stream(model, jobs, params, eos, batch_size):
-            text = tok.decode(r.tokens[:-1] if r.finished else r.tokens)
-            f.write(json.dumps({"seed": seed, "text": text, "finished": bool(r.finished)}) + "\n")
-            f.flush()
-            if bar is not None:
-                bar.update(1)
-    if bar is not None:
-        bar.close()
+    magpie.sample_into(model, tok, out, statements, lambda s: prefix + tok.encode(
+        statements[s] + MBPP_TESTS + "assert", parse_special=False), ARParams(gen_length=32 * MOST_TESTS,
+        temperature=0.7, top_p=0.95), batch_size, progress, "their tests", "task")
 
 
 def _prompts(statements: dict[int, str], tests: Path) -> list[str]:

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from refusion.decoding import ARParams
     from refusion.model.tokenizer import Tokenizer
     from refusion.model.transformer import Transformer
 
@@ -52,22 +54,31 @@ def sample_user_turns(model: Transformer, tok: Tokenizer, out: Path, seeds: rang
     time in one continuous batch. `lead`: the turn's first words, given (a record's text starts with
     them), so that the model writes a request of that kind."""
     from refusion.decoding import ARParams
+
+    prefix = user_prefix_ids(tok) + (tok.encode(lead) if lead else [])
+    sample_into(model, tok, out, seeds, lambda seed: prefix, ARParams(gen_length=max_tokens, temperature=temperature,
+                top_p=top_p), batch_size, progress, desc, "turn", lead)
+
+
+def sample_into(model: Transformer, tok: Tokenizer, out: Path, seeds: Iterable[int], prompt_of: Callable[[int], list[int]],
+                params: ARParams, batch_size: int, progress: bool, desc: str, unit: str, lead: str = "") -> None:
+    """Sample a continuation of each seed's prompt (`prompt_of(seed)`, token ids) from that seed, for the
+    seeds not yet in `out`, in one continuous batch; each appended as it finishes, {"seed", "text" (lead
+    and the continuation, without its EOS), "finished"}."""
     from refusion.training.self_generate import decode_stream
 
     done = _done_seeds(out)
     todo = [s for s in seeds if s not in done]
     if not todo:
         return
-    prefix = user_prefix_ids(tok) + (tok.encode(lead) if lead else [])
     eos = sorted(set(model.config.eos_ids) | ({tok.eos_id} if tok.eos_id is not None else set()))
-    params = ARParams(gen_length=max_tokens, temperature=temperature, top_p=top_p)
     bar = None
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(todo), desc=desc, unit="turn", dynamic_ncols=True)
+        bar = tqdm(total=len(todo), desc=desc, unit=unit, dynamic_ncols=True)
     with open(out, "a", encoding="utf-8") as f:
-        for seed, r in decode_stream(model, ((s, prefix, s) for s in todo), params, eos, batch_size):
+        for seed, r in decode_stream(model, ((s, prompt_of(s), s) for s in todo), params, eos, batch_size):
             text = lead + tok.decode(r.tokens[:-1] if r.finished else r.tokens)
             f.write(json.dumps({"seed": seed, "text": text, "finished": bool(r.finished)}) + "\n")
             f.flush()
