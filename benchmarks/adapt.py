@@ -34,7 +34,7 @@ from refusion.bundled import ADAPTER_CONFIG, adapter_base, resolve_model
 from refusion.decoding import decode
 from refusion.model.checkpoint import load_model
 from refusion.model.tokenizer import Tokenizer
-from refusion.training.adapt.measure import HELD_OUT, decode_all, eos_ids, held_out_examples, summarize
+from refusion.training.adapt.measure import HELD_OUT, decode_all, held_out_examples, summarize
 
 sys.path.insert(0, str(Path(__file__).parent))
 from smollm2_speculative import adapter_costs, peak_memory  # noqa: E402  (the same measures of an adapter's cost)
@@ -108,7 +108,7 @@ def main() -> None:
     if differ:
         sys.exit(f"{out} holds a run with other {', '.join(differ)}: choose another --out (or remove it)")
     base, adapted, tok = load_model(base_dir), load_model(adapted_dir), Tokenizer.from_dir(base_dir)
-    eos = eos_ids(base, tok)
+    eos = tok.stop_ids(base.config.eos_ids)
     prompts = {d: [tok.chat_prompt_ids(e.prompt) for e in held_out_examples(d, args.n, args.seed)] for d in domains}
     rows = state.get("rows", [])
     done = {(r["threads"], r["batch_size"], r["name"], r["bench"]) for r in rows}

@@ -99,3 +99,10 @@ def test_generate_reads_the_prompt_as_text_and_raw_as_tokens(tok, capsys):
     assert json.loads(capsys.readouterr().out)["prompt"] == tok.chat_prompt_ids(INJECTION)
     assert main([*argv, "--raw"]) == 0
     assert json.loads(capsys.readouterr().out)["prompt"] == tok.encode(INJECTION)
+
+
+def test_an_answer_stops_at_the_model_eos_ids_and_the_tokenizers_once_each(tok):
+    eos = tok.eos_id
+    assert eos is not None
+    assert tok.stop_ids([eos, 7, 3]) == sorted({eos, 7, 3})  # (no repeat of the tokenizer's own)
+    assert tok.stop_ids([]) == [eos]

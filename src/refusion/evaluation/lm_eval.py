@@ -156,7 +156,7 @@ class ReFusionLM(LM):
         self.batch_size = 16 if str(batch_size).startswith("auto") else int(batch_size)
         self.seed, self.fixed_gen_length = seed, gen_length
         self._max_length = max_length or cfg.max_position_embeddings
-        self.eos_ids = sorted(set(cfg.eos_ids) | ({self.tok.eos_id} if self.tok.eos_id is not None else set()))
+        self.eos_ids = self.tok.stop_ids(cfg.eos_ids)
         # the token a document is conditioned on when it has no context (lm-eval's convention)
         self.prefix_id = self.tok.bos_id if self.tok.bos_id is not None else self.eos_ids[0]
 

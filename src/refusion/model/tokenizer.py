@@ -95,6 +95,10 @@ class Tokenizer:
     def eos_id(self) -> int | None:
         return self._special_id("eos_token")
 
+    def stop_ids(self, model_eos_ids: list[int]) -> list[int]:
+        """The ids that end an answer: the model's EOS ids (its config) and this tokenizer's."""
+        return sorted(set(model_eos_ids) | ({self.eos_id} if self.eos_id is not None else set()))
+
     @property
     def bos_id(self) -> int | None:
         return self._special_id("bos_token")

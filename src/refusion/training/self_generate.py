@@ -161,7 +161,7 @@ def self_generate(model: Transformer, tok: Tokenizer, prompts: list[Prompt], out
     todo = [p for p in dict((p.query, p) for p in prompts).values() if p.query not in done]
     ids = {p.query: tok.chat_prompt_ids(p.query) for p in todo}
     todo.sort(key=lambda p: len(ids[p.query]))  # batches of similar length: little padding
-    eos = sorted(set(model.config.eos_ids) | ({tok.eos_id} if tok.eos_id is not None else set()))
+    eos = tok.stop_ids(model.config.eos_ids)
     counts = dict(written=0, skipped=len(prompts) - len(todo), finished=0, retokenized=0)
     bar = None
     if progress:

@@ -110,9 +110,12 @@ def _sample_tests(model: Transformer, tok: Tokenizer, out: Path, statements: dic
     from refusion.decoding import ARParams
 
     prefix = magpie.user_prefix_ids(tok)
-    magpie.sample_into(model, tok, out, statements, lambda s: prefix + tok.encode(
-        statements[s] + MBPP_TESTS + "assert", parse_special=False), ARParams(gen_length=32 * MOST_TESTS,
-        temperature=0.7, top_p=0.95), batch_size, progress, "their tests", "task")
+
+    def prompt_of(seed: int) -> list[int]:  # (MBPP's form, the tests begun)
+        return prefix + tok.encode(statements[seed] + MBPP_TESTS + "assert", parse_special=False)
+
+    params = ARParams(gen_length=32 * MOST_TESTS, temperature=0.7, top_p=0.95)
+    magpie.sample_into(model, tok, out, statements, prompt_of, params, batch_size, progress, "their tests", "task")
 
 
 def _prompts(statements: dict[int, str], tests: Path) -> list[str]:

@@ -71,21 +71,16 @@ def sample_into(model: Transformer, tok: Tokenizer, out: Path, seeds: Iterable[i
     todo = [s for s in seeds if s not in done]
     if not todo:
         return
-    eos = sorted(set(model.config.eos_ids) | ({tok.eos_id} if tok.eos_id is not None else set()))
-    bar = None
-    if progress:
-        from tqdm import tqdm
+    from tqdm import tqdm
 
-        bar = tqdm(total=len(todo), desc=desc, unit=unit, dynamic_ncols=True)
-    with open(out, "a", encoding="utf-8") as f:
+    eos = tok.stop_ids(model.config.eos_ids)
+    with (open(out, "a", encoding="utf-8") as f,
+          tqdm(total=len(todo), desc=desc, unit=unit, dynamic_ncols=True, disable=not progress) as bar):
         for seed, r in decode_stream(model, ((s, prompt_of(s), s) for s in todo), params, eos, batch_size):
             text = lead + tok.decode(r.tokens[:-1] if r.finished else r.tokens)
             f.write(json.dumps({"seed": seed, "text": text, "finished": bool(r.finished)}) + "\n")
             f.flush()
-            if bar is not None:
-                bar.update(1)
-    if bar is not None:
-        bar.close()
+            bar.update(1)
 
 
 def kept_user_turns(out: Path, specials: list[str]) -> list[str]:

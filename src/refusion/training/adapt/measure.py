@@ -69,11 +69,6 @@ def summarize(rows: list[dict], reference: tuple[int, int] | None = None) -> lis
     return out
 
 
-def eos_ids(model, tok) -> list[int]:
-    """The ids that end an answer: the model's and the tokenizer's."""
-    return sorted(set(model.config.eos_ids) | ({tok.eos_id} if tok.eos_id is not None else set()))
-
-
 def decode_all(model, prompts: list[list[int]], decoder: str | None, batch_size: int, max_tokens: int,
                eos: list[int], params: dict | None = None, done: Callable[[int], None] | None = None) -> dict:
     """Every prompt decoded, `batch_size` at a time: dict(outputs, forwards, seconds of decoding); `done` is
@@ -207,7 +202,7 @@ class _Rows:
         self.state, self.out, self.base, self.adapted, self.threads = state, out, base, adapted, threads
         self.max_tokens, self.progress, self.warm = max_tokens, progress, False
         self.process = uuid.uuid4().hex  # (to_time: the rows this process timed)
-        self.eos = eos_ids(base, tok)
+        self.eos = tok.stop_ids(base.config.eos_ids)
         self.prompts = {d: [tok.chat_prompt_ids(e.prompt) for e in held_out_examples(d, n, seed, last=True)]
                         for d in domains}
 
