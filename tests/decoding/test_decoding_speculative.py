@@ -20,6 +20,7 @@ import torch
 from refusion.model.config import ModelConfig
 from refusion.decoding import ARParams, decode
 from refusion.decoding import speculative as spec, widths
+from refusion.decoding.sampling import draw, position_uniforms
 from refusion.decoding.speculative import SpeculativeBatch, SpeculativeParams, generate_speculative
 from refusion.model.transformer import Transformer
 from tests.helpers.reference_ar import generate_ar
@@ -446,8 +447,8 @@ def test_the_masks_draft_their_argmax_or_the_draw_with_their_own_positions_unifo
     with torch.inference_mode():
         logits = model(torch.tensor([ids]), torch.arange(len(ids))[None])[0, len(prompt) + first:]
     if sampled_drafts:
-        u = spec.position_uniforms(torch.tensor([seed]), torch.arange(first, 4)[None])[0]
-        want = spec.draw((logits / temperature).softmax(-1), u)
+        u = position_uniforms(torch.tensor([seed]), torch.arange(first, 4)[None])[0]
+        want = draw((logits / temperature).softmax(-1), u)
     else:
         want = logits.argmax(-1)
     assert seen[0] == want.tolist()

@@ -94,7 +94,7 @@ so a model without one runs such rows too. The `ar` decoder is such rows (`gener
 server runs its requests in the same batch. While every row that steps is plain, a step skips the
 width policy, the feeds and the acceptance bookkeeping: the rows keep their newest token, column,
 write indices and mask on the device and their tokens on the host until one ends or the batch
-changes (SpeculativeBatch._plain_forward), the same forward and the same draws as a generic step.
+changes (plain_run.py), the same forward and the same draws as a generic step.
 
 Controls (controls.py: a grammar, logit bias, penalties, logprobs): a controlled row steps
 generically, never plainly; before its feed its draft is cut where the grammar refuses it and given
@@ -106,6 +106,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -113,10 +114,11 @@ from torch import Tensor
 
 from refusion.decoding import controlled, costs
 from refusion.decoding.common import DecodeResult, packed_index
-from refusion.decoding.controls import Controls
+from refusion.decoding.controls import Controls, Logprobs
 from refusion.decoding.lookup import lookup_by_default
 from refusion.decoding.params import ARParams, SpeculativeParams, ar_batch_params, check_prompts, check_seed
-from refusion.decoding.sampling import draw, greedy, position_uniforms, sampling_probs
+from refusion.decoding.plain_run import PlainRun
+from refusion.decoding.speculative_judge import judge
 from refusion.decoding.speculative_policy import FeedPolicy
 from refusion.decoding.speculative_seq import SpeculativeSeq
 from refusion.model.cache import RaggedKVCache
@@ -130,6 +132,27 @@ def fresh_after_miss_by_default(config: ModelConfig) -> bool:
     masks draft from a frozen base and rarely guess past a token they did not see (docs/smollm2.md);
     a ReFusion-trained model keeps the spec's rest of the draft."""
     return config.mask_adapter is not None
+
+
+class _Packed(NamedTuple):
+    """A generic step's feed (SpeculativeBatch._pack): on the host each row's real width, its slots'
+    cache columns [B, W] and the verify pass's numbers per row (meta [5 + 3 S, B]); the same on the
+    device."""
+    W: int
+    need: int  # the columns from each row's anchor on, whose logits the verify pass reads
+    S: int  # branch slots
+    widths: np.ndarray
+    col: np.ndarray
+    meta: np.ndarray
+    ids_t: Tensor
+    pos_t: Tensor
+    col_t: Tensor
+    anchor_t: Tensor
+    k_t: Tensor
+    seed_t: Tensor
+    g_t: Tensor
+    prompt_t: Tensor
+    branch_t: Tensor
 
 
 class SpeculativeBatch:
@@ -167,7 +190,7 @@ class SpeculativeBatch:
         self.policy = policy if policy is not None else FeedPolicy(model, cost)  # (speculative_policy.py)
         self.sampler = sampler_of(model)  # chains the masks' drafts (model/mask_sampler.py), for rows with sampler
         self.drafting = 0  # running rows that are not plain AR (SpeculativeSeq.plain)
-        self.run: _PlainRun | None = None  # the plain steps of rows 0..run.B-1 not yet written into them
+        self.run: PlainRun | None = None  # the plain steps of rows 0..run.B-1 not yet written into them
 
     def __len__(self) -> int:
         return len(self.running) + len(self.pending)
@@ -283,32 +306,13 @@ class SpeculativeBatch:
         self.running.pop()
 
     def _plain_forward(self, B: int, start: float) -> list[int]:
-        """The step of rows 0..B-1 where every one is plain AR (SpeculativeSeq.plain) and past its
-        prefill: each feeds its newest token x alone, at the position and cache column after its
-        kept ones, and commits the token its logits give. The same forward, mask and draws as
-        _forward's for such rows, without the policy, the feeds or the rows' bookkeeping: the rows
-        keep their state on the device (_PlainRun) and one transfer per step brings their tokens to
-        the host, where they are written into the rows only when one ends (EOS or gen_length), the
-        batch changes or a generic step follows (_flush); streamed rows hear of each token at once.
+        """The step of rows 0..B-1 where every one is plain AR and past its prefill (plain_run.py).
         Returns the rows that ended."""
         run = self.run
         if run is None or run.B != B:  # (rows join at the end; a removal flushes and drops the run)
             self._flush()
-            run = self.run = _PlainRun(self, self.running[:B])
-        if B > 1 and run.capacity != self.cache.capacity:  # (rows joined, the cache grew: its layout moved)
-            run.index = self.cache.write_index(run.col)
-            run.capacity = self.cache.capacity
-        s, used = len(run.tokens), run.cmax + 1
-        # one row's column is a block copy, as in _forward; several rows' a scatter at the run's indices
-        cache = self.cache.at(run.col, keys=used, first=run.cmax if B == 1 else None, index=run.index)
-        out = self.model(run.x, run.pos, attn_mask=run.masks[:, :, :, run.S - s: run.S - s + used], cache=cache)
-        tok = run.judge(out.float())
-        host = tok.cpu().numpy()  # the step's one transfer
-        run.advance(tok)
-        run.tokens.append(host)
-        for b in run.streamed:
-            q = run.seqs[b]
-            q.on_commit([q.P + int(run.g[b]) + s], [int(host[b, 0])])
+            run = self.run = PlainRun(self.model, self.cache, self.running[:B])
+        host = run.step()
         cost = self.policy.cost
         if cost is not None:  # what this step took, its host work included
             cost.note(B, B, time.perf_counter() - start)
@@ -318,26 +322,14 @@ class SpeculativeBatch:
         return [i for i in range(B) if self.running[i].done]
 
     def _flush(self) -> None:
-        """Write the plain steps run so far into their rows (tokens, positions, steps, counters, cache
-        length, newest token; a row that ended is done) and drop the run."""
+        """Write the plain steps run so far into their rows and drop the run."""
         run, self.run = self.run, None
-        if run is None or not run.tokens:
-            return
-        n = len(run.tokens)
-        tokens = np.concatenate(run.tokens, 1).tolist()
-        for q, t in zip(run.seqs, tokens, strict=True):
-            res, g = q.res, len(q.res.tokens)
-            res.tokens += t
-            res.positions += range(q.P + g, q.P + g + n)
-            res.steps += range(res.forwards, res.forwards + n)
-            res.forwards += n
-            res.tokens_fed += n
-            q.c += n
-            q.x = t[-1]
-            if t[-1] in self.eos or len(res.tokens) >= q.p.gen_length:  # (an EOS ends a run: only the last)
-                q.done, res.finished = True, t[-1] in self.eos
+        if run is not None:
+            run.write_back(self.eos)
 
     def _forward(self, lo: int, hi: int, prefill: bool, start: float) -> None:
+        """A generic step of rows lo..hi-1: each feeds its anchor, draft, masks and branches, and
+        commits what the verify pass (speculative_judge.py) accepts."""
         if not prefill:
             self._flush()  # (a generic step of rows that stepped plainly before)
         seqs = self.running[lo:hi]
@@ -348,18 +340,60 @@ class SpeculativeBatch:
                                         most=max(q.p.draft_length, len(q.draft)))
             if q.branches:
                 q.branches = q.control.prepare_branches(q.draft, q.branches)
-        feeds = [q.next_feed() for q in seqs]
+        f = self._pack(seqs, [q.next_feed() for q in seqs])
+        B, W, need, S, meta = len(seqs), f.W, f.need, f.S, f.meta
+        used = max(q.c for q in seqs) + W
+        # (one row's columns are one run, c, c + 1, ...: a block copy into the cache, not a scatter)
+        cache = self.cache.at(f.col_t, keys=used, row0=lo, first=int(f.col[0, 0]) if B == 1 else None)
+        # a query sees every kept column of its row and its own row's fed tokens up to itself
+        cols = torch.arange(used, device=self.device)[None, None, :]
+        if S or any(q.redraft_len for q in seqs):
+            mask = self._branch_mask(seqs, f.col, f.widths, cols, f.col_t)
+        else:
+            mask = cols <= f.col_t[:, :, None]
+        real = packed_index(f.widths, W, self.device)  # ragged rows: only real tokens
+        # (the tokens a grammar forced are no evidence of how far drafts go: acceptance counts the rest)
+        forced = np.array([min(q.control.forced, q.fed_k) if q.control is not None else 0 for q in seqs])
+        predicted = None if prefill else self.policy.predicted(seqs, meta[1] - forced)
+        chained = self._chained_masks(seqs, meta[0], need)
+        out = self.model(f.ids_t, f.pos_t, attn_mask=mask[:, None], cache=cache, num_logits=need, real=real,
+                         states=chained is not None)
+        logits, states = (out[0].float(), out[1]) if chained is not None else (out.float(), None)
+        if ruled:
+            logits = controlled.apply(seqs, ruled, logits, meta[0])
+        ids = f.ids_t[:, W - need:]
+        j, extra, drafts, went = judge(seqs, logits, ids, f.pos_t[:, W - need:] - f.prompt_t[:, None], f.anchor_t,
+                                       f.k_t, f.seed_t, f.g_t, f.branch_t if S else None,
+                                       int(meta[5 + 2 * S:].max(initial=0)))
+        lps = controlled.logprobs(seqs, ruled, logits, meta[0], ids, extra) if ruled else {}
+        if chained is not None:
+            drafts = self._chain(drafts, logits, states, j, f.k_t, extra, *chained)
+        # the step's one transfer: j, extra, how far each branch went, the drafts (from column 2 + S)
+        host = torch.cat([j[:, None], extra[:, None], went, drafts], 1).cpu().numpy()
+        kinds = np.array([q.kind for q in seqs])
+        self._commit(seqs, lo, f, host, lps)
+        self.policy.offer_drafts(seqs)
+        if not prefill:
+            self.policy.prior.record_many(kinds, np.maximum(host[:, 0] - forced, 0), meta[1] - forced, predicted)
+            cost = self.policy.cost
+            if cost is not None:  # what this step took, its host work included
+                fed = int(f.widths.sum()) if cost.packed else B * W
+                cost.note(B, fed, time.perf_counter() - start, B * W - fed)
+
+    def _pack(self, seqs: list[SpeculativeSeq], feeds: list[tuple[list[int], list[int]]]) -> _Packed:
+        """The rows' feeds (ids, positions) as one [B, W] batch, right-aligned so that every row's
+        anchor..end falls in the last `need` columns, with each row's cache columns and the numbers the
+        verify pass needs; one transfer to the device."""
         B = len(seqs)
         W = max(len(ids) for ids, _ in feeds)
-        need = max(len(ids) - q.anchor for q, (ids, _) in zip(seqs, feeds))  # logits from each anchor on
-        # rows are right-aligned so that every row's anchor..end falls in the last `need` columns
+        need = max(len(ids) - q.anchor for q, (ids, _) in zip(seqs, feeds, strict=True))  # logits from each anchor on
         packed = np.zeros((3, B, W), dtype=np.int64)  # ids, positions, cache columns
         # anchor's index among the last `need`, draft length, seed, response position the anchor
         # predicts, prompt length; then per branch slot (S of them) its first column among the last
         # `need`, its fork and its length (0: no branch)
         S = max(len(q.fed_branches) for q in seqs)
         meta = np.zeros((5 + 3 * S, B), dtype=np.int64)
-        for b, (q, (ids, pos)) in enumerate(zip(seqs, feeds)):
+        for b, (q, (ids, pos)) in enumerate(zip(seqs, feeds, strict=True)):
             w, off = len(ids), W - len(ids)
             packed[0, b], packed[1, b, off:] = self.pad, pos
             packed[0, b, off:] = ids
@@ -369,43 +403,23 @@ class SpeculativeBatch:
                 meta[5 + i, b], meta[5 + S + i, b], meta[5 + 2 * S + i, b] = a + first, at, n
         # cache columns: a row's w real tokens take its next w columns and its W - w padding slots the
         # columns after them, where no real query of the row looks (rolled: padding comes first)
-        fed_w = np.array([len(ids) for ids, _ in feeds])
-        packed[2] = np.array([q.c for q in seqs])[:, None] + (np.arange(W)[None, :] + fed_w[:, None]) % W
+        widths = np.array([len(ids) for ids, _ in feeds])
+        packed[2] = np.array([q.c for q in seqs])[:, None] + (np.arange(W)[None, :] + widths[:, None]) % W
         dev = torch.from_numpy(np.concatenate([packed.reshape(-1), meta.reshape(-1)])).to(self.device)
         ids_t, pos_t, col_t = dev[: 3 * B * W].view(3, B, W)
         anchor_t, k_t, seed_t, g_t, prompt_t = dev[3 * B * W: 3 * B * W + 5 * B].view(5, B)
         branch_t = dev[3 * B * W + 5 * B:].view(3, S, B).transpose(1, 2).contiguous()  # [3, B, S]
-        used = max(q.c for q in seqs) + W
-        # (one row's columns are one run, c, c + 1, ...: a block copy into the cache, not a scatter)
-        cache = self.cache.at(col_t, keys=used, row0=lo, first=int(packed[2, 0, 0]) if B == 1 else None)
-        # a query sees every kept column of its row and its own row's fed tokens up to itself
-        cols = torch.arange(used, device=self.device)[None, None, :]
-        if S or any(q.redraft_len for q in seqs):
-            mask = self._branch_mask(seqs, packed[2], fed_w, cols, col_t)
-        else:
-            mask = cols <= col_t[:, :, None]
-        real = packed_index(fed_w, W, self.device)  # ragged rows: only real tokens
-        # (the tokens a grammar forced are no evidence of how far drafts go: acceptance counts the rest)
-        forced = np.array([min(q.control.forced, q.fed_k) if q.control is not None else 0 for q in seqs])
-        predicted = None if prefill else self.policy.predicted(seqs, meta[1] - forced)
-        chained = self._chained_masks(seqs, meta[0], need)
-        out = self.model(ids_t, pos_t, attn_mask=mask[:, None], cache=cache, num_logits=need, real=real,
-                         states=chained is not None)
-        logits, states = (out[0].float(), out[1]) if chained is not None else (out.float(), None)
-        if ruled:
-            logits = controlled.apply(seqs, ruled, logits, meta[0])
-        j, extra, drafts, went = self._judge(seqs, logits, ids_t[:, W - need:], pos_t[:, W - need:] - prompt_t[:, None],
-                                             anchor_t, k_t, seed_t, g_t, branch_t if S else None,
-                                             int(meta[5 + 2 * S:].max(initial=0)))
-        lps = controlled.logprobs(seqs, ruled, logits, meta[0], ids_t[:, W - need:], extra) if ruled else {}
-        if chained is not None:
-            drafts = self._chain(drafts, logits, states, j, k_t, extra, *chained)
-        # the step's one transfer: j, extra, how far each branch went, the drafts (from column h)
-        host = torch.cat([j[:, None], extra[:, None], went, drafts], 1).cpu().numpy()
-        h = 2 + S
-        kinds = np.array([q.kind for q in seqs])
-        for b, (q, (ids, _)) in enumerate(zip(seqs, feeds)):
-            a, k, j = int(meta[0, b]), q.fed_k, int(host[b, 0])
+        return _Packed(W, need, S, widths, packed[2], meta, ids_t, pos_t, col_t, anchor_t, k_t, seed_t, g_t,
+                       prompt_t, branch_t)
+
+    def _commit(self, seqs: list[SpeculativeSeq], lo: int, f: _Packed, host: np.ndarray,
+                lps: dict[int, Logprobs]) -> None:
+        """Each row takes what its verify pass accepted (host: j, the extra token, how far each branch
+        went, the columns' drafts): the accepted tokens, the branch that went furthest (its KV moved
+        after the fork) and the next draft from the masks that drafted from the committed tokens."""
+        h = 2 + f.S
+        for b, q in enumerate(seqs):
+            a, k, j = int(f.meta[0, b]), q.fed_k, int(host[b, 0])
             masks_from = a + 1 + k  # the masks after the anchor and the draft
             won = None  # the branch that went furthest, where one went any way
             for i, (first, at, n, which) in enumerate(q.fed_branches):
@@ -425,16 +439,9 @@ class SpeculativeBatch:
                 q.advance(j, int(host[b, 1]), host[b, h + masks_from: h + first].tolist(), redrafted,
                           logprobs=lps[b].cut(j) if b in lps else None)
             else:
-                end = a + q.fed_branches[0][0] if q.fed_branches else need
+                end = a + q.fed_branches[0][0] if q.fed_branches else f.need
                 q.advance(j, int(host[b, 1]), host[b, h + masks_from: h + end].tolist(),
                           logprobs=lps[b].cut(j) if b in lps else None)
-        self.policy.offer_drafts(seqs)
-        if not prefill:
-            self.policy.prior.record_many(kinds, np.maximum(host[:, 0] - forced, 0), meta[1] - forced, predicted)
-            cost = self.policy.cost
-            if cost is not None:  # what this step took, its host work included
-                fed = int(fed_w.sum()) if cost.packed else B * W
-                cost.note(B, fed, time.perf_counter() - start, B * W - fed)
 
     def _chained_masks(self, seqs: list[SpeculativeSeq], anchor: np.ndarray, need: int
                        ) -> tuple[Tensor, int] | None:
@@ -503,137 +510,6 @@ class SpeculativeBatch:
         at = col_t[:, :, None]
         return (cols <= upto_t[:, :, None]) | ((cols >= own_t[:, :, None]) & (cols <= at))
 
-    def _judge(self, seqs: list[SpeculativeSeq], logits: Tensor, ids: Tensor, own: Tensor, anchor: Tensor,
-               k: Tensor, seed: Tensor, g: Tensor, branches: Tensor | None = None, L: int = 0
-               ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Per row: j (accepted draft tokens), the extra token, every column's draft token (the
-        masks' ones are the next draft): its argmax, or with sampled_drafts its position-keyed draw;
-        and per branch [B, S] how many of its tokens were accepted after the draft's first j (0 unless
-        it was tested, j being its fork); the extra token follows the one that went furthest (the
-        first of them). logits/ids: the last N fed columns; own: each column's response position; the
-        anchor column predicts response position g, each draft column after it the next one, each
-        mask its own. branches [3, B, S]: each row's branches' first column, fork and length (0: none;
-        L the longest); a branch's first token is predicted by the column of the draft's token at the
-        fork and each other by the column before it."""
-        B, N, _ = logits.shape
-        amax = greedy(logits)
-        want = drafts = amax  # the token each column's prediction commits: greedy, or the position-keyed draw
-        nxt = ids[:, 1:]  # the token fed after column t, which column t's logits predict
-        col = torch.arange(N, device=logits.device)[None, :]
-        sampling = [q.p.temperature > 0 for q in seqs]
-        taus = [q.p.accept_prob for q in seqs]
-        probs = None
-        if any(sampling):
-            temp = torch.tensor([q.p.temperature if s else 1.0 for q, s in zip(seqs, sampling)], device=logits.device)
-            top_k = torch.tensor([q.p.top_k or 0 for q in seqs], device=logits.device)
-            top_p = torch.tensor([q.p.top_p or 1.0 for q in seqs], device=logits.device)
-            filtered = any(q.p.top_k is not None or q.p.top_p is not None for q in seqs)
-            probs = sampling_probs(logits, temp, top_k, top_p, filtered)
-            # the position each column's draw is for: the next one up to the last draft token, then
-            # the masks' own (the uniforms the output at those positions will be drawn with)
-            a = anchor[:, None]
-            target = own  # a mask's own position; the anchor's is g, a draft's or a branch's the next
-            if branches is not None:
-                c3, first, n = col[:, :, None], branches[0][:, None, :], branches[2][:, None, :]
-                target = torch.where(((c3 >= first) & (c3 < first + n)).any(-1), own + 1, own)
-            target = torch.where(col <= a + k[:, None], g[:, None] + col - a, target)
-            tok = draw(probs, position_uniforms(seed, target.clamp(min=0)))
-            want = torch.where(torch.tensor(sampling, device=logits.device)[:, None], tok, amax)
-            sampled = [s and q.p.sampled_drafts for q, s in zip(seqs, sampling)]
-            if any(sampled):
-                drafts = torch.where(torch.tensor(sampled, device=logits.device)[:, None], tok, amax)
-        ok = nxt == want[:, :-1]
-        if any(t is not None for t in taus):
-            if probs is None:
-                p_next = (logits[:, :-1].gather(-1, nxt[..., None]).squeeze(-1) - logits[:, :-1].logsumexp(-1)).exp()
-            else:
-                p_next = probs[:, :-1].gather(-1, nxt[..., None]).squeeze(-1)
-            tau = torch.tensor([t if t is not None else 2.0 for t in taus], device=logits.device)
-            ok |= p_next >= tau[:, None]
-        a = anchor[:, None]
-        c = col[:, :-1]
-        run = torch.where(c < a, True, torch.where(c < a + k[:, None], ok, False))
-        j = run.long().cumprod(1).sum(1) - anchor
-        extra = want.gather(1, (anchor + j)[:, None]).squeeze(1)  # the column after the accepted drafts
-        if branches is None:
-            return j, extra, drafts, j.new_zeros(B, 0)
-        first, fork, n = branches  # [B, S] each
-        S = first.shape[1]
-        i = torch.arange(L, device=logits.device)[None, None, :]
-        slot = (first[:, :, None] + i).clamp(max=N - 1)  # [B, S, L]
-        parent = torch.where(i == 0, (anchor[:, None] + fork)[:, :, None], slot - 1).reshape(B, S * L)
-        tok = ids.gather(1, slot.reshape(B, S * L))
-        ok2 = tok == want.gather(1, parent)
-        if any(t is not None for t in taus):
-            rows = torch.arange(B, device=logits.device)[:, None]
-            if probs is None:
-                p_tok = (logits[rows, parent, tok] - logits.logsumexp(-1).gather(1, parent)).exp()
-            else:
-                p_tok = probs[rows, parent, tok]
-            ok2 |= p_tok >= tau[:, None]
-        went = (ok2.view(B, S, L) & (i < n[:, :, None])).long().cumprod(2).sum(2) * ((n > 0) & (j[:, None] == fork))
-        best, which = went.max(1)
-        last = (first.gather(1, which[:, None]).squeeze(1) + best - 1).clamp(min=0)
-        extra = torch.where(best > 0, want.gather(1, last[:, None]).squeeze(1), extra)
-        return j, extra, drafts, went
-
-
-class _PlainRun:
-    """The state of plain AR steps of a batch's rows 0..B-1 (SpeculativeBatch._plain_forward), on the
-    device: each row's newest token x and its cache column (x's position too), where the step writes
-    (B > 1: the rows' write_index) and what it sees, each row's sampling settings; on the host the
-    tokens each step committed, until they are written into the rows."""
-
-    def __init__(self, batch: SpeculativeBatch, seqs: list[SpeculativeSeq]) -> None:
-        dev = batch.device
-        self.seqs, self.B = seqs, len(seqs)
-        c = np.array([q.c for q in seqs])
-        # x [B, 1] as fed; its column, and its position (the same number, kept apart: a compiled graph
-        # would take one tensor passed as both for a shape of its own); one transfer for the three
-        self.x, self.col, self.pos = torch.from_numpy(np.stack([[q.x for q in seqs], c, c])[:, :, None]).to(dev)
-        self.cmax = int(c.max())
-        self.capacity = batch.cache.capacity
-        self.index = batch.cache.write_index(self.col) if self.B > 1 else None
-        self.D = batch.cache.head_dim
-        self.g = np.array([len(q.res.tokens) for q in seqs])  # tokens committed before the run
-        self.left = self.S = min(q.p.gen_length - len(q.res.tokens) for q in seqs)  # steps until one ends
-        # step s's additive mask, 0 where a row sees (its kept columns and x's), is masks[..., S - s:][..., :used]:
-        # column j seen at step s where j - s <= c (a view a step, no arithmetic)
-        seen = np.arange(-self.S, self.capacity)[None, :] <= c[:, None]
-        masks = np.where(seen, np.float32(0), np.float32(-np.inf))[:, None, None, :]
-        self.masks = torch.from_numpy(masks).to(dev, batch.model.embed_tokens.weight.dtype)
-        self.tokens: list[np.ndarray] = []  # per step, each row's token [B, 1]
-        # the rows streamed, in the order they joined (a removal moves the last row into its place)
-        self.streamed = sorted((b for b, q in enumerate(seqs) if q.on_commit is not None), key=lambda b: seqs[b].sid)
-        sampling = [q.p.temperature > 0 for q in seqs]
-        self.sampling = any(sampling)
-        if self.sampling:  # as _judge's: the draw for response position t with the uniform of (seed, t)
-            self.temp = torch.tensor([q.p.temperature if s else 1.0 for q, s in zip(seqs, sampling)], device=dev)
-            self.top_k = torch.tensor([q.p.top_k or 0 for q in seqs], device=dev)
-            self.top_p = torch.tensor([q.p.top_p or 1.0 for q in seqs], device=dev)
-            self.filtered = any(q.p.top_k is not None or q.p.top_p is not None for q in seqs)
-            self.seed = torch.tensor([q.seed for q in seqs], device=dev)
-            self.target = torch.tensor(self.g, device=dev)[:, None]  # the response position each row's token takes
-            self.mixed = None if all(sampling) else torch.tensor(sampling, device=dev)[:, None]
-
-    def advance(self, tok: Tensor) -> None:
-        """After a step: each row's x is `tok`, one column on."""
-        self.x, self.cmax, self.left = tok, self.cmax + 1, self.left - 1
-        self.col += 1
-        self.pos += 1
-        if self.index is not None:
-            self.index += self.D  # (the next column's elements)
-
-    def judge(self, logits: Tensor) -> Tensor:
-        """Each row's token [B, 1] from its logits [B, 1, V]: the argmax, or a sampled row's position-keyed
-        draw."""
-        if not self.sampling:
-            return greedy(logits)
-        probs = sampling_probs(logits, self.temp, self.top_k, self.top_p, self.filtered)
-        tok = draw(probs, position_uniforms(self.seed, self.target))
-        self.target += 1
-        return tok if self.mixed is None else torch.where(self.mixed, tok, greedy(logits))
-
 
 def _decode(model: Transformer, prompts: list[list[int]], p: SpeculativeParams, seeds: list[int],
             eos_ids: list[int] | None, on_commit: Callable[..., None] | None,
@@ -678,7 +554,7 @@ def generate_ar(model: Transformer, prompts: list[list[int]], params: ARParams |
                 on_commit: Callable[..., None] | None = None,
                 controls: list[Controls | None] | None = None) -> list[DecodeResult]:
     """Autoregressive decoding (the `ar` decoder): the batch with no drafts, one token per forward
-    (params.ar_batch_params), whose steps are plain (SpeculativeBatch._plain_forward).
+    (params.ar_batch_params), whose steps are plain (plain_run.py).
 
     first_from_mask (hidden): take the first response token from a <|mask|> fed at its position (the
     ReFusion objective never trains the prompt's last token to predict it; see the spec, section 5).

@@ -70,7 +70,7 @@ class SpeculativeSeq:
         self.fed_branches: list[tuple[int, int, int, int]] = []
         self.anchor = 0  # feed index whose logits give the first token of this step
         # plain AR: no draft budget, no masks, no plan; after its prefill each step feeds x alone, which
-        # the batch runs without the policy or this row's bookkeeping (SpeculativeBatch._plain_forward)
+        # the batch runs without the policy or this row's bookkeeping (plain_run.py)
         # (a controlled row steps generically: its verified column's logits are controlled)
         self.plain = p.draft_length == 0 and not p.mask_length and plan is None and control is None
 
