@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from refusion.decoding.controls import Controls, Logprobs
-from refusion.decoding.sampling import sampling_probs
+from refusion.decoding.sampling import RowSampling
 from refusion.runtime import to_device
 
 
@@ -245,10 +245,7 @@ def logprobs(seqs: list, rows: list[int], logits: Tensor, anchor: np.ndarray, id
     sub = logits[b_t, c_t]  # [R, V], the controlled logits
     qs = [seqs[b] for b in bi]
     if any(q.p.temperature > 0 for q in qs):
-        probs = sampling_probs(sub[:, None], torch.tensor([q.p.temperature or 1.0 for q in qs], device=dev),
-                               torch.tensor([q.p.top_k or 0 for q in qs], device=dev),
-                               torch.tensor([q.p.top_p or 1.0 for q in qs], device=dev),
-                               any(q.p.top_k is not None or q.p.top_p is not None for q in qs))[:, 0]
+        probs = RowSampling.of([q.p for q in qs], dev).probs(sub[:, None])[:, 0]
         sampled = torch.tensor([q.p.temperature > 0 for q in qs], device=dev)[:, None]
         logp = torch.where(sampled, probs.log(), sub.log_softmax(-1))
     else:

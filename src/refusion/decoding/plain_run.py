@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from refusion.decoding.sampling import draw, greedy, position_uniforms, sampling_probs
+from refusion.decoding.sampling import RowSampling, draw, greedy, position_uniforms
 from refusion.decoding.speculative_seq import SpeculativeSeq
 from refusion.model.cache import RaggedKVCache
 from refusion.model.transformer import Transformer
@@ -49,11 +49,7 @@ class PlainRun:
         sampling = [q.p.temperature > 0 for q in seqs]
         self.sampling = any(sampling)
         if self.sampling:  # as speculative_judge's: the draw for response position t with the uniform of (seed, t)
-            self.temp = torch.tensor([q.p.temperature if s else 1.0 for q, s in zip(seqs, sampling, strict=True)],
-                                     device=dev)
-            self.top_k = torch.tensor([q.p.top_k or 0 for q in seqs], device=dev)
-            self.top_p = torch.tensor([q.p.top_p or 1.0 for q in seqs], device=dev)
-            self.filtered = any(q.p.top_k is not None or q.p.top_p is not None for q in seqs)
+            self.settings = RowSampling.of([q.p for q in seqs], dev)
             self.seed = torch.tensor([q.seed for q in seqs], device=dev)
             self.target = torch.tensor(self.g, device=dev)[:, None]  # the response position each row's token takes
             self.mixed = None if all(sampling) else torch.tensor(sampling, device=dev)[:, None]
@@ -110,7 +106,6 @@ class PlainRun:
         draw."""
         if not self.sampling:
             return greedy(logits)
-        probs = sampling_probs(logits, self.temp, self.top_k, self.top_p, self.filtered)
-        tok = draw(probs, position_uniforms(self.seed, self.target))
+        tok = draw(self.settings.probs(logits), position_uniforms(self.seed, self.target))
         self.target += 1
         return tok if self.mixed is None else torch.where(self.mixed, tok, greedy(logits))

@@ -14,6 +14,9 @@ uniforms of distinct positions are independent, the tokens follow the sampling l
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -111,6 +114,26 @@ def sampling_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Te
         cut_p = nucleus_cut(srt, top_p[:, None, None]) & (top_p < 1)[:, None, None]
         x = torch.empty_like(x).scatter_(-1, order, srt.masked_fill(cut_p, float("-inf")))
     return x.softmax(-1)
+
+
+class RowSampling(NamedTuple):
+    """Per-row sampling settings on the device, for `sampling_probs`: read once from each row's
+    params (anything with temperature, top_k and top_p; a greedy row gets temperature 1, which its
+    caller never draws with)."""
+    temperature: Tensor
+    top_k: Tensor
+    top_p: Tensor
+    filtered: bool  # whether any row cuts by top-k or top-p
+
+    @classmethod
+    def of(cls, params: Sequence, device: torch.device | str) -> RowSampling:
+        return cls(torch.tensor([p.temperature or 1.0 for p in params], device=device),
+                   torch.tensor([p.top_k or 0 for p in params], device=device),
+                   torch.tensor([p.top_p or 1.0 for p in params], device=device),
+                   any(p.top_k is not None or p.top_p is not None for p in params))
+
+    def probs(self, logits: Tensor) -> Tensor:
+        return sampling_probs(logits, self.temperature, self.top_k, self.top_p, self.filtered)
 
 
 def gumbel_argmax(logits: Tensor, temperature: float, generator: torch.Generator | None) -> Tensor:

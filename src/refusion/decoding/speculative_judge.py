@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from refusion.decoding.sampling import draw, greedy, position_uniforms, sampling_probs
+from refusion.decoding.sampling import RowSampling, draw, greedy, position_uniforms
 from refusion.decoding.speculative_seq import SpeculativeSeq
 
 
@@ -67,11 +67,7 @@ def _wanted(seqs: list[SpeculativeSeq], logits: Tensor, own: Tensor, anchor: Ten
     if not any(sampling):
         return amax, amax, None
     dev = logits.device
-    temp = torch.tensor([q.p.temperature if s else 1.0 for q, s in zip(seqs, sampling, strict=True)], device=dev)
-    top_k = torch.tensor([q.p.top_k or 0 for q in seqs], device=dev)
-    top_p = torch.tensor([q.p.top_p or 1.0 for q in seqs], device=dev)
-    filtered = any(q.p.top_k is not None or q.p.top_p is not None for q in seqs)
-    probs = sampling_probs(logits, temp, top_k, top_p, filtered)
+    probs = RowSampling.of([q.p for q in seqs], dev).probs(logits)
     # the position each column's draw is for: the next one up to the last draft token, then
     # the masks' own (the uniforms the output at those positions will be drawn with)
     col = torch.arange(logits.shape[1], device=dev)[None, :]
