@@ -91,10 +91,8 @@ sequence's output does not depend on what else is in the batch.
 Plain AR: a row with no draft budget (draft_length 0, no masks, no plan) commits one token a step,
 the extra one; it needs a mask token only where its first token is read from one (first_from_mask),
 so a model without one runs such rows too. The `ar` decoder is such rows (`generate_ar`), and the
-server runs its requests in the same batch. While every row that steps is plain, a step skips the
-width policy, the feeds and the acceptance bookkeeping: the rows keep their newest token, column,
-write indices and mask on the device and their tokens on the host until one ends or the batch
-changes (plain_run.py), the same forward and the same draws as a generic step.
+server runs its requests in the same batch. While every row that steps is plain, the steps run
+without the width policy, the feeds and the acceptance bookkeeping (plain_run.py).
 
 Controls (controls.py: a grammar, logit bias, penalties, logprobs): a controlled row steps
 generically, never plainly; before its feed its draft is cut where the grammar refuses it and given
