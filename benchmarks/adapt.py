@@ -4,6 +4,8 @@ and is every output the base's?
     python benchmarks/adapt.py --model runs/adapt-smollm2/adapter            # full: 4 domains x 50 prompts,
                                                                              # batch 1 and 8, 1 and 2 threads
     python benchmarks/adapt.py --model runs/adapt-smollm2/adapter --quick    # a correctness pass in minutes
+    python benchmarks/adapt.py --model runs/x/adapter --against smollm2-refusion   # a new adapter against the
+                                                                             # shipped one, in the same run
 
 Held-out sets (refusion.training.adapt.measure: never training prompts): the project's chat requests,
 GSM8K test, HumanEval, MBPP test, each asked as `refusion eval` asks it, chat template applied; the
@@ -15,8 +17,11 @@ TPF (tokens / forward passes, every pass counted for each sequence), TPS (genera
 decoding) and TPS / AR (against the base's AR at the same threads and batch), and the issue's targets
 (batch 1, one thread: TPF >= 2.5 on chat, >= 3.2 on GSM8K and code, >= 2.0x AR everywhere; at batch 8
 never slower than AR) met or not. The adapter's size and the peak memory of a process that loads each
-model and decodes one prompt are measured too. JSON is written after every row; the same command again
-runs only the rows it lacks. Nothing else should run on the machine while it times.
+model and decodes one prompt are measured too. `--against` adds another adapter of the same base
+(rows named "against", with its own decoding.json), timed beside the first on the same prompts: timings
+taken in different runs on a shared machine differ by more than two adapters do. JSON is written after
+every row; the same command again runs only the rows it lacks. Nothing else should run on the machine
+while it times.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from refusion.bundled import ADAPTER_CONFIG, adapter_base, resolve_model
+from refusion.bundled import ADAPTER_CONFIG, ASSETS, adapter_base, adapter_names, resolve_model
 from refusion.decoding import decode
 from refusion.model.checkpoint import load_model
 from refusion.model.tokenizer import Tokenizer
@@ -74,6 +79,16 @@ def table(summary: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def adapter_directory(ap: argparse.ArgumentParser, flag: str, value: str) -> Path:
+    """The adapter directory `value` names (a directory or a bundled name such as smollm2-refusion)."""
+    path = Path(value)
+    if not path.exists() and value in adapter_names():
+        path = ASSETS / value
+    if not (path / ADAPTER_CONFIG).is_file():
+        ap.error(f"{flag} {value}: not a mask adapter directory (refusion adapt's DIR/adapter) or a bundled adapter")
+    return path
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="the adapter directory (refusion adapt's DIR/adapter) or name")
@@ -85,6 +100,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="of the sample of prompts")
     ap.add_argument("--quick", action="store_true", help="a correctness pass: chat only, 2 prompts, 16 tokens, "
                     "batch 1 and 2, one thread (unless given)")
+    ap.add_argument("--against", help="another adapter directory or name of the same base, timed in the same run")
     ap.add_argument("--out", default="benchmarks/results/adapt.json")
     args = ap.parse_args()
     if args.quick:
@@ -96,14 +112,18 @@ def main() -> None:
     domains = args.domains.split(",")
     if set(domains) - set(HELD_OUT):
         ap.error(f"unknown domains {sorted(set(domains) - set(HELD_OUT))}; domains: {', '.join(HELD_OUT)}")
-    adapter_dir = Path(args.model) if (Path(args.model) / ADAPTER_CONFIG).is_file() else None
-    if adapter_dir is None:
-        ap.error(f"--model {args.model}: not a mask adapter directory (refusion adapt's DIR/adapter)")
+    adapter_dir = adapter_directory(ap, "--model", args.model)
     base_dir = adapter_base(adapter_dir, json.loads((adapter_dir / ADAPTER_CONFIG).read_text())["base"])
     adapted_dir = resolve_model(str(adapter_dir))
+    against_dir = None
+    if args.against:
+        other = adapter_directory(ap, "--against", args.against)
+        if adapter_base(other, json.loads((other / ADAPTER_CONFIG).read_text())["base"]) != base_dir:
+            ap.error(f"--against {args.against}: an adapter of another base than --model's ({base_dir})")
+        against_dir = resolve_model(str(other))
     out = Path(args.out)
     state = json.loads(out.read_text()) if out.exists() else {}
-    same = ("model", "n", "max_tokens", "seed")
+    same = ("model", "against", "n", "max_tokens", "seed")
     differ = [k for k in same if state and state["args"].get(k) != getattr(args, k)]
     if differ:
         sys.exit(f"{out} holds a run with other {', '.join(differ)}: choose another --out (or remove it)")
@@ -115,6 +135,8 @@ def main() -> None:
     thread_counts = [int(t) for t in args.threads.split(",")]
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     models = {"base ar": (base, "ar"), "adapted": (adapted, None)}  # None: the adapter's decoding.json
+    if against_dir is not None:
+        models["against"] = (load_model(against_dir), None)
     for threads in thread_counts:
         torch.set_num_threads(threads)
         for name, (model, decoder) in models.items():  # first calls allocate and pick kernels

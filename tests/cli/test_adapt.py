@@ -111,14 +111,15 @@ def test_quick_run_exports_an_adapter_whose_output_is_the_bases(base, quick_run,
 
 
 def test_the_benchmark_counts_every_output_the_bases(quick_run, tmp_path):
+    """With --against, a second adapter (here the same one) is timed beside the first on the same prompts."""
     env = {**os.environ, "REFUSION_CACHE": str(quick_run.parent / "cache"), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "adapt.py"), "--model", str(quick_run / "adapter"),
-                           "--quick", "--out", str(tmp_path / "adapt.json")], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
+                           "--against", str(quick_run / "adapter"), "--quick", "--out", str(tmp_path / "adapt.json")],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = json.loads((tmp_path / "adapt.json").read_text())
     rows = {(s["name"], s["batch_size"]): s for s in got["summary"]}
-    assert set(rows) == {(m, b) for m in ("base ar", "adapted") for b in (1, 2)}
+    assert set(rows) == {(m, b) for m in ("base ar", "adapted", "against") for b in (1, 2)}
     assert all(s["identical"] == s["n"] == 2 and s["bench"] == "chat" for s in rows.values())
     assert got["decoding"] == json.loads((quick_run / "adapter" / "decoding.json").read_text())
     assert got["costs"]["extra_parameters"] > 0 and "chat: TPF" in proc.stdout
@@ -242,3 +243,12 @@ def test_quick_run_on_smollm2(tmp_path):
     summary = json.loads((out / "measure.json").read_text())["summary"]
     assert all(s["identical"] == s["n"] == 2 for s in summary)
     assert json.loads((out / "adapter" / "mask_adapter.json").read_text())["base"] == "smollm2"
+
+
+def test_the_benchmark_refuses_an_against_that_is_no_adapter(quick_run, tmp_path):
+    env = {**os.environ, "REFUSION_CACHE": str(quick_run.parent / "cache")}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "adapt.py"), "--model", str(quick_run / "adapter"),
+                           "--against", str(tmp_path), "--quick", "--out", str(tmp_path / "adapt.json")],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and f"--against {tmp_path}: not a mask adapter directory" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "adapt.json").exists()
