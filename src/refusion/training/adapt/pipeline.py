@@ -163,9 +163,9 @@ class Pipeline:
     def data(self) -> None:
         if self.run.done("data"):
             return
+        started = time.time()  # (a stage's wall time: its imports too)
         from refusion.training.self_generate import done_queries, self_generate
 
-        started = time.time()
         prompts = [Prompt(r["domain"], r["query"]) for r in map(json.loads, (self.run / "prompts.jsonl").read_text(
             encoding="utf-8").splitlines())]
         out = self.run / "data.jsonl"
@@ -203,11 +203,11 @@ class Pipeline:
     def train(self) -> None:
         if self.run.done("train"):
             return
+        started = time.time()  # (a stage's wall time: its imports too)
         from refusion.training.config import load_train_config
         from refusion.training.run_dir import latest_checkpoint
         from refusion.training.trainer import train
 
-        started = time.time()
         rec = self.run.state["stages"].get("train", {})
         out = self.run / "train"
         if "steps" not in rec:
@@ -259,6 +259,7 @@ class Pipeline:
     def sampler(self) -> None:
         if self.run.done("sampler"):
             return
+        started = time.time()  # (a stage's wall time: its imports too)
         from refusion.model.checkpoint import load_model
         from refusion.model.mask_sampler import save_sampler
         from refusion.model.tokenizer import Tokenizer
@@ -266,7 +267,6 @@ class Pipeline:
         from refusion.training.data import encode_records, load_records
         from refusion.training.mask_sampler import SamplerTraining, sampler_features, train_sampler
 
-        started = time.time()
         b = self.budget
         model_dir = resolve_model(str(self.run / "train" / "adapter"))
         model, tok = load_model(model_dir), Tokenizer.from_dir(model_dir)
@@ -296,12 +296,12 @@ class Pipeline:
     def export(self) -> None:
         if self.run.done("export"):
             return
+        started = time.time()  # (a stage's wall time: its imports too)
         from refusion.decoding.corpus import write_corpus
         from refusion.model.mask_adapter import ADAPTER_WEIGHTS
         from refusion.model.mask_sampler import MASK_SAMPLER
         from refusion.training.data import load_records
 
-        started = time.time()
         final = self.run / "adapter"
         tmp = self.run / ".adapter.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -332,9 +332,9 @@ class Pipeline:
     def measure(self) -> None:
         if self.run.done("measure"):
             return
+        started = time.time()  # (a stage's wall time: its imports too)
         from refusion.training.adapt.measure import measure
 
-        started = time.time()
         self._free()
         b = self.budget
         # one thread: the setting chosen is the one a single request runs best with
