@@ -133,12 +133,18 @@ def test_a_full_disk_keeps_whole_batches_and_a_rerun_goes_on(tiny, tmp_path, mon
 
 
 def test_ctrl_c_in_a_real_eval_says_what_was_kept_and_the_same_command_finishes(tmp_path):
-    n = 600  # (enough records that the eval is still running when the interrupt comes, on a fast machine too)
+    n = 60
     out = tmp_path / "out"
     argv = [sys.executable, "-m", "refusion.cli", "eval", "--task", "sort", "--n", str(n), "--gen-length", "32",
             "--decoder", "ar", "--out", str(out), "--no-progress", "--threads", "1"]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    # (a process that inherits SIGINT ignored installs no Ctrl-C handler, and a test process may have it ignored:
+    # the command starts with SIGINT as a terminal gives it)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=dict(os.environ, OMP_NUM_THREADS="1"))
+    finally:
+        signal.signal(signal.SIGINT, previous)
     partial = out / "refusion-tiny__sort__ar.partial.jsonl"
     deadline = time.time() + 120
     while (time.time() < deadline and proc.poll() is None
