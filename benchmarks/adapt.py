@@ -14,7 +14,7 @@ count and batch size, the base's greedy AR decoding and the adapted model's own 
 decoding.json: what `refusion generate --model DIR` runs) decode every prompt. Reported per row:
 identical (outputs token for token equal to the base's AR output at batch 1 and the first thread count),
 TPF (tokens / forward passes, every pass counted for each sequence), TPS (generated tokens / seconds of
-decoding) and TPS / AR (against the base's AR at the same threads and batch), and the issue's targets
+decoding) and TPS / AR (against the base's AR at the same threads and batch), and the targets
 (batch 1, one thread: TPF >= 2.5 on chat, >= 3.2 on GSM8K and code, >= 2.0x AR everywhere; at batch 8
 never slower than AR) met or not. The adapter's size and the peak memory of a process that loads each
 model and decodes one prompt are measured too. `--against` adds another adapter of the same base
@@ -55,7 +55,7 @@ def run(model, prompts: list[list[int]], decoder: str | None, batch_size: int, m
 
 
 def targets(summary: list[dict]) -> list[str]:
-    """The issue's targets, each with its figure and whether it holds."""
+    """The targets, each with its figure and whether it holds."""
     lines = []
     for s in summary:
         if s["name"] != "adapted":
@@ -79,14 +79,19 @@ def table(summary: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def adapter_directory(ap: argparse.ArgumentParser, flag: str, value: str) -> Path:
-    """The adapter directory `value` names (a directory or a bundled name such as smollm2-refusion)."""
+def adapter_directory(ap: argparse.ArgumentParser, flag: str, value: str) -> tuple[Path, Path]:
+    """The adapter directory `value` names (a directory or a bundled name such as smollm2-refusion) and
+    its base model's directory."""
     path = Path(value)
     if not path.exists() and value in adapter_names():
         path = ASSETS / value
     if not (path / ADAPTER_CONFIG).is_file():
         ap.error(f"{flag} {value}: not a mask adapter directory (refusion adapt's DIR/adapter) or a bundled adapter")
-    return path
+    named = json.loads((path / ADAPTER_CONFIG).read_text()).get("base")
+    try:
+        return path, adapter_base(path, named)
+    except (TypeError, ValueError) as e:
+        ap.error(f"{flag} {value}: its base model {named!r} cannot be found ({e})")
 
 
 def main() -> None:
@@ -112,13 +117,12 @@ def main() -> None:
     domains = args.domains.split(",")
     if set(domains) - set(HELD_OUT):
         ap.error(f"unknown domains {sorted(set(domains) - set(HELD_OUT))}; domains: {', '.join(HELD_OUT)}")
-    adapter_dir = adapter_directory(ap, "--model", args.model)
-    base_dir = adapter_base(adapter_dir, json.loads((adapter_dir / ADAPTER_CONFIG).read_text())["base"])
+    adapter_dir, base_dir = adapter_directory(ap, "--model", args.model)
     adapted_dir = resolve_model(str(adapter_dir))
     against_dir = None
     if args.against:
-        other = adapter_directory(ap, "--against", args.against)
-        if adapter_base(other, json.loads((other / ADAPTER_CONFIG).read_text())["base"]) != base_dir:
+        other, other_base = adapter_directory(ap, "--against", args.against)
+        if other_base.resolve() != base_dir.resolve():
             ap.error(f"--against {args.against}: an adapter of another base than --model's ({base_dir})")
         against_dir = resolve_model(str(other))
     out = Path(args.out)

@@ -5,6 +5,7 @@ and what cannot be adapted (or resumed) is refused in one line. On SmolLM2 itsel
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -245,10 +246,27 @@ def test_quick_run_on_smollm2(tmp_path):
     assert json.loads((out / "adapter" / "mask_adapter.json").read_text())["base"] == "smollm2"
 
 
-def test_the_benchmark_refuses_an_against_that_is_no_adapter(quick_run, tmp_path):
+def _benchmark(quick_run, tmp_path, *args) -> subprocess.CompletedProcess:
     env = {**os.environ, "REFUSION_CACHE": str(quick_run.parent / "cache")}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "adapt.py"), "--model", str(quick_run / "adapter"),
-                           "--against", str(tmp_path), "--quick", "--out", str(tmp_path / "adapt.json")],
-                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "adapt.py"), *args, "--quick",
+                           "--out", str(tmp_path / "adapt.json")], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_the_benchmark_refuses_an_against_that_is_no_adapter(quick_run, tmp_path):
+    proc = _benchmark(quick_run, tmp_path, "--model", str(quick_run / "adapter"), "--against", str(tmp_path))
     assert proc.returncode == 2 and f"--against {tmp_path}: not a mask adapter directory" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "adapt.json").exists()
+
+
+@pytest.mark.parametrize("named", ["another base", "a missing base"])
+def test_the_benchmark_refuses_an_against_of_another_or_a_missing_base(base, quick_run, tmp_path, named):
+    other = tmp_path / "other"
+    shutil.copytree(quick_run / "adapter", other)
+    config = json.loads((other / "mask_adapter.json").read_text())
+    config["base"] = str(shutil.copytree(base, tmp_path / "copy") if named == "another base" else tmp_path / "gone")
+    (other / "mask_adapter.json").write_text(json.dumps(config))
+    proc = _benchmark(quick_run, tmp_path, "--model", str(quick_run / "adapter"), "--against", str(other))
+    wanted = "an adapter of another base than --model's" if named == "another base" else "cannot be found"
+    assert proc.returncode == 2 and f"--against {other}: " in proc.stderr and wanted in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "adapt.json").exists()
