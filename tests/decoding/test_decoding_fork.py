@@ -9,7 +9,7 @@ import torch
 
 from refusion.decoding import costs, speculative as spec, widths
 from refusion.decoding.speculative import SpeculativeBatch, SpeculativeParams, generate_speculative
-from refusion.decoding.speculative_policy import branches
+from refusion.decoding.speculative_policy import as_cpu_batch, branches
 from refusion.decoding.params import MAX_BRANCHES
 from refusion.model.cache import KVCache
 from tests.decoding.test_decoding_speculative import MASK, PROMPTS, ar, tiny_model
@@ -323,3 +323,29 @@ def test_a_cpu_batch_feeds_no_branches_and_prices_width_in_full(forks):
             while len(batch):
                 batch.step()
     assert forks["fed"] - alone > 5
+
+
+def test_settings_alike_as_a_cpu_batch_decode_it_alike_until_one_row_is_left(forks):
+    """What the adapter's measurement relies on (measure.choose_at_batch): settings that differ only in
+    forks and width prices (as_cpu_batch) step a CPU batch of several rows the same way, step by step."""
+    packed = costs.CostModel.of(lambda rows, tokens: 1e-3 + 1e-7 * tokens)
+    asked = dict(lookup=True, fork=True, width_price=0.25)
+    assert as_cpu_batch(asked) == dict(lookup=True, fork=False, width_price=1.0)
+    for seed in range(4):
+        batches = []
+        for options in (asked, as_cpu_batch(asked)):  # (a fresh model each: a model pools its acceptance)
+            batch = SpeculativeBatch(tiny_model.__wrapped__(seed), eos_ids=[], cost=packed)
+            for p in PROMPTS:
+                batch.add(p, SpeculativeParams(gen_length=40, **options))
+            batches.append(batch)
+        for b in batches:
+            b.step()  # (the prefill: the rows start running)
+        steps = 0
+        while all(len(b.running) > 1 for b in batches):  # a step that starts with several rows running
+            for b in batches:
+                b.step()
+            asked_rows, alike_rows = ([(q.sid, len(q.res.tokens), q.res.forwards, q.width) for q in b.running]
+                                      for b in batches)
+            assert asked_rows == alike_rows
+            steps += 1
+        assert steps > 5 and forks["fed"] == 0

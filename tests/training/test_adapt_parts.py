@@ -16,7 +16,7 @@ from refusion.tasks.sources import gsm8k_train_questions
 from refusion.tasks.code import load_mbpp
 from refusion.training.adapt import code_tasks, magpie, prompts
 from refusion.training.adapt.held_out import HeldOut, held_out_chat, held_out_code, task_words
-from refusion.training.adapt.measure import choose, held_out_examples, summarize, to_time
+from refusion.training.adapt.measure import CANDIDATES, choose, choose_at_batch, held_out_examples, summarize, to_time
 from refusion.training.adapt.prompts import choose_prompts, domain_counts, parse_mix, user_prompts
 from refusion.training.adapt import recipe
 from refusion.training.adapt.recipe import Budget, Options
@@ -164,6 +164,33 @@ def test_summaries_compare_outputs_with_the_base_ar_at_the_same_batch_or_the_ref
     assert ref["spec", 2]["identical"] == ref["base ar", 2]["identical"] == 1  # batch 2's second output differs
     assert ref["spec", 2]["tps_vs_ar"] == 0.5  # speed still against AR at its own batch
     assert summarize(rows[2:])[0]["identical"] is None and summarize(rows[2:])[0]["tps_vs_ar"] is None
+
+
+@pytest.mark.parametrize("alike", [True, False])
+@pytest.mark.parametrize("holds", ["speculative", None])
+def test_a_setting_slower_than_ar_at_batch_8_gives_way_to_one_that_decodes_it_otherwise(alike, holds):
+    """On a CPU (alike) the settings that differ only in forks and width prices decode a batch alike, so
+    one of them slower than AR there rules out the others; elsewhere each is timed in its turn."""
+    speed = {"speculative +lookup +fork price 0.25": 2.2, "speculative +lookup +fork": 2.0, "speculative +lookup": 1.8,
+             "speculative +lookup +fork price 0.05": 1.6, "speculative +lookup +fork price 0.02": 1.5,
+             "speculative": 1.3}
+    assert set(speed) == set(CANDIDATES)
+    summary = [dict(threads=1, batch_size=1, name=n, bench=d, n=4, identical=4, tpf=x, tps_vs_ar=x)
+               for n, x in speed.items() for d in ("chat", "gsm8k")]
+    timed, lines = [], []
+
+    def at_batch(name):
+        timed.append(name)
+        return [dict(bench="chat", tps_vs_ar=1.1 if name == holds else 0.9)]
+
+    got = choose_at_batch(summary, set(CANDIDATES), 1, 8, at_batch, alike=alike, log=lines.append)
+    in_turn = sorted(speed, key=speed.get, reverse=True)
+    assert timed == (["speculative +lookup +fork price 0.25", "speculative"] if alike else in_turn)
+    assert got == holds or (holds is None and got == "speculative +lookup +fork price 0.25")
+    if alike:
+        assert all(repr(n) in lines[0] for n in speed) is False  # ('speculative' decodes a batch otherwise)
+        assert all(repr(n) in lines[0] for n in speed if "lookup" in n) and "alike there" in lines[0]
+        assert "the next setting is tried" in lines[0]
 
 
 def test_a_resumed_measurement_times_a_domains_rows_together():

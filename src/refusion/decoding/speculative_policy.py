@@ -20,6 +20,16 @@ from refusion.decoding.speculative_seq import SpeculativeSeq
 from refusion.model.transformer import Transformer
 
 
+CPU_BATCH = {"width_price": 1.0, "fork": False}  # what a CPU batch of several rows takes (FeedPolicy.cpu_batch)
+
+
+def as_cpu_batch(options: dict) -> dict:
+    """Speculative options as a CPU batch takes them while several of its rows run (FeedPolicy.cpu_batch):
+    two settings whose `as_cpu_batch` agree decode such a batch alike until one row is left, which then
+    takes its own."""
+    return {**options, **CPU_BATCH}
+
+
 class FeedPolicy:
     """The choices of what a batch's rows feed each step, and the state they read:
 
@@ -41,7 +51,8 @@ class FeedPolicy:
     def cost_table(self, seqs: list[SpeculativeSeq] = ()) -> costs.CostModel | costs.WidthPriced:
         """The cost table (measured on first use), as these rows price width: at the lowest share of
         its measured cost any of them asks (SpeculativeParams.width_price), in full in a CPU batch."""
-        share = 1.0 if self.cpu_batch(len(seqs)) else min((q.p.width_price for q in seqs), default=1.0)
+        share = CPU_BATCH["width_price"] if self.cpu_batch(len(seqs)) else min((q.p.width_price for q in seqs),
+                                                                                default=1.0)
         if share == 1:
             return self.cost
         if share not in self.priced:  # (kept: its grids are read every step; self.cost is set once)

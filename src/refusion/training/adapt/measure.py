@@ -9,7 +9,8 @@ over AR on each one's slowest domain) tie on the machine, and of them the one wi
 forward wins, since a forward's cost grows less with its width on an accelerator than on a CPU.
 
 The setting chosen is then run at batch 8 beside the base's AR there; one slower than AR at that batch
-gives way to the next best. Rows are written to a JSON file as they finish; a rerun measures only the
+gives way to the next best that decodes such a batch otherwise (on a CPU, settings that differ only in
+forks and width prices decode a batch of several rows alike: choose_at_batch). Rows are written to a JSON file as they finish; a rerun measures only the
 rows it lacks, and a domain's rows at a batch are all timed by one process (to_time).
 """
 
@@ -118,7 +119,7 @@ def measure(adapter_dir: Path, base_dir: Path, out: Path, n: int, max_tokens: in
             log: Callable[[str], None] = print, command: str = "refusion adapt", batch: int = 8) -> str | None:
     """Measure the candidates on the held-out sets (chat only with `quick`, which needs no download) at
     batch 1, and the one chosen (module docstring) at `batch` beside the base's AR there: one slower than
-    AR at that batch gives way to the next. Writes it into adapter_dir/decoding.json; its name (None:
+    AR at that batch gives way to the next (choose_at_batch). Writes it into adapter_dir/decoding.json; its name (None:
     none kept every output)."""
     import torch
 
@@ -144,19 +145,15 @@ def measure(adapter_dir: Path, base_dir: Path, out: Path, n: int, max_tokens: in
         if s["name"] != "base ar":
             log(f"measure: {s['name']:<36} {s['bench']:<9} identical {s['identical']}/{s['n']} TPF {s['tpf']:.2f} "
                 f"{s['tps_vs_ar']:.2f}x AR")
-    left, best = set(names), None
-    while (pick := choose(summary, threads, left)) is not None:
-        best = best or pick  # (kept if none holds at `batch`)
+    cpu = next(adapted.parameters()).device.type == "cpu"
+
+    def at_batch(pick: str) -> list[dict]:
+        nonlocal summary
         rows.run([(batch, name, d) for d in domains for name in ("base ar", pick)])
         summary = summarize(state["rows"])
-        at = [s for s in summary if s["name"] == pick and s["batch_size"] == batch and s["threads"] == threads]
-        if all(s["tps_vs_ar"] >= 1.0 for s in at):
-            best = pick
-            log(f"measure: {pick!r} at batch {batch}: " + ", ".join(f"{s['bench']} {s['tps_vs_ar']:.2f}x AR" for s in at))
-            break
-        log(f"measure: {pick!r} is slower than AR at batch {batch} ("
-            + ", ".join(f"{s['bench']} {s['tps_vs_ar']:.2f}x" for s in at) + "): the next setting is tried")
-        left.discard(pick)
+        return [s for s in summary if s["name"] == pick and s["batch_size"] == batch and s["threads"] == threads]
+
+    best = choose_at_batch(summary, set(names), threads, batch, at_batch, alike=cpu and batch > 1, log=log)
     state["summary"] = summary
     _write(out, state)
     if best is None:
@@ -170,6 +167,32 @@ def measure(adapter_dir: Path, base_dir: Path, out: Path, n: int, max_tokens: in
         (adapter_dir / LOOKUP_CORPUS).unlink()  # its answers draft only with lookup, which did not pay
         log(f"measure: {LOOKUP_CORPUS} removed from {adapter_dir} (lookup drafts did not pay)")
     return best
+
+
+def choose_at_batch(summary: list[dict], names: set[str], threads: int, batch: int,
+                    at_batch: Callable[[str], list[dict]], alike: bool, log: Callable[[str], None]) -> str | None:
+    """The setting `choose` picks at batch 1 that is not slower than AR at `batch` on any domain
+    (at_batch(name): its summary rows there, timed beside AR). One that is gives way to the next best;
+    with `alike` (a CPU batch) so does every setting that decodes that batch alike (as_cpu_batch: they
+    differ in forks and width prices, which such a batch does not use), since timing it again would
+    only measure the machine's noise. If none holds, the first pick is kept; None if none kept every
+    output at batch 1."""
+    from refusion.decoding.speculative_policy import as_cpu_batch
+
+    left, first = set(names), None
+    while (pick := choose(summary, threads, left)) is not None:
+        first = first or pick
+        at = at_batch(pick)
+        shown = ", ".join(f"{s['bench']} {s['tps_vs_ar']:.2f}x AR" for s in at)
+        if all(s["tps_vs_ar"] >= 1.0 for s in at):
+            log(f"measure: {pick!r} at batch {batch}: {shown}")
+            return pick
+        same = {n for n in left if alike and as_cpu_batch(CANDIDATES[n]) == as_cpu_batch(CANDIDATES[pick])}
+        left -= same | {pick}
+        also = f" (and {', '.join(map(repr, sorted(same - {pick})))}, alike there)" if same - {pick} else ""
+        log(f"measure: {pick!r}{also} is slower than AR at batch {batch} ({shown}): "
+            + ("the next setting is tried" if choose(summary, threads, left) else f"{first!r} is kept"))
+    return first
 
 
 def to_time(rows: list[dict], wanted: list[tuple[int, str, str]], threads: int,
