@@ -10,8 +10,9 @@ forward wins, since a forward's cost grows less with its width on an accelerator
 
 The setting chosen is then run at batch 8 beside the base's AR there; one slower than AR at that batch
 gives way to the next best that decodes such a batch otherwise (on a CPU, settings that differ only in
-forks and width prices decode a batch of several rows alike: choose_at_batch). Rows are written to a JSON file as they finish; a rerun measures only the
-rows it lacks, and a domain's rows at a batch are all timed by one process (to_time).
+forks and width prices decode a batch of several rows alike: choose_at_batch). Rows are written to a
+JSON file as they finish; a rerun measures only the rows it lacks, and a domain's rows at a batch are
+all timed by one process (to_time).
 """
 
 from __future__ import annotations
@@ -119,8 +120,8 @@ def measure(adapter_dir: Path, base_dir: Path, out: Path, n: int, max_tokens: in
             log: Callable[[str], None] = print, command: str = "refusion adapt", batch: int = 8) -> str | None:
     """Measure the candidates on the held-out sets (chat only with `quick`, which needs no download) at
     batch 1, and the one chosen (module docstring) at `batch` beside the base's AR there: one slower than
-    AR at that batch gives way to the next (choose_at_batch). Writes it into adapter_dir/decoding.json; its name (None:
-    none kept every output)."""
+    AR at that batch gives way to the next (choose_at_batch). Writes it into adapter_dir/decoding.json;
+    its name (None: none kept every output)."""
     import torch
 
     from refusion.bundled import resolve_model
