@@ -188,9 +188,10 @@ def choose_at_batch(summary: list[dict], names: set[str], threads: int, batch: i
         if all(s["tps_vs_ar"] >= 1.0 for s in at):
             log(f"measure: {pick!r} at batch {batch}: {shown}")
             return pick
-        same = {n for n in left if alike and as_cpu_batch(CANDIDATES[n]) == as_cpu_batch(CANDIDATES[pick])}
-        left -= same | {pick}
-        also = f" (and {', '.join(map(repr, sorted(same - {pick})))}, alike there)" if same - {pick} else ""
+        alike_there = sorted(n for n in left - {pick} if as_cpu_batch(CANDIDATES[n]) == as_cpu_batch(CANDIDATES[pick])
+                             ) if alike else []
+        left -= {pick, *alike_there}
+        also = f" (and {', '.join(map(repr, alike_there))}, alike there)" if alike_there else ""
         log(f"measure: {pick!r}{also} is slower than AR at batch {batch} ({shown}): "
             + ("the next setting is tried" if choose(summary, threads, left) else f"{first!r} is kept"))
     return first
