@@ -11,7 +11,8 @@ Held-out sets (refusion.training.adapt.measure: never training prompts): the pro
 GSM8K test, HumanEval, MBPP test, each asked as `refusion eval` asks it, chat template applied; the
 first --n of each set's seeded order (`refusion adapt` chose the adapter's settings on its last 16). Per thread
 count and batch size, the base's greedy AR decoding and the adapted model's own settings (its
-decoding.json: what `refusion generate --model DIR` runs) decode every prompt. Reported per row:
+decoding.json: what `refusion generate --model DIR` runs) decode every prompt; batch size N is N
+sequences at once, a finished one's row taken by the next prompt, as `refusion serve` runs N requests. Reported per row:
 identical (outputs token for token equal to the base's AR output at batch 1 and the first thread count),
 TPF (tokens / forward passes, every pass counted for each sequence), TPS (generated tokens / seconds of
 decoding) and TPS / AR (against the base's AR at the same threads and batch), and the targets

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING
 
 from refusion.decoding import model_settings
 from refusion.decoding import params as _builtin  # noqa: F401  (registers the built-in decoders)
-from refusion.decoding.params import ARParams, MDMParams, ReFusionParams, SpeculativeParams, as_prompts, check_seed
+from refusion.decoding.params import (ARParams, MDMParams, ReFusionParams, SpeculativeParams, as_prompts, check_max_rows,
+                                     check_seed)
 from refusion.decoding.registry import (Decoder, default_decoder, get, make_params, mismatch, names, register,
                                        unregister, with_controls)
 
@@ -35,7 +36,8 @@ if TYPE_CHECKING:
 def decode(model: Transformer, prompts: list[list[int]], decoder: str | None = None,
            eos_ids: list[int] | None = None, seed: int | None = None,
            on_commit: Callable[..., None] | None = None,
-           controls: Controls | list[Controls | None] | None = None, **params) -> list[DecodeResult]:
+           controls: Controls | list[Controls | None] | None = None, batch_size: int | None = None,
+           **params) -> list[DecodeResult]:
     """Run a registered decoder. Parameters it does not take are an error, not silently ignored;
     so are bad values, and a prompt + gen_length beyond the model's positions (checked before
     anything is allocated).
@@ -54,6 +56,11 @@ def decode(model: Transformer, prompts: list[list[int]], decoder: str | None = N
     logprobs) with a fourth argument for every row (a controls.Logprobs of those tokens, None for a
     row that did not ask) whenever any row asked.
 
+    batch_size: at most this many sequences at once (default: every prompt in one batch). A decoder
+    that joins a continuous batch (the registry record's `batch`: `ar`, `speculative`) gives a
+    finished sequence's row to the next prompt, as a server does, and every output is what it is
+    alone; others decode the prompts in groups of batch_size, each with `seed`.
+
     decoder None: the model's own (its decoding.json, else the one its training objective fits).
     A model loaded with `load_model` starts from the settings in its decoding.json
     (decoding/model_settings.py); the parameters given here win over them.
@@ -62,17 +69,30 @@ def decode(model: Transformer, prompts: list[list[int]], decoder: str | None = N
     decoder, params = model_settings.resolve(model_settings.of_model(model), model.config, decoder, params)
     p = make_params(decoder, model.config, **params)
     check_seed(seed)
+    check_max_rows(batch_size)
+    record = get(decoder)
+    run = record.runner()
+    more = {}
     if controls is not None:
         from refusion.decoding.controls import as_list
 
         per_row = [c if c is not None and c.active else None for c in as_list(controls, len(prompts))]
         if any(per_row):
-            if not get(decoder).controls:
+            if not record.controls:
                 raise ValueError(f"decoder {decoder!r} cannot apply grammar, logit_bias, penalties or logprobs "
                                  f"exactly; use one that does: {', '.join(with_controls())}")
-            return get(decoder).runner()(model, prompts, p, eos_ids=eos_ids, seed=seed, on_commit=on_commit,
-                                         controls=per_row)
-    return get(decoder).runner()(model, prompts, p, eos_ids=eos_ids, seed=seed, on_commit=on_commit)
+            more["controls"] = per_row
+    if batch_size is not None and record.batch is not None:
+        more["max_rows"] = batch_size
+    elif batch_size is not None and batch_size < len(prompts):
+        results = []
+        for lo in range(0, len(prompts), batch_size):
+            group = {k: v[lo:lo + batch_size] for k, v in more.items()}  # (controls: one per prompt)
+            rows = (None if on_commit is None else
+                    lambda r, *a, lo=lo: on_commit(lo + r, *a))  # (rows numbered across the groups)
+            results += run(model, prompts[lo:lo + batch_size], p, eos_ids=eos_ids, seed=seed, on_commit=rows, **group)
+        return results
+    return run(model, prompts, p, eos_ids=eos_ids, seed=seed, on_commit=on_commit, **more)
 
 
 _LAZY = {"DecodeResult": "common", "Controls": "controls", "Logprobs": "controls", "generate_mdm": "mdm",

@@ -39,6 +39,12 @@ def check_seed(seed: int | None) -> None:
         raise ValueError(f"seed must be an integer in [0, 2**63 - 1], got {seed!r}")
 
 
+def check_max_rows(rows: int | None) -> None:
+    """None (every prompt at once) or a positive integer: decode()'s batch_size."""
+    if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
+        raise ValueError(f"batch_size must be a positive integer (sequences decoded at once), got {rows!r}")
+
+
 def check_probability(name: str, value: float) -> None:
     # written so that NaN fails too (every comparison with NaN is false)
     if isinstance(value, bool) or not (isinstance(value, (int, float)) and 0.0 <= value <= 1.0):

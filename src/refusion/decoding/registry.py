@@ -48,7 +48,8 @@ class Decoder:
     Params' (mdm-threshold's threshold). aliases: other keyword names decode() takes for a field.
     gen_unit(settings): gen_length must be a multiple of it, given the decoder's full settings
     (lm-eval rounds max_gen_toks up to it). batch(params, config): the SpeculativeParams it joins
-    the server's continuous batch with, or None (it runs through decode() in static groups).
+    the server's continuous batch with, or None (it runs through decode() in static groups); a
+    decoder with one also takes run(..., max_rows=) (decode()'s batch_size).
     seeds_per_row: a sampled row's draws depend on the seed alone (a generator of its own, or
     position-keyed uniforms), not on the other rows, so rows with the same seed may share one
     decode() call. controls: its run takes `controls=` (a list, one Controls or None per prompt)

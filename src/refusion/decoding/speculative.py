@@ -114,7 +114,8 @@ from refusion.decoding import controlled, costs
 from refusion.decoding.common import DecodeResult, packed_index
 from refusion.decoding.controls import Controls, Logprobs
 from refusion.decoding.lookup import lookup_by_default
-from refusion.decoding.params import ARParams, SpeculativeParams, ar_batch_params, check_prompts, check_seed
+from refusion.decoding.params import (ARParams, SpeculativeParams, ar_batch_params, check_max_rows, check_prompts,
+                                     check_seed)
 from refusion.decoding.plain_run import PlainRun
 from refusion.decoding.speculative_judge import judge
 from refusion.decoding.speculative_policy import FeedPolicy
@@ -512,10 +513,13 @@ class SpeculativeBatch:
 def _decode(model: Transformer, prompts: list[list[int]], p: SpeculativeParams, seeds: list[int],
             eos_ids: list[int] | None, on_commit: Callable[..., None] | None,
             cost: costs.CostModel | None = None, plans: list[list[int]] | None = None,
-            controls: list[Controls | None] | None = None) -> list[DecodeResult]:
+            controls: list[Controls | None] | None = None, max_rows: int | None = None) -> list[DecodeResult]:
     """Every prompt in one batch, row r with seeds[r] and controls[r], until none is left; every
     result's seconds the whole decode's. on_commit(row, positions, tokens), with a fourth argument
-    (the tokens' Logprobs, None for a row that did not ask) where any row asks for logprobs."""
+    (the tokens' Logprobs, None for a row that did not ask) where any row asks for logprobs.
+    max_rows: at most this many sequences at once, the next prompt joining as one finishes (a
+    server's continuous batch); a row's output does not depend on it."""
+    check_max_rows(max_rows)
     batch = SpeculativeBatch(model, eos_ids, cost=cost)
     p.check_model(model.config)
     check_prompts(model.config, prompts, p.gen_length)
@@ -533,13 +537,20 @@ def _decode(model: Transformer, prompts: list[list[int]], p: SpeculativeParams, 
             return lambda pos, tok: on_commit(r, pos, tok)
         return lambda pos, tok, logprobs=None: on_commit(r, pos, tok, logprobs)
 
-    sids = [batch.add(q, p, seed=seeds[r], on_commit=stream(r), plan=None if plans is None else plans[r],
-                      controls=ctl[r])
-            for r, q in enumerate(prompts)]
+    def add(r: int) -> int:
+        return batch.add(prompts[r], p, seed=seeds[r], on_commit=stream(r), plan=None if plans is None else plans[r],
+                         controls=ctl[r])
+
+    first = len(prompts) if max_rows is None else min(max_rows, len(prompts))
+    sids = [add(r) for r in range(first)]
     start = time.perf_counter()
     results: dict[int, DecodeResult] = {}
     while len(batch):
-        results.update(batch.step())
+        finished = batch.step()
+        results.update(finished)
+        for _ in finished:  # (each finished row's place goes to the next prompt, which joins at the next step)
+            if len(sids) < len(prompts):
+                sids.append(add(len(sids)))
     seconds = time.perf_counter() - start
     for r in results.values():
         r.seconds = seconds
@@ -550,7 +561,7 @@ def _decode(model: Transformer, prompts: list[list[int]], p: SpeculativeParams, 
 def generate_ar(model: Transformer, prompts: list[list[int]], params: ARParams | None = None, *,
                 eos_ids: list[int] | None = None, seed: int | None = None,
                 on_commit: Callable[..., None] | None = None,
-                controls: list[Controls | None] | None = None) -> list[DecodeResult]:
+                controls: list[Controls | None] | None = None, max_rows: int | None = None) -> list[DecodeResult]:
     """Autoregressive decoding (the `ar` decoder): the batch with no drafts, one token per forward
     (params.ar_batch_params), whose steps are plain (plain_run.py).
 
@@ -562,14 +573,16 @@ def generate_ar(model: Transformer, prompts: list[list[int]], params: ARParams |
     (seed, t) (sampling.position_uniforms), so a row's output does not depend on the batch and equals
     `speculative`'s with the same seed; every row uses `seed`, or, when None, a seed of its own from
     torch's global generator. on_commit(row, [position], [token]) for every token (streaming).
-    controls: one per prompt (or None), as decode() takes them."""
+    controls: one per prompt (or None), as decode() takes them. max_rows: at most this many rows at once
+    (decode()'s batch_size)."""
     p = params or ARParams()
     check_seed(seed)
     if seed is None and p.temperature > 0:
         seeds = torch.randint(0, 2**63 - 1, (len(prompts),)).tolist()
     else:
         seeds = [seed or 0] * len(prompts)
-    return _decode(model, prompts, ar_batch_params(p, model.config), seeds, eos_ids, on_commit, controls=controls)
+    return _decode(model, prompts, ar_batch_params(p, model.config), seeds, eos_ids, on_commit, controls=controls,
+                   max_rows=max_rows)
 
 
 @torch.inference_mode()
@@ -578,10 +591,12 @@ def generate_speculative(model: Transformer, prompts: list[list[int]], params: S
                          on_commit: Callable[..., None] | None = None,
                          cost: costs.CostModel | None = None,
                          plans: list[list[int]] | None = None,
-                         controls: list[Controls | None] | None = None) -> list[DecodeResult]:
+                         controls: list[Controls | None] | None = None,
+                         max_rows: int | None = None) -> list[DecodeResult]:
     """Self-speculative decoding of a batch of prompts; on_commit(row, positions, tokens) streams.
     Every sampled sequence draws with the uniforms of `seed` (0 when None), as it would alone.
     cost: what a forward costs, for the cost policy (default: measured). plans: a draft answer
-    per prompt (SpeculativeBatch.add). controls: one per prompt (or None), as decode() takes them."""
+    per prompt (SpeculativeBatch.add). controls: one per prompt (or None), as decode() takes them.
+    max_rows: at most this many rows at once (decode()'s batch_size)."""
     p = params or SpeculativeParams()
-    return _decode(model, prompts, p, [seed] * len(prompts), eos_ids, on_commit, cost, plans, controls)
+    return _decode(model, prompts, p, [seed] * len(prompts), eos_ids, on_commit, cost, plans, controls, max_rows)

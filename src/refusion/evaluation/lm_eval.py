@@ -258,15 +258,15 @@ class ReFusionLM(LM):
             if room < 1:
                 raise ValueError(f"generating {params['gen_length']} tokens leaves no room for a prompt "
                                  f"in {self.max_length}")
-            for lo in range(0, len(idxs), self.batch_size):
-                chunk = idxs[lo: lo + self.batch_size]
-                prompts = [self.tok.encode(requests[i].args[0])[-room:] or [self.prefix_id] for i in chunk]
-                results = decode(self.model, prompts, self.decoder, eos_ids=self.eos_ids, seed=self.seed, **params)
-                for i, res in zip(chunk, results):
-                    text = self.tok.decode(res.tokens[:max_gen])
-                    cuts = [text.find(s) for s in until if s and s in text]
-                    out[i] = text[: min(cuts)] if cuts else text
-                    self.cache_hook.add_partial("generate_until", requests[i].args, out[i])
+            prompts = [self.tok.encode(requests[i].args[0])[-room:] or [self.prefix_id] for i in idxs]
+            # batch_size rows at once: `ar` and `speculative` as a continuous batch, others in groups
+            results = decode(self.model, prompts, self.decoder, eos_ids=self.eos_ids, seed=self.seed,
+                             batch_size=self.batch_size, **params)
+            for i, res in zip(idxs, results, strict=True):
+                text = self.tok.decode(res.tokens[:max_gen])
+                cuts = [text.find(s) for s in until if s and s in text]
+                out[i] = text[: min(cuts)] if cuts else text
+                self.cache_hook.add_partial("generate_until", requests[i].args, out[i])
         return out  # type: ignore[return-value]
 
     def _params(self, max_gen: int, temperature: float, extra: dict) -> dict:

@@ -8,7 +8,8 @@ decoding.json: among those that kept every output the base's, the ones within 3%
 over AR on each one's slowest domain) tie on the machine, and of them the one with the most tokens per
 forward wins, since a forward's cost grows less with its width on an accelerator than on a CPU.
 
-The setting chosen is then run at batch 8 beside the base's AR there; one slower than AR at that batch
+The setting chosen is then run at batch 8 (eight sequences at once, as a server runs them: decode_all)
+beside the base's AR there; one slower than AR at that batch
 gives way to the next best that decodes such a batch otherwise (on a CPU, settings that differ only in
 forks and width prices decode a batch of several rows alike: choose_at_batch). Rows are written to a
 JSON file as they finish; a rerun measures only the rows it lacks, and a domain's rows at a batch are
@@ -34,6 +35,7 @@ CANDIDATES: dict[str, dict] = {
 }
 QUICK_CANDIDATES = ("speculative", "speculative +lookup")
 TIE = 0.97
+GROUP = 8  # decode_all's progress: prompts are decoded GROUP x batch_size at a time
 
 
 def held_out_examples(domain: str, n: int, seed: int = 0, last: bool = False) -> list:
@@ -73,14 +75,17 @@ def summarize(rows: list[dict], reference: tuple[int, int] | None = None) -> lis
 
 def decode_all(model, prompts: list[list[int]], decoder: str | None, batch_size: int, max_tokens: int,
                eos: list[int], params: dict | None = None, done: Callable[[int], None] | None = None) -> dict:
-    """Every prompt decoded, `batch_size` at a time: dict(outputs, forwards, seconds of decoding); `done` is
-    called with each batch's size."""
+    """Every prompt decoded, `batch_size` sequences at a time as a server runs them (decode()'s batch_size:
+    a finished one's row goes to the next prompt): dict(outputs, forwards, seconds of decoding). `done` is
+    called with the number of prompts finished, every GROUP batches' worth (a group's last rows run on
+    alone before the next group starts, so a group is many batches)."""
     from refusion.decoding import decode
 
     outputs, forwards, seconds = [], 0, 0.0
-    for lo in range(0, len(prompts), batch_size):
+    for lo in range(0, len(prompts), GROUP * batch_size):
         t = time.perf_counter()
-        res = decode(model, prompts[lo:lo + batch_size], decoder, eos_ids=eos, gen_length=max_tokens, **(params or {}))
+        res = decode(model, prompts[lo:lo + GROUP * batch_size], decoder, eos_ids=eos, gen_length=max_tokens,
+                     batch_size=batch_size, **(params or {}))
         seconds += time.perf_counter() - t
         outputs += [r.tokens for r in res]
         forwards += sum(r.forwards for r in res)
