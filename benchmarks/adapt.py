@@ -7,15 +7,15 @@ and is every output the base's?
     python benchmarks/adapt.py --model runs/x/adapter --against smollm2-refusion   # a new adapter against the
                                                                              # shipped one, in the same run
 
-Held-out sets (refusion.training.adapt.measure: never training prompts): the project's chat requests,
-GSM8K test, HumanEval, MBPP test, each asked as `refusion eval` asks it, chat template applied; the
-first --n of each set's seeded order (`refusion adapt` chose the adapter's settings on its last 16). Per thread
-count and batch size, the base's greedy AR decoding and the adapted model's own settings (its
-decoding.json: what `refusion generate --model DIR` runs) decode every prompt; batch size N is N
-sequences at once, a finished one's row taken by the next prompt, as `refusion serve` runs N requests. Reported per row:
-identical (outputs token for token equal to the base's AR output at batch 1 and the first thread count),
-TPF (tokens / forward passes, every pass counted for each sequence), TPS (generated tokens / seconds of
-decoding) and TPS / AR (against the base's AR at the same threads and batch), and the targets
+Held-out sets (refusion.training.adapt.measure: never training prompts): the project's chat requests, GSM8K
+test, HumanEval, MBPP test, each asked as `refusion eval` asks it, chat template applied; the first --n of
+each set's seeded order (`refusion adapt` chose the adapter's settings on its last 16). Per thread count and
+batch size, the base's greedy AR decoding and the adapted model's own settings (its decoding.json: what
+`refusion generate --model DIR` runs) decode every prompt; batch size N is N sequences at once, a finished
+one's row taken by the next prompt, as `refusion serve` runs N requests. Reported per row: identical (outputs
+token for token equal to the base's AR output at the smallest batch size and the first thread count), TPF
+(tokens / forward passes, every pass counted for each sequence), TPS (generated tokens / seconds of decoding)
+and TPS / AR (against the base's AR at the same threads and batch), and the targets
 (batch 1, one thread: TPF >= 2.5 on chat, >= 3.2 on GSM8K and code, >= 2.0x AR everywhere; at batch 8
 never slower than AR) met or not. The adapter's size and the peak memory of a process that loads each
 model and decodes one prompt are measured too. `--against` adds another adapter of the same base
@@ -158,7 +158,7 @@ def main() -> None:
                           f"TPS {tokens / r['seconds']:8.1f}", flush=True)
                     out.parent.mkdir(parents=True, exist_ok=True)
                     out.write_text(json.dumps(dict(args=vars(args), torch=torch.__version__, rows=rows)))
-    summary = summarize(rows, reference=(thread_counts[0], 1))
+    summary = summarize(rows, reference=(thread_counts[0], min(batch_sizes)))
     costs = state.get("costs")
     if costs is None:
         costs = adapter_costs(base, adapted, adapter_dir)
