@@ -90,7 +90,7 @@ def train_dtype() -> str:
 
 # seconds per unit for a 135M-parameter model on two threads of a 2-core CPU (SmolLM2's recipe), scaled
 # by parameters: a first guess, printed as such; the progress bars give the real pace
-_PER_UNIT = {"user turn": 0.7, "answer": 1.5, "step": 9.0, "sampler example": 0.75, "measured prompt": 12.0}
+_PER_UNIT = {"user turn": 0.3, "answer": 0.8, "step": 9.0, "sampler example": 0.75, "measured prompt": 12.0}
 _REF_PARAMS = 134_515_008
 
 
