@@ -9,11 +9,10 @@ over AR on each one's slowest domain) tie on the machine, and of them the one wi
 forward wins, since a forward's cost grows less with its width on an accelerator than on a CPU.
 
 The setting chosen is then run at batch 8 (eight sequences at once, as a server runs them: decode_all)
-beside the base's AR there; one slower than AR at that batch
-gives way to the next best that decodes such a batch otherwise (on a CPU, settings that differ only in
-forks and width prices decode a batch of several rows alike: choose_at_batch). Rows are written to a
-JSON file as they finish; a rerun measures only the rows it lacks, and a domain's rows at a batch are
-all timed by one process (to_time).
+beside the base's AR there; one slower than AR at that batch gives way to the next best that decodes
+such a batch otherwise (on a CPU, settings that differ only in forks and width prices decode a batch of
+several rows alike: choose_at_batch). Rows are written to a JSON file as they finish; a rerun measures
+only the rows it lacks, and a domain's rows at a batch are all timed by one process (to_time).
 """
 
 from __future__ import annotations
