@@ -53,6 +53,38 @@ def test_records_and_summary_are_consistent(tiny, tmp_path, decoder, params):
     assert [r["output"] for r in recs3] == [r["output"] for r in recs] and s3["accuracy"] == s1["accuracy"]
 
 
+@pytest.mark.parametrize("decoder,params", [("ar", {"max_new_tokens": 12, "temperature": 1.0}),
+                                            ("speculative", {"gen_length": 12, "temperature": 1.0})])
+def test_a_continuous_batch_gives_each_example_the_record_batch_size_1_gives(tiny, tmp_path, monkeypatch, decoder,
+                                                                              params):
+    import refusion.evaluation.evaluate as evaluate_module
+
+    model, tok = tiny
+    task = echo_task(7)
+    calls: list[tuple[int, int | None]] = []  # (prompts, batch_size) of every decode() call
+    real = evaluate_module.decode
+    monkeypatch.setattr(evaluate_module, "decode",
+                        lambda m, ps, *a, **kw: calls.append((len(ps), kw.get("batch_size"))) or real(m, ps, *a, **kw))
+    monkeypatch.setattr(evaluate_module, "WAVE", 2)
+
+    def records(batch_size: int) -> tuple[dict, list[dict]]:
+        path = tmp_path / f"b{batch_size}.jsonl"
+        s = evaluate(model, tok, task, EvalConfig(decoder, params, batch_size=batch_size, seed=3),
+                     records_path=path, progress=False)
+        return s, [json.loads(x) for x in path.read_text().splitlines()]
+
+    s1, one = records(1)
+    assert calls == [(1, None)] * 7
+    calls.clear()
+    s3, three = records(3)
+    assert calls == [(6, 3), (1, 3)]  # WAVE batches of examples a call, at most batch_size at once
+    # sampled, yet every example's output is the one it gets alone: its seed is its own (seed + its index)
+    assert [r["output"] for r in three] == [r["output"] for r in one]
+    assert len({r["output"] for r in one}) > 1
+    assert s3["seconds"] == pytest.approx(sum(r["wall_share"] for r in three))
+    assert all(0 < r["seconds"] <= s3["seconds"] for r in three)
+
+
 def test_cli_eval_then_report(tiny, tmp_path, monkeypatch, capsys):
     model, tok = tiny
     save_model(model, tmp_path / "m", tok)
@@ -105,7 +137,7 @@ def test_settings_in_one_eval_write_what_separate_evals_write(tiny, tmp_path, mo
     for name in names:
         a, b = ((tmp_path / d / name).read_text() for d in ("one", "each"))
         if name.endswith(".jsonl"):
-            a, b = ([{k: v for k, v in json.loads(x).items() if k != "seconds"} for x in t.splitlines()] for t in (a, b))
+            a, b = ([{k: v for k, v in json.loads(x).items() if k not in ("seconds", "wall_share")} for x in t.splitlines()] for t in (a, b))
         else:
             a, b = ({k: v for k, v in json.loads(t).items() if k not in timing} for t in (a, b))
         assert a == b, name

@@ -24,7 +24,7 @@ from refusion.decoding import model_settings
 from refusion.decoding import params as _builtin  # noqa: F401  (registers the built-in decoders)
 from refusion.decoding.params import (ARParams, MDMParams, ReFusionParams, SpeculativeParams, as_prompts, check_max_rows,
                                      check_seed)
-from refusion.decoding.registry import (Decoder, default_decoder, get, make_params, mismatch, names, register,
+from refusion.decoding.registry import (Decoder, batch_decoders, default_decoder, get, make_params, mismatch, names, register,
                                        unregister, with_controls)
 
 if TYPE_CHECKING:
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 
 def decode(model: Transformer, prompts: list[list[int]], decoder: str | None = None,
-           eos_ids: list[int] | None = None, seed: int | None = None,
+           eos_ids: list[int] | None = None, seed: int | list[int] | None = None,
            on_commit: Callable[..., None] | None = None,
            controls: Controls | list[Controls | None] | None = None, batch_size: int | None = None,
            **params) -> list[DecodeResult]:
@@ -61,6 +61,9 @@ def decode(model: Transformer, prompts: list[list[int]], decoder: str | None = N
     finished sequence's row to the next prompt, as a server does, and every output is what it is
     alone; others decode the prompts in groups of batch_size, each with `seed`.
 
+    seed: one for the whole call, or (decoders with `batch`) a list of one per prompt: a row's draws
+    depend on its own seed alone, so a prompt decodes the same whatever the batch it is in.
+
     decoder None: the model's own (its decoding.json, else the one its training objective fits).
     A model loaded with `load_model` starts from the settings in its decoding.json
     (decoding/model_settings.py); the parameters given here win over them.
@@ -68,9 +71,21 @@ def decode(model: Transformer, prompts: list[list[int]], decoder: str | None = N
     prompts = as_prompts(prompts)  # NumPy / torch ids become ints; a flat list, text or bools are refused
     decoder, params = model_settings.resolve(model_settings.of_model(model), model.config, decoder, params)
     p = make_params(decoder, model.config, **params)
-    check_seed(seed)
     check_max_rows(batch_size)
     record = get(decoder)
+    if isinstance(seed, (list, tuple)):
+        if record.batch is None:
+            raise ValueError(f"decoder {decoder!r} takes one seed for the whole call; a seed per prompt needs a "
+                             f"decoder that runs each sequence on its own: {', '.join(batch_decoders())}")
+        if len(seed) != len(prompts):
+            raise ValueError(f"{len(seed)} seeds for {len(prompts)} prompts: give one per prompt (or a single seed)")
+        for s in seed:
+            if s is None:
+                raise ValueError("a seed per prompt must be an integer, got None in the list")
+            check_seed(s)
+        seed = list(seed)
+    else:
+        check_seed(seed)
     run = record.runner()
     more = {}
     if controls is not None:

@@ -123,6 +123,11 @@ def with_controls(among: tuple[str, ...] | None = None) -> list[str]:
     return [n for n in (names() if among is None else among) if _REGISTRY[n].controls]
 
 
+def batch_decoders() -> list[str]:
+    """The decoders that run each sequence on its own in a continuous batch (Decoder.batch)."""
+    return [n for n in names() if _REGISTRY[n].batch is not None]
+
+
 def get(name: str) -> Decoder:
     try:
         return _REGISTRY[name]

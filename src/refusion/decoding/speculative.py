@@ -515,7 +515,7 @@ def _decode(model: Transformer, prompts: list[list[int]], p: SpeculativeParams, 
             cost: costs.CostModel | None = None, plans: list[list[int]] | None = None,
             controls: list[Controls | None] | None = None, max_rows: int | None = None) -> list[DecodeResult]:
     """Every prompt in one batch, row r with seeds[r] and controls[r], until none is left; every
-    result's seconds the whole decode's. on_commit(row, positions, tokens), with a fourth argument
+    result's seconds the whole decode's (with max_rows: its own, from joining the batch to its end). on_commit(row, positions, tokens), with a fourth argument
     (the tokens' Logprobs, None for a row that did not ask) where any row asks for logprobs.
     max_rows: at most this many sequences at once, the next prompt joining as one finishes (a
     server's continuous batch); a row's output does not depend on it."""
@@ -551,15 +551,26 @@ def _decode(model: Transformer, prompts: list[list[int]], p: SpeculativeParams, 
         for _ in finished:  # (each finished row's place goes to the next prompt, which joins at the next step)
             if len(sids) < len(prompts):
                 sids.append(add(len(sids)))
-    seconds = time.perf_counter() - start
-    for r in results.values():
-        r.seconds = seconds
+    if max_rows is None:  # (rows that all start together: each is delivered when the call returns)
+        seconds = time.perf_counter() - start
+        for r in results.values():
+            r.seconds = seconds
     return [results[s] for s in sids]
+
+
+def _row_seeds(seeds: list[int], n: int) -> list[int]:
+    if len(seeds) != n:
+        raise ValueError(f"{len(seeds)} seeds for {n} prompts: give one per prompt (or a single seed)")
+    for s in seeds:
+        if s is None:
+            raise ValueError("a seed per prompt must be an integer, got None in the list")
+        check_seed(s)
+    return list(seeds)
 
 
 @torch.inference_mode()
 def generate_ar(model: Transformer, prompts: list[list[int]], params: ARParams | None = None, *,
-                eos_ids: list[int] | None = None, seed: int | None = None,
+                eos_ids: list[int] | None = None, seed: int | list[int] | None = None,
                 on_commit: Callable[..., None] | None = None,
                 controls: list[Controls | None] | None = None, max_rows: int | None = None) -> list[DecodeResult]:
     """Autoregressive decoding (the `ar` decoder): the batch with no drafts, one token per forward
@@ -572,14 +583,16 @@ def generate_ar(model: Transformer, prompts: list[list[int]], params: ARParams |
     prompt's last token. A sampled row's token at response position t is drawn with the uniform of
     (seed, t) (sampling.position_uniforms), so a row's output does not depend on the batch and equals
     `speculative`'s with the same seed; every row uses `seed`, or, when None, a seed of its own from
-    torch's global generator. on_commit(row, [position], [token]) for every token (streaming).
+    torch's global generator; a list gives each row its own. on_commit(row, [position], [token]) for every token (streaming).
     controls: one per prompt (or None), as decode() takes them. max_rows: at most this many rows at once
     (decode()'s batch_size)."""
     p = params or ARParams()
-    check_seed(seed)
-    if seed is None and p.temperature > 0:
+    if isinstance(seed, list):
+        seeds = _row_seeds(seed, len(prompts))
+    elif seed is None and p.temperature > 0:
         seeds = torch.randint(0, 2**63 - 1, (len(prompts),)).tolist()
     else:
+        check_seed(seed)
         seeds = [seed or 0] * len(prompts)
     return _decode(model, prompts, ar_batch_params(p, model.config), seeds, eos_ids, on_commit, controls=controls,
                    max_rows=max_rows)
@@ -587,16 +600,18 @@ def generate_ar(model: Transformer, prompts: list[list[int]], params: ARParams |
 
 @torch.inference_mode()
 def generate_speculative(model: Transformer, prompts: list[list[int]], params: SpeculativeParams | None = None, *,
-                         eos_ids: list[int] | None = None, seed: int | None = None,
+                         eos_ids: list[int] | None = None, seed: int | list[int] | None = None,
                          on_commit: Callable[..., None] | None = None,
                          cost: costs.CostModel | None = None,
                          plans: list[list[int]] | None = None,
                          controls: list[Controls | None] | None = None,
                          max_rows: int | None = None) -> list[DecodeResult]:
     """Self-speculative decoding of a batch of prompts; on_commit(row, positions, tokens) streams.
-    Every sampled sequence draws with the uniforms of `seed` (0 when None), as it would alone.
+    Every sampled sequence draws with the uniforms of `seed` (0 when None; a list: one per prompt), as it
+    would alone.
     cost: what a forward costs, for the cost policy (default: measured). plans: a draft answer
     per prompt (SpeculativeBatch.add). controls: one per prompt (or None), as decode() takes them.
     max_rows: at most this many rows at once (decode()'s batch_size)."""
     p = params or SpeculativeParams()
-    return _decode(model, prompts, p, [seed] * len(prompts), eos_ids, on_commit, cost, plans, controls, max_rows)
+    seeds = _row_seeds(seed, len(prompts)) if isinstance(seed, list) else [seed] * len(prompts)
+    return _decode(model, prompts, p, seeds, eos_ids, on_commit, cost, plans, controls, max_rows)

@@ -5,6 +5,12 @@
 Speed is measured the way the paper reports it: TPS = generated tokens (up to and including EOS) /
 wall seconds of the decode calls, TPF = generated tokens / model forward passes. With a batch size
 above 1 the wall time of a batch is shared by its sequences, so TPS is the throughput of the batch.
+
+With a batch size above 1, `ar` and `speculative` run a continuous batch as `refusion serve` does: at
+most that many sequences at once, a finished one's row going to the next example, every example with
+its own seed (seed + its index), so each record is the one batch size 1 gives (the timings aside) and a
+record's latency ("seconds") is its own time in the batch. Other decoders decode fixed batches with
+seed + the batch's first index, every record's latency the whole batch's.
 """
 
 from __future__ import annotations
@@ -18,10 +24,13 @@ import torch
 
 from refusion.decoding import decode, make_params, model_settings
 from refusion.decoding.params import MAX_SEED, check_prompts, check_seed
+from refusion.decoding.registry import get as get_decoder
 from refusion.evaluation.records import EvalInterrupted, RecordsFile
 from refusion.model.transformer import Transformer
 from refusion.tasks import Example, Score, Task
 from refusion.model.tokenizer import Tokenizer
+
+WAVE = 8  # a continuous batch's examples per decode() call, in batches: their records are kept when it returns
 
 
 @dataclass
@@ -92,7 +101,7 @@ def evaluate(model: Transformer, tokenizer: Tokenizer, task: Task, cfg: EvalConf
         examples = task.load(cfg.split, n=cfg.n, seed=cfg.seed)
     if not examples:
         raise ValueError(f"task {task.name!r} split {cfg.split!r} has no examples")
-    if cfg.seed + len(examples) > MAX_SEED:  # each batch decodes with seed + its first example's index
+    if cfg.seed + len(examples) > MAX_SEED:  # seeds are seed + an example's index
         raise ValueError(f"seed {cfg.seed} is too large for {len(examples)} examples: the seed of each batch, seed + "
                          f"its first example's index, must stay below 2**63; use a seed up to {MAX_SEED - len(examples)}")
     eos = model.config.eos_ids or ([tokenizer.eos_id] if tokenizer.eos_id is not None else [])
@@ -113,8 +122,8 @@ def evaluate(model: Transformer, tokenizer: Tokenizer, task: Task, cfg: EvalConf
         if [r.get("id") for r in records] != [ex.id for ex in examples[:len(records)]]:
             store.close()
             raise ValueError(f"{store.partial} holds records of other examples; pass --overwrite to start afresh")
-    # each batch's wall time is in its records' "seconds"
-    wall = sum(records[i]["seconds"] for i in range(0, len(records), cfg.batch_size))
+    # (records kept by a version without "wall_share" carry their batch's wall time in "seconds")
+    wall = sum(r.get("wall_share", r["seconds"] / cfg.batch_size) for r in records)
     n_tok = sum(r["tokens"] for r in records)
     bar = None
     if progress:
@@ -122,18 +131,26 @@ def evaluate(model: Transformer, tokenizer: Tokenizer, task: Task, cfg: EvalConf
 
         bar = tqdm(total=len(examples), initial=len(records), desc=f"{task.name} {cfg.decoder}", unit="sample",
                    dynamic_ncols=True)
+    # A decoder that runs each sequence on its own (`ar`, `speculative`) takes the examples as a server
+    # takes requests, batch_size at a time with a finished one's row going to the next, and each example
+    # with a seed of its own, so its record is the same at any batch size; others decode fixed batches.
+    continuous = cfg.batch_size > 1 and get_decoder(cfg.decoder).batch is not None
+    per_call = cfg.batch_size * (WAVE if continuous else 1)
     try:
-        for start in range(len(records), len(prompts), cfg.batch_size):
-            chunk = prompts[start:start + cfg.batch_size]
-            exs = examples[start:start + cfg.batch_size]
+        for start in range(len(records), len(prompts), per_call):
+            chunk = prompts[start:start + per_call]
+            exs = examples[start:start + per_call]
+            seed = [cfg.seed + start + j for j in range(len(chunk))] if continuous else cfg.seed + start
             t0 = time.perf_counter()
             with torch.inference_mode():
-                res = decode(model, chunk, cfg.decoder, eos_ids=eos, seed=cfg.seed + start, **cfg.params)
+                res = decode(model, chunk, cfg.decoder, eos_ids=eos, seed=seed,
+                             batch_size=cfg.batch_size if continuous else None, **cfg.params)
             dt = time.perf_counter() - t0
             outputs = [tokenizer.decode([t for t in r.tokens if t not in eos]) for r in res]
             batch = [{"id": ex.id, "task": task.name, "prompt": ex.prompt, "output": out, "extracted": sc.extracted,
                       "answer": ex.answer if isinstance(ex.answer, (str, int, float)) else None,
-                      "correct": sc.correct, "tokens": len(r.tokens), "forwards": r.forwards, "seconds": dt,
+                      "correct": sc.correct, "tokens": len(r.tokens), "forwards": r.forwards,
+                      "seconds": r.seconds if continuous else dt, "wall_share": dt / len(chunk),
                       "finished": r.finished}
                      for ex, out, sc, r in zip(exs, outputs, _score_all(task, exs, outputs), res, strict=True)]
             if store is not None:
