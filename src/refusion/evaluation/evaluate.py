@@ -95,8 +95,8 @@ def evaluate(model: Transformer, tokenizer: Tokenizer, task: Task, cfg: EvalConf
     cfg.validate()
     # what decode() will run (the model's decoding.json under cfg.params): bad parameters fail before
     # the first example, and prompts are checked against the gen_length it will use
-    _, run = model_settings.resolve(model_settings.of_model(model), model.config, cfg.decoder, cfg.params)
-    params = make_params(cfg.decoder, model.config, **run)
+    decoder, run = model_settings.resolve(model_settings.of_model(model), model.config, cfg.decoder, cfg.params)
+    params = make_params(decoder, model.config, **run)
     if examples is None:
         examples = task.load(cfg.split, n=cfg.n, seed=cfg.seed)
     if not examples:
@@ -134,7 +134,7 @@ def evaluate(model: Transformer, tokenizer: Tokenizer, task: Task, cfg: EvalConf
     # A decoder that runs each sequence on its own (`ar`, `speculative`) takes the examples as a server
     # takes requests, batch_size at a time with a finished one's row going to the next, and each example
     # with a seed of its own, so its record is the same at any batch size; others decode fixed batches.
-    continuous = cfg.batch_size > 1 and get_decoder(cfg.decoder).batch is not None
+    continuous = cfg.batch_size > 1 and get_decoder(decoder).batch is not None
     per_call = cfg.batch_size * (WAVE if continuous else 1)
     try:
         for start in range(len(records), len(prompts), per_call):
