@@ -102,8 +102,8 @@ def evaluate(model: Transformer, tokenizer: Tokenizer, task: Task, cfg: EvalConf
     if not examples:
         raise ValueError(f"task {task.name!r} split {cfg.split!r} has no examples")
     if cfg.seed + len(examples) > MAX_SEED:  # seeds are seed + an example's index
-        raise ValueError(f"seed {cfg.seed} is too large for {len(examples)} examples: the seed of each batch, seed + "
-                         f"its first example's index, must stay below 2**63; use a seed up to {MAX_SEED - len(examples)}")
+        raise ValueError(f"seed {cfg.seed} is too large for {len(examples)} examples: seed + an example's index must "
+                         f"stay below 2**63; use a seed up to {MAX_SEED - len(examples)}")
     eos = model.config.eos_ids or ([tokenizer.eos_id] if tokenizer.eos_id is not None else [])
     prompts = [tokenizer.chat_prompt_ids(ex.prompt, system=cfg.system) for ex in examples]
     for ex, p in zip(examples, prompts):  # a prompt too long for the model fails now, not half-way through
@@ -131,35 +131,15 @@ def evaluate(model: Transformer, tokenizer: Tokenizer, task: Task, cfg: EvalConf
 
         bar = tqdm(total=len(examples), initial=len(records), desc=f"{task.name} {cfg.decoder}", unit="sample",
                    dynamic_ncols=True)
-    # A decoder that runs each sequence on its own (`ar`, `speculative`) takes the examples as a server
-    # takes requests, batch_size at a time with a finished one's row going to the next, and each example
-    # with a seed of its own, so its record is the same at any batch size; others decode fixed batches.
-    continuous = cfg.batch_size > 1 and get_decoder(decoder).batch is not None
-    per_call = cfg.batch_size * (WAVE if continuous else 1)
     try:
-        for start in range(len(records), len(prompts), per_call):
-            chunk = prompts[start:start + per_call]
-            exs = examples[start:start + per_call]
-            seed = [cfg.seed + start + j for j in range(len(chunk))] if continuous else cfg.seed + start
-            t0 = time.perf_counter()
-            with torch.inference_mode():
-                res = decode(model, chunk, cfg.decoder, eos_ids=eos, seed=seed,
-                             batch_size=cfg.batch_size if continuous else None, **cfg.params)
-            dt = time.perf_counter() - t0
-            outputs = [tokenizer.decode([t for t in r.tokens if t not in eos]) for r in res]
-            batch = [{"id": ex.id, "task": task.name, "prompt": ex.prompt, "output": out, "extracted": sc.extracted,
-                      "answer": ex.answer if isinstance(ex.answer, (str, int, float)) else None,
-                      "correct": sc.correct, "tokens": len(r.tokens), "forwards": r.forwards,
-                      "seconds": r.seconds if continuous else dt, "wall_share": dt / len(chunk),
-                      "finished": r.finished}
-                     for ex, out, sc, r in zip(exs, outputs, _score_all(task, exs, outputs), res, strict=True)]
+        for batch, dt in _decode_calls(model, tokenizer, task, examples, prompts, cfg, decoder, eos, len(records)):
             if store is not None:
                 store.add(batch)
             records += batch
             wall += dt
-            n_tok += sum(len(r.tokens) for r in res)
+            n_tok += sum(r["tokens"] for r in batch)
             if bar is not None:
-                bar.update(len(chunk))
+                bar.update(len(batch))
                 bar.set_postfix(tps=f"{n_tok / wall:.0f}" if wall > 0 else "")
     except KeyboardInterrupt:
         if store is None:
@@ -177,6 +157,31 @@ def evaluate(model: Transformer, tokenizer: Tokenizer, task: Task, cfg: EvalConf
     if store is not None:
         store.finish(records)
     return _summary(records, model_name, task, cfg, wall)
+
+
+def _decode_calls(model: Transformer, tokenizer: Tokenizer, task: Task, examples: list[Example],
+                  prompts: list[list[int]], cfg: EvalConfig, decoder: str, eos: list[int], first: int):
+    """(records, wall seconds) of each decode() call, from example `first` on, scored.
+
+    A decoder that runs each sequence on its own (`ar`, `speculative`) takes the examples as a server
+    takes requests, batch_size at a time with a finished one's row going to the next, and each example
+    with a seed of its own, so its record is the same at any batch size; others decode fixed batches."""
+    continuous = cfg.batch_size > 1 and get_decoder(decoder).batch is not None
+    per_call = cfg.batch_size * (WAVE if continuous else 1)
+    for start in range(first, len(prompts), per_call):
+        chunk, exs = prompts[start:start + per_call], examples[start:start + per_call]
+        seed = [cfg.seed + start + j for j in range(len(chunk))] if continuous else cfg.seed + start
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            res = decode(model, chunk, cfg.decoder, eos_ids=eos, seed=seed,
+                         batch_size=cfg.batch_size if continuous else None, **cfg.params)
+        dt = time.perf_counter() - t0
+        outputs = [tokenizer.decode([t for t in r.tokens if t not in eos]) for r in res]
+        yield [{"id": ex.id, "task": task.name, "prompt": ex.prompt, "output": out, "extracted": sc.extracted,
+                "answer": ex.answer if isinstance(ex.answer, (str, int, float)) else None,
+                "correct": sc.correct, "tokens": len(r.tokens), "forwards": r.forwards,
+                "seconds": r.seconds if continuous else dt, "wall_share": dt / len(chunk), "finished": r.finished}
+               for ex, out, sc, r in zip(exs, outputs, _score_all(task, exs, outputs), res, strict=True)], dt
 
 
 def _summary(records: list[dict], model_name: str, task: Task, cfg: EvalConfig, wall: float) -> dict:
