@@ -199,38 +199,44 @@ def test_packed_tokens_give_the_padded_batch_logits(num_logits):
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("in_features", [24, 1536])
 @pytest.mark.parametrize("padded", [None, (1, 2, 3), (4, 4, 4), (2, 4, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_packed_product_is_f_linear_and_each_row_is_the_same_whatever_rows_are_beside_it(
-        monkeypatch, bias, in_features, padded):
-    """linear() on a streamed model's weight (oneDNN's packed layout): F.linear's values within float32
-    rounding for any rows (none, one, many, [B, T, in], a strided view), and each row's output the
-    same bits whatever else is in the product: a verifying forward's logits at a position are what
-    a one-token forward computes there: so whatever padding of few rows this machine's timing chose
-    (padded_rows), and on the input width (1536) where some CPUs' one-row kernel rounds otherwise."""
+        monkeypatch, bias, in_features, padded, dtype):
+    """linear() on a streamed model's weight (oneDNN's packed layout): F.linear's values within the
+    dtype's rounding for any rows (none, one, many, [B, T, in], a strided view), and in float32 each
+    row's output the same bits whatever else is in the product: a verifying forward's logits at a
+    position are what a one-token forward computes there: so whatever padding of few rows this
+    machine's timing chose (padded_rows), and on the input width (1536) where some CPUs' one-row
+    kernel rounds otherwise. (bfloat16 promises no such thing: its rows' last bits can depend on the
+    rows beside them.)"""
     from refusion.model import packed
 
     if padded is not None:
-        monkeypatch.setattr(packed, "padded_rows", lambda: padded)
+        monkeypatch.setattr(packed, "padded_rows", lambda dtype=None: padded)
     g = torch.Generator().manual_seed(0)
-    lin = torch.nn.Linear(in_features, 40, bias=bias)
-    x = torch.randn(33, in_features, generator=g)
+    lin = torch.nn.Linear(in_features, 40, bias=bias).to(dtype)
+    x = torch.randn(33, in_features, generator=g).to(dtype)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     with torch.no_grad():
         for got_x in (x[:0], x[:1], x[:5], x, x.view(3, 11, -1), x.view(3, 11, -1)[:, 4:], x.view(3, 11, -1)[:, 4:5],
                       x.t().contiguous().t()):
-            want = torch.nn.functional.linear(got_x, lin.weight, lin.bias)
+            want = torch.nn.functional.linear(got_x.float(), lin.weight.float(),
+                                              None if lin.bias is None else lin.bias.float())
             got = linear(lin, got_x, streamed=True)
-            assert got.shape == want.shape
-            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+            assert got.shape == want.shape and got.dtype == dtype
+            torch.testing.assert_close(got.float(), want, **tol)
+        assert "_onednn_weight" in lin.__dict__ and "_onednn_weight" not in lin.state_dict()
         whole = linear(lin, x, streamed=True)
-        for n in (1, 2, 4, 5, 8, 16, 17):
+        for n in (1, 2, 4, 5, 8, 16, 17) if dtype == torch.float32 else ():
             assert torch.equal(linear(lin, x[:n], streamed=True), whole[:n]), n
             assert torch.equal(linear(lin, x[n - 1:n], streamed=True)[0], whole[n - 1]), n
-    assert "_onednn_weight" in lin.__dict__ and "_onednn_weight" not in lin.state_dict()
 
 
-def test_a_streamed_product_under_autocast_or_on_bfloat16_rows_is_f_linear():
-    """The packed path is float32's alone: under CPU autocast (a mask-only training with dtype =
-    "bfloat16" runs the frozen base's forward so) or on bfloat16 rows, linear() is F.linear, in the
-    dtype autocast gives it. (oneDNN refused a bfloat16 row on a float32 packed weight.)"""
+def test_a_streamed_product_under_autocast_or_on_rows_of_another_dtype_is_f_linear():
+    """The packed path takes rows of the weight's own dtype outside autocast: under CPU autocast (a
+    mask-only training with dtype = "bfloat16" runs the frozen base's forward so) or on bfloat16 rows
+    for a float32 weight, linear() is F.linear, in the dtype autocast gives it. (oneDNN refused a
+    bfloat16 row on a float32 packed weight.)"""
     g = torch.Generator().manual_seed(0)
     lin = torch.nn.Linear(64, 40)
     x = torch.randn(5, 64, generator=g)
@@ -243,8 +249,9 @@ def test_a_streamed_product_under_autocast_or_on_bfloat16_rows_is_f_linear():
             got = linear(lin, x.bfloat16(), streamed=True)
             assert torch.equal(got, torch.nn.functional.linear(x.bfloat16(), lin.weight, lin.bias))
         lin16 = torch.nn.Linear(64, 40).to(torch.bfloat16)
-        assert torch.equal(linear(lin16, x.bfloat16(), streamed=True),
-                           torch.nn.functional.linear(x.bfloat16(), lin16.weight, lin16.bias))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert torch.equal(linear(lin16, x.bfloat16(), streamed=True),
+                               torch.nn.functional.linear(x.bfloat16(), lin16.weight, lin16.bias))
 
 
 def test_few_rows_run_as_the_count_timed_fastest_and_one_row_as_two_where_it_rounds_otherwise(monkeypatch):
@@ -267,7 +274,7 @@ def test_few_rows_run_as_the_count_timed_fastest_and_one_row_as_two_where_it_rou
     with torch.no_grad():
         for padded, differs, want in (((1, 2, 3), False, [1, 2, 3, 5]), ((4, 3, 3), False, [4, 3, 3, 5]),
                                       ((1, 2, 3), True, [2, 2, 3, 5]), ((3, 4, 3), True, [3, 4, 3, 5])):
-            monkeypatch.setattr(packed, "padded_rows", lambda: padded)
+            monkeypatch.setattr(packed, "padded_rows", lambda dtype=None: padded)
             monkeypatch.setattr(packed, "one_row_differs", lambda *_: differs)
             lin.__dict__.pop("_onednn_weight", None)
             seen.clear()

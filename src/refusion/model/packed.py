@@ -1,15 +1,18 @@
-"""Products on oneDNN's packed weights: how a CPU streams a large float32 model's weights.
+"""Products on oneDNN's packed weights: how a CPU streams a large model's weights (float32 or bfloat16).
 
 A forward of a few tokens through a model whose weights do not fit in the CPU's caches costs what
 reading its weights costs, if the product reads each weight once at memory speed. MKL's F.linear
 does not, for few rows: it repacks the weight on every call, its one-vector product (gemv) is
 slow, and from 5 rows on one thread it is bound by its own arithmetic, so a forward of 8 tokens
 cost twice one of 4. oneDNN's product on a weight packed once into its own blocked layout runs
-near memory speed for dozens of rows, and gives each row the same bits whatever rows are beside
-it: a verifying forward's products compute at each position what a one-token forward's do
-(benchmarks/forward_cost.py, modes eager and eager-linear). It costs a second copy of each weight,
-and about 10 microseconds a call: a small model, whose weights sit in cache, keeps F.linear
-(Transformer.streamed decides).
+near memory speed for dozens of rows, and in float32 gives each row the same bits whatever rows are
+beside it: a verifying forward's products compute at each position what a one-token forward's do
+(benchmarks/forward_cost.py, modes eager and eager-linear). A bfloat16 weight, on a CPU that
+multiplies in it natively, streams so too: half float32's bytes at nearly its pace, where F.linear's
+bfloat16 product of few rows reads its weights far below memory speed; its rows' last bits may
+depend on the rows beside them (bfloat16 decoding does not promise speculative == ar). It costs a second copy of
+each weight, and about 10 microseconds a call: a small model, whose weights sit in cache, keeps
+F.linear (Transformer.streamed decides).
 
 Two things differ between CPUs, and both are measured here rather than assumed:
 
@@ -39,6 +42,7 @@ PROBE_BYTES = 96 * 2**20  # padded_rows' weights: well past a last-level cache, 
 PROBE_SHAPES = ((1536, 576), (576, 1536))  # (out, in) of the probe's weights, alternating
 PROBE_ROUNDS = 5
 PAD_GAIN = 0.95  # pad only where the padded product takes at most this share of the time
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _product(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
@@ -65,7 +69,7 @@ def pack(w: Tensor) -> Tensor:
 
 def one_row_differs(packed: Tensor, in_features: int) -> bool:
     """Whether a one-row product on `packed` rounds otherwise than the same row beside another."""
-    x = torch.randn(2, in_features, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(2, in_features, generator=torch.Generator().manual_seed(0)).to(packed.dtype)
     return not torch.equal(_product(x[:1], packed, None)[0], _product(x, packed, None)[0])
 
 
@@ -90,20 +94,22 @@ def packed_weight(m: nn.Linear) -> tuple[Tensor, bool]:
     return got[1], got[2]
 
 
-def padded_rows() -> tuple[int, ...]:
+def padded_rows(dtype: torch.dtype = torch.float32) -> tuple[int, ...]:
     """For a product of r = 1 .. FEW_ROWS - 1 rows, how many rows it runs as (entry r - 1): the
     fastest of r .. FEW_ROWS over weights that stream from memory (PROBE_BYTES), timed once per
     process and thread count (about a third of a second), r itself unless padding saves more than
     1 - PAD_GAIN."""
-    return _padded_rows(torch.get_num_threads())
+    return _padded_rows(torch.get_num_threads(), dtype)
 
 
 @functools.cache
-def _padded_rows(threads: int) -> tuple[int, ...]:
-    per = sum(o * i for o, i in PROBE_SHAPES) * 4
+def _padded_rows(threads: int, dtype: torch.dtype) -> tuple[int, ...]:
+    per = sum(o * i for o, i in PROBE_SHAPES) * dtype.itemsize
     g = torch.Generator().manual_seed(0)
-    weights = [pack(torch.randn(*PROBE_SHAPES[i % 2], generator=g)) for i in range(2 * max(1, PROBE_BYTES // per))]
-    inputs = {r: [torch.randn(r, PROBE_SHAPES[i][1], generator=g) for i in range(2)] for r in range(1, FEW_ROWS + 1)}
+    weights = [pack(torch.randn(*PROBE_SHAPES[i % 2], generator=g).to(dtype))
+               for i in range(2 * max(1, PROBE_BYTES // per))]
+    inputs = {r: [torch.randn(r, PROBE_SHAPES[i][1], generator=g).to(dtype) for i in range(2)]
+              for r in range(1, FEW_ROWS + 1)}
 
     def sweep(r: int) -> float:
         x = inputs[r]
@@ -138,7 +144,7 @@ def packed_linear(m: nn.Linear, x: Tensor) -> Tensor:
     K = x.shape[-1]
     rows = x.numel() // K if K else 0
     if 0 < rows < FEW_ROWS:
-        run = padded_rows()[rows - 1]
+        run = padded_rows(x.dtype)[rows - 1]
         if rows == 1 and one_row_differs:
             run = max(run, 2)
         if run > rows:

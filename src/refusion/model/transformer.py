@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 from refusion.model.cache import Cache, KVCache
 from refusion.model.config import ConfigError, ModelConfig
 from refusion.model.mask_adapter import MaskAdapter, adapted_from
-from refusion.model.packed import onednn_packing, packed_linear
+from refusion.model.packed import PACKED_DTYPES, onednn_packing, packed_linear
 from refusion.model.size import parameter_count
 
 
@@ -132,12 +132,12 @@ STREAMED_BYTES = 128 * 2**20
 def linear(m: nn.Module, x: Tensor, streamed: bool = False) -> Tensor:
     """m(x), calling F.linear directly for a plain nn.Linear without hooks (a module call's overhead
     is a noticeable share of a small model's forward); anything else (an adapter) is called.
-    streamed: the model's weights stream from memory (Transformer.streamed): a CPU float32 product
-    outside autograd and autocast takes the oneDNN packed weight (packed.packed_linear)."""
+    streamed: the model's weights stream from memory (Transformer.streamed): a CPU float32 or bfloat16
+    product outside autograd and autocast takes the oneDNN packed weight (packed.packed_linear)."""
     if type(m) is nn.Linear and not (m._forward_hooks or m._forward_pre_hooks):
         p = m._parameters  # (not m.weight: see Block)
         w, b = p["weight"], p["bias"]
-        if (streamed and x.is_cpu and w.dtype == torch.float32 and x.dtype == torch.float32
+        if (streamed and x.is_cpu and w.dtype in PACKED_DTYPES and x.dtype == w.dtype
                 and not torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
                 and not torch.compiler.is_compiling() and onednn_packing()):
             return packed_linear(m, x)
