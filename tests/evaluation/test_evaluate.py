@@ -133,11 +133,12 @@ def test_settings_in_one_eval_write_what_separate_evals_write(tiny, tmp_path, mo
     separately = capsys.readouterr().out
     names = sorted(p.name for p in (tmp_path / "each").iterdir())
     assert names == sorted(p.name for p in (tmp_path / "one").iterdir()) and len(names) == 16
-    timing = ("seconds", "tps", "latency_mean", "latency_p50", "latency_p90", "model_path")
+    timing = ("seconds", "tps", "latency_mean", "latency_p50", "latency_p90", "model_path", "wall_share")
     for name in names:
         a, b = ((tmp_path / d / name).read_text() for d in ("one", "each"))
         if name.endswith(".jsonl"):
-            a, b = ([{k: v for k, v in json.loads(x).items() if k not in ("seconds", "wall_share")} for x in t.splitlines()] for t in (a, b))
+            a, b = ([{k: v for k, v in json.loads(x).items() if k not in timing} for x in t.splitlines()]
+                    for t in (a, b))
         else:
             a, b = ({k: v for k, v in json.loads(t).items() if k not in timing} for t in (a, b))
         assert a == b, name

@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING
 
 from refusion.decoding import model_settings
 from refusion.decoding import params as _builtin  # noqa: F401  (registers the built-in decoders)
-from refusion.decoding.params import (ARParams, MDMParams, ReFusionParams, SpeculativeParams, as_prompts, check_max_rows,
-                                     check_seed)
-from refusion.decoding.registry import (Decoder, batch_decoders, default_decoder, get, make_params, mismatch, names, register,
-                                       unregister, with_controls)
+from refusion.decoding.params import (ARParams, MDMParams, ReFusionParams, SpeculativeParams, as_prompts,
+                                     check_max_rows, check_seed, row_seeds)
+from refusion.decoding.registry import (Decoder, batch_decoders, default_decoder, get, make_params, mismatch, names,
+                                       register, unregister, with_controls)
 
 if TYPE_CHECKING:
     from refusion.decoding.common import DecodeResult
@@ -77,13 +77,7 @@ def decode(model: Transformer, prompts: list[list[int]], decoder: str | None = N
         if record.batch is None:
             raise ValueError(f"decoder {decoder!r} takes one seed for the whole call; a seed per prompt needs a "
                              f"decoder that runs each sequence on its own: {', '.join(batch_decoders())}")
-        if len(seed) != len(prompts):
-            raise ValueError(f"{len(seed)} seeds for {len(prompts)} prompts: give one per prompt (or a single seed)")
-        for s in seed:
-            if s is None:
-                raise ValueError("a seed per prompt must be an integer, got None in the list")
-            check_seed(s)
-        seed = list(seed)
+        seed = row_seeds(seed, len(prompts))
     else:
         check_seed(seed)
     run = record.runner()

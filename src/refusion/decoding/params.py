@@ -39,6 +39,17 @@ def check_seed(seed: int | None) -> None:
         raise ValueError(f"seed must be an integer in [0, 2**63 - 1], got {seed!r}")
 
 
+def row_seeds(seeds: list[int] | tuple[int, ...], n: int) -> list[int]:
+    """A seed per prompt, each checked as check_seed does (None is not one)."""
+    if len(seeds) != n:
+        raise ValueError(f"{len(seeds)} seeds for {n} prompts: give one per prompt (or a single seed)")
+    for s in seeds:
+        if s is None:
+            raise ValueError("a seed per prompt must be an integer, got None in the list")
+        check_seed(s)
+    return list(seeds)
+
+
 def check_max_rows(rows: int | None) -> None:
     """None (every prompt at once) or a positive integer: decode()'s batch_size."""
     if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):

@@ -115,7 +115,7 @@ from refusion.decoding.common import DecodeResult, packed_index
 from refusion.decoding.controls import Controls, Logprobs
 from refusion.decoding.lookup import lookup_by_default
 from refusion.decoding.params import (ARParams, SpeculativeParams, ar_batch_params, check_max_rows, check_prompts,
-                                     check_seed)
+                                     check_seed, row_seeds)
 from refusion.decoding.plain_run import PlainRun
 from refusion.decoding.speculative_judge import judge
 from refusion.decoding.speculative_policy import FeedPolicy
@@ -515,8 +515,9 @@ def _decode(model: Transformer, prompts: list[list[int]], p: SpeculativeParams, 
             cost: costs.CostModel | None = None, plans: list[list[int]] | None = None,
             controls: list[Controls | None] | None = None, max_rows: int | None = None) -> list[DecodeResult]:
     """Every prompt in one batch, row r with seeds[r] and controls[r], until none is left; every
-    result's seconds the whole decode's (with max_rows: its own, from joining the batch to its end). on_commit(row, positions, tokens), with a fourth argument
-    (the tokens' Logprobs, None for a row that did not ask) where any row asks for logprobs.
+    result's seconds the whole decode's (with max_rows: its own, from joining the batch to its end).
+    on_commit(row, positions, tokens), with a fourth argument (the tokens' Logprobs, None for a row
+    that did not ask) where any row asks for logprobs.
     max_rows: at most this many sequences at once, the next prompt joining as one finishes (a
     server's continuous batch); a row's output does not depend on it."""
     check_max_rows(max_rows)
@@ -558,16 +559,6 @@ def _decode(model: Transformer, prompts: list[list[int]], p: SpeculativeParams, 
     return [results[s] for s in sids]
 
 
-def _row_seeds(seeds: list[int], n: int) -> list[int]:
-    if len(seeds) != n:
-        raise ValueError(f"{len(seeds)} seeds for {n} prompts: give one per prompt (or a single seed)")
-    for s in seeds:
-        if s is None:
-            raise ValueError("a seed per prompt must be an integer, got None in the list")
-        check_seed(s)
-    return list(seeds)
-
-
 @torch.inference_mode()
 def generate_ar(model: Transformer, prompts: list[list[int]], params: ARParams | None = None, *,
                 eos_ids: list[int] | None = None, seed: int | list[int] | None = None,
@@ -582,13 +573,13 @@ def generate_ar(model: Transformer, prompts: list[list[int]], params: ARParams |
     to predict the first token (causal_first_token); a model without a mask token reads it from the
     prompt's last token. A sampled row's token at response position t is drawn with the uniform of
     (seed, t) (sampling.position_uniforms), so a row's output does not depend on the batch and equals
-    `speculative`'s with the same seed; every row uses `seed`, or, when None, a seed of its own from
-    torch's global generator; a list gives each row its own. on_commit(row, [position], [token]) for every token (streaming).
-    controls: one per prompt (or None), as decode() takes them. max_rows: at most this many rows at once
-    (decode()'s batch_size)."""
+    `speculative`'s with the same seed; every row uses `seed` (a list: one per row), or, when None, a
+    seed of its own from torch's global generator. on_commit(row, [position], [token]) for every token
+    (streaming). controls: one per prompt (or None), as decode() takes them. max_rows: at most this many
+    rows at once (decode()'s batch_size)."""
     p = params or ARParams()
     if isinstance(seed, list):
-        seeds = _row_seeds(seed, len(prompts))
+        seeds = row_seeds(seed, len(prompts))
     elif seed is None and p.temperature > 0:
         seeds = torch.randint(0, 2**63 - 1, (len(prompts),)).tolist()
     else:
@@ -607,11 +598,10 @@ def generate_speculative(model: Transformer, prompts: list[list[int]], params: S
                          controls: list[Controls | None] | None = None,
                          max_rows: int | None = None) -> list[DecodeResult]:
     """Self-speculative decoding of a batch of prompts; on_commit(row, positions, tokens) streams.
-    Every sampled sequence draws with the uniforms of `seed` (0 when None; a list: one per prompt), as it
-    would alone.
-    cost: what a forward costs, for the cost policy (default: measured). plans: a draft answer
+    Every sampled sequence draws with the uniforms of `seed` (0 when None; a list: one per prompt), as
+    it would alone. cost: what a forward costs, for the cost policy (default: measured). plans: a draft answer
     per prompt (SpeculativeBatch.add). controls: one per prompt (or None), as decode() takes them.
     max_rows: at most this many rows at once (decode()'s batch_size)."""
     p = params or SpeculativeParams()
-    seeds = _row_seeds(seed, len(prompts)) if isinstance(seed, list) else [seed] * len(prompts)
+    seeds = row_seeds(seed, len(prompts)) if isinstance(seed, list) else [seed] * len(prompts)
     return _decode(model, prompts, p, seeds, eos_ids, on_commit, cost, plans, controls, max_rows)
