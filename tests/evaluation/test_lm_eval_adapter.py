@@ -155,6 +155,22 @@ def test_loglikelihood_and_greedy_flags_in_batches(one_thread):
         assert ll == pytest.approx(want[0], abs=1e-3) and greedy == want[1]
 
 
+@pytest.mark.parametrize("decoder", ["ar", "speculative"])
+def test_sampled_repeats_of_one_request_are_different_samples(one_thread, decoder):
+    """lm-eval sends a task's repeats (pass@k, majority votes) as copies of one request: each is
+    decoded with a seed of its own (seed + its index), as decode() gives that prompt alone."""
+    lm = ReFusionLM(decoder=decoder, batch_size=2, seed=7)
+    _, tok = bundled()
+    context = tok.apply_chat_template([{"role": "user", "content": "Write a Python function that adds two numbers."}])
+    kw = {"until": [], "max_gen_toks": 24, "do_sample": True, "temperature": 1.0}
+    got = lm.generate_until([Instance("generate_until", {}, (context, dict(kw)), i) for i in range(4)])
+    assert len(set(got)) > 1
+    params = lm._params(24, 1.0, {})
+    for i, text in enumerate(got):
+        (res,) = decode(lm.model, [lm.tok.encode(context)], decoder, eos_ids=lm.eos_ids, seed=7 + i, **params)
+        assert text == lm.tok.decode(res.tokens[:24])
+
+
 def test_bad_model_args_are_refused():
     with pytest.raises(ValueError, match="does not take slot_size"):
         ReFusionLM(decoder="mdm", slot_size=8)

@@ -259,8 +259,11 @@ class ReFusionLM(LM):
                 raise ValueError(f"generating {params['gen_length']} tokens leaves no room for a prompt "
                                  f"in {self.max_length}")
             prompts = [self.tok.encode(requests[i].args[0])[-room:] or [self.prefix_id] for i in idxs]
-            # batch_size rows at once: `ar` and `speculative` as a continuous batch, others in groups
-            results = decode(self.model, prompts, self.decoder, eos_ids=self.eos_ids, seed=self.seed,
+            # batch_size rows at once: `ar` and `speculative` as a continuous batch, each request with a
+            # seed of its own (seed + its index: lm-eval's repeats of one request, for pass@k or a
+            # majority vote, are then different samples), others in groups
+            seed = [self.seed + i for i in idxs] if registry.get(self.decoder).batch is not None else self.seed
+            results = decode(self.model, prompts, self.decoder, eos_ids=self.eos_ids, seed=seed,
                              batch_size=self.batch_size, **params)
             for i, res in zip(idxs, results, strict=True):
                 text = self.tok.decode(res.tokens[:max_gen])
