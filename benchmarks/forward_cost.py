@@ -2,6 +2,7 @@
 
     python benchmarks/forward_cost.py --model smollm2 --threads 1
     python benchmarks/forward_cost.py --model refusion-tiny --modes eager,default --out benchmarks/results/forward_cost_tiny.json
+    python benchmarks/forward_cost.py --dtype bfloat16 --modes eager,eager-linear
 
 A speculative step feeds a row's next token and its draft in one forward, so what a draft earns
 depends on how much dearer a forward of W tokens is than one of a single token. Each cell: one row
@@ -48,6 +49,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the weights' dtype")
     ap.add_argument("--context", type=int, default=200, help="cached tokens each forward attends to")
     ap.add_argument("--widths", default="1,2,4,8,16,32")
     ap.add_argument("--modes", default="eager,eager-linear,max-autotune",
@@ -64,13 +66,13 @@ def main() -> None:
     gen = torch.Generator().manual_seed(args.seed)
     widths = [int(w) for w in args.widths.split(",")]
     with torch.inference_mode():
-        first = load_model(path)
+        first = load_model(path, dtype=args.dtype)
         vocab = first.config.vocab_size
         prompt = torch.randint(0, vocab, (1, args.context), generator=gen)
         feeds = {W: torch.randint(0, vocab, (1, W), generator=gen) for W in widths}
         models, caches, compile_seconds = {}, {}, {}
         for i, mode in enumerate(modes):
-            model = first if i == 0 else load_model(path)
+            model = first if i == 0 else load_model(path, dtype=args.dtype)
             if mode == "eager-linear":
                 model.set_streamed(False)
             elif mode != "eager":
@@ -99,7 +101,8 @@ def main() -> None:
                 row[f"{m}_max_logit_diff"] = float((logits[m, W] - logits["eager", W]).abs().max())
         rows.append(row)
         print(f"width {W:>3}: " + ", ".join(f"{m} {row[f'{m}_ms']:.1f} ms" for m in modes), flush=True)
-    out = Path(args.out or f"benchmarks/results/forward_cost_{Path(path).name}.json")
+    suffix = "" if args.dtype == "float32" else f"_{args.dtype}"
+    out = Path(args.out or f"benchmarks/results/forward_cost_{Path(path).name}{suffix}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(args=vars(args), torch=torch.__version__, rows=rows,
                                    compile_seconds=compile_seconds), indent=1))
