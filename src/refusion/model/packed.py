@@ -2,17 +2,20 @@
 
 A forward of a few tokens through a model whose weights do not fit in the CPU's caches costs what
 reading its weights costs, if the product reads each weight once at memory speed. MKL's F.linear
-does not, for few rows: it repacks the weight on every call, its one-vector product (gemv) is
-slow, and from 5 rows on one thread it is bound by its own arithmetic, so a forward of 8 tokens
-cost twice one of 4. oneDNN's product on a weight packed once into its own blocked layout runs
-near memory speed for dozens of rows, and in float32 gives each row the same bits whatever rows are
-beside it: a verifying forward's products compute at each position what a one-token forward's do
-(benchmarks/forward_cost.py, modes eager and eager-linear). A bfloat16 weight, on a CPU that
-multiplies in it natively, streams so too: half float32's bytes at nearly its pace, where F.linear's
-bfloat16 product of few rows reads its weights far below memory speed; its rows' last bits may
-depend on the rows beside them (bfloat16 decoding does not promise speculative == ar). It costs a second copy of
-each weight, and about 10 microseconds a call: a small model, whose weights sit in cache, keeps
-F.linear (Transformer.streamed decides).
+does not for 2 to 16 rows: it repacks the weight on every call and is bound by its own arithmetic
+from a few rows on one thread, so a forward of 8 tokens costs over twice one of 1. oneDNN's product
+on a weight packed once into its own blocked layout runs near memory speed for dozens of rows, and
+in float32 gives each row the same bits whatever rows are beside it: a verifying forward's products
+compute at each position what a one-token forward's do (benchmarks/forward_cost.py, modes eager and
+eager-linear). MKL's one-row product (gemv) streams faster than any packed one, but rounds otherwise
+than a row beside others, so a one-token forward takes the packed product too: an AR step pays a
+few tenths of its time for `ar` and `speculative` to give the same tokens bit for bit. A bfloat16
+weight, on a CPU that multiplies in it natively, streams through the packed product too (half
+float32's bytes at nearly its pace; F.linear's bfloat16 product of few rows reads far below memory
+speed), though its rows' last bits may depend on the rows beside them (bfloat16 decoding does not
+promise speculative == ar). The packed copy costs a second copy of each weight, and about 10
+microseconds a call: a small model, whose weights sit in cache, keeps F.linear
+(Transformer.streamed decides).
 
 Two things differ between CPUs, and both are measured here rather than assumed:
 
