@@ -20,7 +20,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--task", required=True, help="task name(s), comma-separated: " + ", ".join(all_tasks()))
     e.add_argument("--n", type=positive_int, help="number of samples, drawn with --seed (default: the whole split)")
     e.add_argument("--split", default="test", help="train or test (benchmarks have only test)")
-    e.add_argument("--batch-size", type=positive_int, default=1, help="prompts decoded together")
+    e.add_argument("--batch-size", type=positive_int, default=1,
+                   help="prompts decoded at once (ar and speculative: a continuous batch, each record what batch size 1 gives)")
     e.add_argument("--system", type=utf8_text, help="system message for the chat template")
     e.add_argument("--label", type=utf8_text, help="model name in the results (default: the run directory's name); NAME@STEP "
                                    "makes it a point of NAME's curve over training steps in `refusion report`")
