@@ -9,7 +9,7 @@ in float32 gives each row the same bits whatever rows are beside it: a verifying
 compute at each position what a one-token forward's do (benchmarks/forward_cost.py, modes eager and
 eager-linear). MKL's one-row product (gemv) streams faster than any packed one, but rounds otherwise
 than a row beside others, so a one-token forward takes the packed product too: an AR step pays a
-few tenths of its time for `ar` and `speculative` to give the same tokens bit for bit. A bfloat16
+few tenths of its time for its products to be bit for bit a verifying forward's. A bfloat16
 weight, on a CPU that multiplies in it natively, streams through the packed product too (half
 float32's bytes at nearly its pace; F.linear's bfloat16 product of few rows reads far below memory
 speed), though its rows' last bits may depend on the rows beside them (bfloat16 decoding does not
