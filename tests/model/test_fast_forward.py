@@ -213,6 +213,7 @@ def test_a_packed_product_is_f_linear_and_each_row_is_the_same_whatever_rows_are
 
     if padded is not None:
         monkeypatch.setattr(packed, "padded_rows", lambda dtype=None: padded)
+    monkeypatch.setattr(packed, "gemv_one_row", lambda dtype=None: False)
     g = torch.Generator().manual_seed(0)
     lin = torch.nn.Linear(in_features, 40, bias=bias).to(dtype)
     x = torch.randn(33, in_features, generator=g).to(dtype)
@@ -266,6 +267,7 @@ def test_few_rows_run_as_the_count_timed_fastest_and_one_row_as_two_where_it_rou
     assert packed.rows_to_run({1: 30.0, 2: 28.6, 3: 40.0, 4: 29.0}) == (1, 2, 4)  # 28.6 is not 5% under 30
     assert packed.rows_to_run({1: 30.0, 2: 28.4, 3: 40.0, 4: 29.0}) == (2, 2, 4)
     assert packed.onednn_packing()  # (this build has it; asked before _product is watched)
+    monkeypatch.setattr(packed, "gemv_one_row", lambda dtype=None: False)
     seen = []
     real = packed._product
     monkeypatch.setattr(packed, "_product", lambda x, w, b: seen.append(x.shape[0]) or real(x, w, b))
@@ -283,6 +285,38 @@ def test_few_rows_run_as_the_count_timed_fastest_and_one_row_as_two_where_it_rou
             assert seen == want, (padded, differs, seen)
             got = linear(lin, x[:, :1], streamed=True)  # [2, 1, 16]: two rows, shaped back
             assert got.shape == (2, 1, 8)
+
+
+def test_one_row_takes_mkls_product_where_the_probe_timed_it_faster(monkeypatch):
+    """gemv_one_row: a one-row product is F.linear's own, bit for bit, and packs nothing; two rows
+    and more stay on the packed weight."""
+    from refusion.model import packed
+
+    monkeypatch.setattr(packed, "gemv_one_row", lambda dtype=None: True)
+    assert packed.onednn_packing()  # (this build has it; asked before _product is watched)
+    calls = []
+    real = packed._product
+    monkeypatch.setattr(packed, "_product", lambda x, w, b: calls.append(x.shape[0]) or real(x, w, b))
+    g = torch.Generator().manual_seed(0)
+    lin = torch.nn.Linear(96, 40)
+    x = torch.randn(5, 96, generator=g)
+    with torch.no_grad():
+        for one in (x[:1], x[2:3].view(1, 1, 96)):
+            assert torch.equal(linear(lin, one, streamed=True), torch.nn.functional.linear(one, lin.weight, lin.bias))
+        assert calls == [] and "_onednn_weight" not in lin.__dict__
+        torch.testing.assert_close(linear(lin, x, streamed=True), lin(x), atol=1e-5, rtol=1e-5)
+    assert calls[-1] == 5  # (after the packing check's own products)
+
+
+def test_the_probe_takes_gemv_where_it_beats_the_chosen_packed_product_by_the_margin():
+    """choices(): padded counts as rows_to_run gives them, and gemv (timed as "0 rows") where it takes at
+    most PAD_GAIN of the time of the packed product chosen for one row."""
+    from refusion.model import packed
+
+    assert packed.choices({0: 20.0, 1: 30.0, 2: 28.4, 3: 40.0, 4: 29.0}) == ((2, 2, 4), True)
+    assert packed.choices({0: 27.0, 1: 30.0, 2: 28.4, 3: 40.0, 4: 29.0}) == ((2, 2, 4), False)  # 27 > 0.95 x 28.4
+    assert packed.choices({0: 26.9, 1: 30.0, 2: 28.4, 3: 40.0, 4: 29.0}) == ((2, 2, 4), True)
+    assert packed.choices({0: 40.0, 1: 21.0, 2: 22.0, 3: 24.0, 4: 25.0}) == ((1, 2, 3), False)
 
 
 def test_a_packed_weight_follows_the_weight_and_autograd_takes_f_linear():
@@ -347,6 +381,7 @@ def _streamed_model_run(monkeypatch) -> None:
     import refusion.model.packed as packed
 
     m = model()
+    monkeypatch.setattr(packed, "gemv_one_row", lambda dtype=None: False)  # (every product on the packed weights)
     calls = []
     real_packed = packed.packed_weight
     monkeypatch.setattr(packed, "packed_weight", lambda lin: calls.append(lin) or real_packed(lin))

@@ -5,28 +5,28 @@ reading its weights costs, if the product reads each weight once at memory speed
 does not for 2 to 16 rows: it repacks the weight on every call and is bound by its own arithmetic
 from a few rows on one thread, so a forward of 8 tokens costs over twice one of 1. oneDNN's product
 on a weight packed once into its own blocked layout runs near memory speed for dozens of rows, and
-in float32 gives each row the same bits whatever rows are beside it: a verifying forward's products
-compute at each position what a one-token forward's do (benchmarks/forward_cost.py, modes eager and
-eager-linear). MKL's one-row product (gemv) streams faster than any packed one, but rounds otherwise
-than a row beside others, so a one-token forward takes the packed product too: an AR step pays a
-few tenths of its time for its products to be bit for bit a verifying forward's. A bfloat16
-weight, on a CPU that multiplies in it natively, streams through the packed product too (half
-float32's bytes at nearly its pace; F.linear's bfloat16 product of few rows reads far below memory
-speed), though its rows' last bits may depend on the rows beside them (bfloat16 decoding does not
-promise speculative == ar). The packed copy costs a second copy of each weight, and about 10
-microseconds a call: a small model, whose weights sit in cache, keeps F.linear
-(Transformer.streamed decides).
+in float32 gives each row the same bits whatever rows are beside it (benchmarks/forward_cost.py,
+modes eager and eager-linear). A bfloat16 weight, on a CPU that multiplies in it natively, streams
+through it too (half float32's bytes at nearly its pace; F.linear's bfloat16 product of few rows
+reads far below memory speed), though its rows' last bits may depend on the rows beside them. The
+packed copy costs a second copy of each weight, and about 10 microseconds a call: a small model,
+whose weights sit in cache, keeps F.linear (Transformer.streamed decides).
 
-Two things differ between CPUs, and both are measured here rather than assumed:
+Three things differ between CPUs, and all are measured here rather than assumed:
 
 - which kernel oneDNN runs for fewer than 4 rows. On some CPUs (AVX-512 ones among them) its one-
   and two-row products stream the weights markedly slower than its four-row one, so a one-token
   forward costs more than a four-token one. `padded_rows` times the product once per process and
   pads a product of 1-3 rows with zero rows where that is faster.
-- whether one row gives the same bits as the same row beside others. Where the one-row kernel
-  sums in another order, an AR step (one token) and a verifying step would round differently.
-  `packed_weight` checks each weight when it packs it, and a product of one row on a weight that
-  fails the check runs as two rows.
+- whether MKL's one-row product (gemv) beats them all: on this project's CPU it streams a float32
+  weight about a fifth faster than any packed product, so an AR step (one token a forward) takes it
+  (`gemv_one_row`, timed by the same probe). It rounds otherwise than a row beside others, so a
+  one-token forward's logits differ from a verifying forward's in their last bits, as attention's
+  already do (a lone query is summed in another order): greedy `speculative` and `ar` can part only
+  where two tokens' logits tie that closely.
+- whether one packed row gives the same bits as the same row beside others. Where the one-row
+  kernel sums in another order, `packed_weight` checks each weight when it packs it, and a product
+  of one row on a weight that fails the check runs as two rows.
 """
 
 from __future__ import annotations
@@ -100,33 +100,52 @@ def packed_weight(m: nn.Linear) -> tuple[Tensor, bool]:
 def padded_rows(dtype: torch.dtype = torch.float32) -> tuple[int, ...]:
     """For a product of r = 1 .. FEW_ROWS - 1 rows, how many rows it runs as (entry r - 1): the
     fastest of r .. FEW_ROWS over weights that stream from memory (PROBE_BYTES), timed once per
-    process and thread count (about a third of a second), r itself unless padding saves more than
-    1 - PAD_GAIN."""
-    return _padded_rows(torch.get_num_threads(), dtype)
+    process, thread count and dtype (about a third of a second), r itself unless padding saves more
+    than 1 - PAD_GAIN."""
+    return _probe(torch.get_num_threads(), dtype)[0]
+
+
+def gemv_one_row(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether a one-row product runs as F.linear on the plain weight (MKL's gemv): where the same
+    probe timed it faster, by the margin PAD_GAIN, than the packed product padded_rows chose."""
+    return _probe(torch.get_num_threads(), dtype)[1]
 
 
 @functools.cache
-def _padded_rows(threads: int, dtype: torch.dtype) -> tuple[int, ...]:
+def _probe(threads: int, dtype: torch.dtype) -> tuple[tuple[int, ...], bool]:
     per = sum(o * i for o, i in PROBE_SHAPES) * dtype.itemsize
     g = torch.Generator().manual_seed(0)
-    weights = [pack(torch.randn(*PROBE_SHAPES[i % 2], generator=g).to(dtype))
-               for i in range(2 * max(1, PROBE_BYTES // per))]
+    plain = [torch.randn(*PROBE_SHAPES[i % 2], generator=g).to(dtype) for i in range(2 * max(1, PROBE_BYTES // per))]
+    weights = [pack(w) for w in plain]
     inputs = {r: [torch.randn(r, PROBE_SHAPES[i][1], generator=g).to(dtype) for i in range(2)]
               for r in range(1, FEW_ROWS + 1)}
+    inputs[0] = inputs[1]  # (0: one row through F.linear)
 
     def sweep(r: int) -> float:
         x = inputs[r]
         start = time.perf_counter()
-        for i, w in enumerate(weights):
-            _product(x[i % 2], w, None)
+        if r == 0:
+            for i, w in enumerate(plain):
+                F.linear(x[i % 2], w)
+        else:
+            for i, w in enumerate(weights):
+                _product(x[i % 2], w, None)
         return time.perf_counter() - start
 
     sweep(FEW_ROWS)  # (first touches)
+    sweep(0)
     times = {r: [] for r in inputs}
     for _ in range(PROBE_ROUNDS):  # interleaved, so that a drift of the machine hits every count
         for r in inputs:
             times[r].append(sweep(r))
-    return rows_to_run({r: statistics.median(t) for r, t in times.items()})
+    return choices({r: statistics.median(t) for r, t in times.items()})
+
+
+def choices(seconds: dict[int, float]) -> tuple[tuple[int, ...], bool]:
+    """(padded_rows, gemv_one_row) from the time of a product of each row count 1 .. FEW_ROWS on the
+    packed weights and of one row through F.linear (key 0)."""
+    rows = rows_to_run({r: seconds[r] for r in range(1, FEW_ROWS + 1)})
+    return rows, seconds[0] < PAD_GAIN * seconds[rows[0]]
 
 
 def rows_to_run(seconds: dict[int, float]) -> tuple[int, ...]:
@@ -141,11 +160,14 @@ def rows_to_run(seconds: dict[int, float]) -> tuple[int, ...]:
 
 def packed_linear(m: nn.Linear, x: Tensor) -> Tensor:
     """F.linear(x, m.weight, m.bias) on m's packed weight, a product of few rows padded with zero
-    rows where padded_rows or the weight's rounding (packed_weight) asks for it."""
-    w, one_row_differs = packed_weight(m)
+    rows where padded_rows or the weight's rounding (packed_weight) asks for it; one row as F.linear
+    itself where gemv_one_row says that is faster."""
     b = m._parameters["bias"]
     K = x.shape[-1]
     rows = x.numel() // K if K else 0
+    if rows == 1 and gemv_one_row(x.dtype):
+        return F.linear(x, m._parameters["weight"], b)
+    w, one_row_differs = packed_weight(m)
     if 0 < rows < FEW_ROWS:
         run = padded_rows(x.dtype)[rows - 1]
         if rows == 1 and one_row_differs:
