@@ -599,9 +599,9 @@ def generate_speculative(model: Transformer, prompts: list[list[int]], params: S
                          max_rows: int | None = None) -> list[DecodeResult]:
     """Self-speculative decoding of a batch of prompts; on_commit(row, positions, tokens) streams.
     Every sampled sequence draws with the uniforms of `seed` (0 when None; a list: one per prompt), as
-    it would alone. cost: what a forward costs, for the cost policy (default: measured). plans: a draft answer
-    per prompt (SpeculativeBatch.add). controls: one per prompt (or None), as decode() takes them.
-    max_rows: at most this many rows at once (decode()'s batch_size)."""
+    it would alone. cost: what a forward costs, for the cost policy (default: measured). plans: a
+    draft answer per prompt (SpeculativeBatch.add). controls: one per prompt (or None), as decode()
+    takes them. max_rows: at most this many rows at once (decode()'s batch_size)."""
     p = params or SpeculativeParams()
     seeds = row_seeds(seed, len(prompts)) if isinstance(seed, list) else [seed] * len(prompts)
     return _decode(model, prompts, p, seeds, eos_ids, on_commit, cost, plans, controls, max_rows)
