@@ -8,7 +8,8 @@ A speculative step feeds a row's next token and its draft in one forward, so wha
 depends on how much dearer a forward of W tokens is than one of a single token. Each cell: one row
 of W tokens on a cache of --context tokens, logits of every fed token and their argmax brought to the
 host (a speculative step's shape), the median of --repeats. The modes are separate instances of the
-model in one process: eager; eager-linear, eager with every product as F.linear (MKL: the model's
+model in one process: eager; eager-packed, eager with the library products only (the project's
+few-row kernel off, refusion/model/few_rows.py); eager-linear, eager with every product as F.linear (MKL: the model's
 oneDNN packed weights off, what eager was before them, for a model large enough to take them); and
 `enable_compile(mode=...)` for each compile mode named (compiled before any timing: every width once). Modes alternate within each round so that a drift of the
 machine hits all of them. Also recorded: each mode's largest logit difference from eager, and its
@@ -18,6 +19,7 @@ compile seconds. Nothing else should run on the machine. Writes JSON and prints 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -27,10 +29,11 @@ import torch
 
 from refusion.bundled import resolve_model
 from refusion.model.checkpoint import load_model
+from refusion.model import packed
 from refusion.model.compiled import MODES, enable_compile
 
 
-EAGER = ("eager", "eager-linear")
+EAGER = ("eager", "eager-packed", "eager-linear")
 
 
 def forward(model, cache, context: int, ids: torch.Tensor) -> tuple[float, torch.Tensor]:
@@ -75,7 +78,7 @@ def main() -> None:
             model = first if i == 0 else load_model(path, dtype=args.dtype)
             if mode == "eager-linear":
                 model.set_streamed(False)
-            elif mode != "eager":
+            elif mode not in EAGER:
                 enable_compile(model, mode=mode)
             cache = model.new_cache()
             model(prompt, torch.arange(args.context)[None], cache=cache)  # the prefill (eager)
@@ -90,7 +93,8 @@ def main() -> None:
         for _ in range(args.repeats):
             for W in widths:
                 for m in modes:
-                    s, logits[m, W] = forward(models[m], caches[m], args.context, feeds[W])
+                    with packed.without_kernel() if m == "eager-packed" else contextlib.nullcontext():
+                        s, logits[m, W] = forward(models[m], caches[m], args.context, feeds[W])
                     times[m, W].append(s)
     rows = []
     for W in widths:

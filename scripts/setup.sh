@@ -17,4 +17,10 @@ if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
         || echo "setup: could not install chromium; the browser tests will be skipped" >&2
 fi
+# float32 decoding on a CPU builds the project's few-row kernel on first use (refusion/model/few_rows.py)
+# with a C++ compiler; without one it takes the slower library products
+if ! command -v c++ >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ >/dev/null) \
+        || echo "setup: could not install g++; float32 CPU decoding takes the library products" >&2
+fi
 .venv/bin/python -c "import refusion, torch; print(f'refusion ready (torch {torch.__version__})')"

@@ -214,6 +214,7 @@ def test_a_packed_product_is_f_linear_and_each_row_is_the_same_whatever_rows_are
     if padded is not None:
         monkeypatch.setattr(packed, "padded_rows", lambda dtype=None: padded)
     monkeypatch.setattr(packed, "gemv_one_row", lambda dtype=None: False)
+    monkeypatch.setattr(packed, "kernel_rows", lambda dtype=None: range(0))  # (the library paths: test_few_rows.py has the kernel)
     g = torch.Generator().manual_seed(0)
     lin = torch.nn.Linear(in_features, 40, bias=bias).to(dtype)
     x = torch.randn(33, in_features, generator=g).to(dtype)
@@ -268,6 +269,7 @@ def test_few_rows_run_as_the_count_timed_fastest_and_one_row_as_two_where_it_rou
     assert packed.rows_to_run({1: 30.0, 2: 28.4, 3: 40.0, 4: 29.0}) == (2, 2, 4)
     assert packed.onednn_packing()  # (this build has it; asked before _product is watched)
     monkeypatch.setattr(packed, "gemv_one_row", lambda dtype=None: False)
+    monkeypatch.setattr(packed, "kernel_rows", lambda dtype=None: range(0))  # (the library paths: test_few_rows.py has the kernel)
     seen = []
     real = packed._product
     monkeypatch.setattr(packed, "_product", lambda x, w, b: seen.append(x.shape[0]) or real(x, w, b))
@@ -293,6 +295,7 @@ def test_one_row_takes_mkls_product_where_the_probe_timed_it_faster(monkeypatch)
     from refusion.model import packed
 
     monkeypatch.setattr(packed, "gemv_one_row", lambda dtype=None: True)
+    monkeypatch.setattr(packed, "kernel_rows", lambda dtype=None: range(0))  # (the library paths: test_few_rows.py has the kernel)
     assert packed.onednn_packing()  # (this build has it; asked before _product is watched)
     calls = []
     real = packed._product
@@ -309,14 +312,31 @@ def test_one_row_takes_mkls_product_where_the_probe_timed_it_faster(monkeypatch)
 
 
 def test_the_probe_takes_gemv_where_it_beats_the_chosen_packed_product_by_the_margin():
-    """choices(): padded counts as rows_to_run gives them, and gemv (timed as "0 rows") where it takes at
-    most PAD_GAIN of the time of the packed product chosen for one row."""
+    """choices(): padded counts as rows_to_run gives them, and gemv where it takes at most PAD_GAIN of
+    the time of the packed product chosen for one row."""
     from refusion.model import packed
 
-    assert packed.choices({0: 20.0, 1: 30.0, 2: 28.4, 3: 40.0, 4: 29.0}) == ((2, 2, 4), True)
-    assert packed.choices({0: 27.0, 1: 30.0, 2: 28.4, 3: 40.0, 4: 29.0}) == ((2, 2, 4), False)  # 27 > 0.95 x 28.4
-    assert packed.choices({0: 26.9, 1: 30.0, 2: 28.4, 3: 40.0, 4: 29.0}) == ((2, 2, 4), True)
-    assert packed.choices({0: 40.0, 1: 21.0, 2: 22.0, 3: 24.0, 4: 25.0}) == ((1, 2, 3), False)
+    more = {8: 50.0, 16: 60.0}
+    assert packed.choices({1: 30.0, 2: 28.4, 3: 40.0, 4: 29.0, **more}, 20.0, {}) == ((2, 2, 4), True, range(0))
+    assert packed.choices({1: 30.0, 2: 28.4, 3: 40.0, 4: 29.0, **more}, 27.0, {}) == ((2, 2, 4), False, range(0))
+    assert packed.choices({1: 30.0, 2: 28.4, 3: 40.0, 4: 29.0, **more}, 26.9, {}) == ((2, 2, 4), True, range(0))
+    assert packed.choices({1: 21.0, 2: 22.0, 3: 24.0, 4: 25.0, **more}, 40.0, {}) == ((1, 2, 3), False, range(0))
+
+
+def test_the_probe_gives_the_kernel_the_counts_from_its_first_win_to_its_last_in_a_row():
+    """choices(): the few-row kernel takes the counts from the first one timed at which it beats the
+    best other path (gemv for one row where chosen, else the packed product as padded) to the last one
+    from there at which it still does."""
+    from refusion.model import packed
+
+    lib = {1: 30.0, 2: 30.0, 3: 40.0, 4: 30.0, 8: 36.0, 16: 50.0}
+    kernel = {1: 21.0, 2: 22.0, 4: 25.0, 8: 35.0, 16: 52.0}
+    assert packed.choices(lib, 20.0, kernel).kernel_rows == range(2, 9)  # gemv's one row, 16 on the packed
+    assert packed.choices(lib, 29.0, kernel).kernel_rows == range(1, 9)  # (29 is not 5% under 30: no gemv)
+    assert packed.choices(lib, 29.0, {**kernel, 16: 49.0}).kernel_rows == range(1, 17)
+    assert packed.choices(lib, 29.0, {**kernel, 2: 31.0}).kernel_rows == range(1, 2)  # wins after a loss: not taken
+    assert packed.choices(lib, 29.0, {**kernel, 1: 31.0}).kernel_rows == range(2, 9)
+    assert packed.choices(lib, 29.0, {r: 99.0 for r in kernel}).kernel_rows == range(0)
 
 
 def test_a_packed_weight_follows_the_weight_and_autograd_takes_f_linear():
@@ -382,6 +402,7 @@ def _streamed_model_run(monkeypatch) -> None:
 
     m = model()
     monkeypatch.setattr(packed, "gemv_one_row", lambda dtype=None: False)  # (every product on the packed weights)
+    monkeypatch.setattr(packed, "kernel_rows", lambda dtype=None: range(0))
     calls = []
     real_packed = packed.packed_weight
     monkeypatch.setattr(packed, "packed_weight", lambda lin: calls.append(lin) or real_packed(lin))

@@ -1,4 +1,5 @@
-"""Products on oneDNN's packed weights: how a CPU streams a large model's weights (float32 or bfloat16).
+"""Products on oneDNN's packed weights and the project's few-row kernel: how a CPU streams a large
+model's weights (float32 or bfloat16).
 
 A forward of a few tokens through a model whose weights do not fit in the CPU's caches costs what
 reading its weights costs, if the product reads each weight once at memory speed. MKL's F.linear
@@ -12,18 +13,25 @@ reads far below memory speed), though its rows' last bits may depend on the rows
 packed copy costs a second copy of each weight, and about 10 microseconds a call: a small model,
 whose weights sit in cache, keeps F.linear (Transformer.streamed decides).
 
-Three things differ between CPUs, and all are measured here rather than assumed:
+For float32 products of a few rows, the project's kernel (few_rows.py) reads the plain weight at
+about MKL's one-row speed, and gives each row the same bits alone or beside others.
 
+What differs between CPUs is measured here rather than assumed, by one probe per process, thread
+count and dtype (`_probe`, under a second), and each row count takes the path timed fastest:
+
+- which counts the few-row kernel is the fastest at (`kernel_rows`; none where it cannot be built,
+  or for bfloat16). On this project's CPU: 2 to 8 or 16 rows, a decode step's forwards, where it
+  saves up to a quarter of the forward; MKL's one row is a few percent faster still, and more rows
+  (a prompt's prefill) take oneDNN's packed product.
 - which kernel oneDNN runs for fewer than 4 rows. On some CPUs (AVX-512 ones among them) its one-
   and two-row products stream the weights markedly slower than its four-row one, so a one-token
-  forward costs more than a four-token one. `padded_rows` times the product once per process and
-  pads a product of 1-3 rows with zero rows where that is faster.
-- whether MKL's one-row product (gemv) beats them all: on this project's CPU it streams a float32
-  weight about a fifth faster than any packed product, so an AR step (one token a forward) takes it
-  (`gemv_one_row`, timed by the same probe). It rounds otherwise than a row beside others, so a
-  one-token forward's logits differ from a verifying forward's in their last bits, as attention's
-  already do (a lone query is summed in another order): greedy `speculative` and `ar` can part only
-  where two tokens' logits tie that closely.
+  forward costs more than a four-token one. `padded_rows` pads a product of 1-3 rows with zero rows
+  where that is faster.
+- whether MKL's one-row product (gemv) beats the packed ones (`gemv_one_row`), for a one-row
+  product the kernel does not take. It rounds otherwise than a row beside others, so a one-token
+  forward's logits then differ from a verifying forward's in their last bits, as attention's already
+  do (a lone query is summed in another order): greedy `speculative` and `ar` can part only where two
+  tokens' logits tie that closely.
 - whether one packed row gives the same bits as the same row beside others. Where the one-row
   kernel sums in another order, `packed_weight` checks each weight when it packs it, and a product
   of one row on a weight that fails the check runs as two rows.
@@ -31,13 +39,18 @@ Three things differ between CPUs, and all are measured here rather than assumed:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import statistics
 import time
+from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from refusion.model import few_rows
 
 PACKED_FOR_ROWS = 16  # the row count oneDNN chooses its weight layout for (any count then runs)
 FEW_ROWS = 4  # products of fewer rows may be padded up to this many (padded_rows)
@@ -46,6 +59,8 @@ PROBE_SHAPES = ((1536, 576), (576, 1536))  # (out, in) of the probe's weights, a
 PROBE_ROUNDS = 5
 PAD_GAIN = 0.95  # pad only where the padded product takes at most this share of the time
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
+KERNEL_PROBE = (1, 2, 4, 8, 16)  # row counts the probe times the few-row kernel at
+PACKED_PROBE = (*range(1, FEW_ROWS + 1), 8, 16)
 
 
 def _product(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
@@ -98,54 +113,99 @@ def packed_weight(m: nn.Linear) -> tuple[Tensor, bool]:
 
 
 def padded_rows(dtype: torch.dtype = torch.float32) -> tuple[int, ...]:
-    """For a product of r = 1 .. FEW_ROWS - 1 rows, how many rows it runs as (entry r - 1): the
-    fastest of r .. FEW_ROWS over weights that stream from memory (PROBE_BYTES), timed once per
-    process, thread count and dtype (about a third of a second), r itself unless padding saves more
-    than 1 - PAD_GAIN."""
-    return _probe(torch.get_num_threads(), dtype)[0]
+    """For a product of r = 1 .. FEW_ROWS - 1 rows, how many rows it runs as on the packed weight
+    (entry r - 1): the fastest of r .. FEW_ROWS over weights that stream from memory (PROBE_BYTES),
+    r itself unless padding saves more than 1 - PAD_GAIN."""
+    return _probe(torch.get_num_threads(), dtype).padded_rows
 
 
 def gemv_one_row(dtype: torch.dtype = torch.float32) -> bool:
-    """Whether a one-row product runs as F.linear on the plain weight (MKL's gemv): where the same
-    probe timed it faster, by the margin PAD_GAIN, than the packed product padded_rows chose."""
-    return _probe(torch.get_num_threads(), dtype)[1]
+    """Whether a one-row product the kernel does not take runs as F.linear on the plain weight (MKL's
+    gemv): where the probe timed it faster, by the margin PAD_GAIN, than the packed product
+    padded_rows chose."""
+    return _probe(torch.get_num_threads(), dtype).gemv_one_row
+
+
+def kernel_rows(dtype: torch.dtype = torch.float32) -> range:
+    """The row counts whose products take the few-row kernel (empty: none)."""
+    if dtype != torch.float32 or _without_kernel or not few_rows.available():
+        return range(0)
+    return _probe(torch.get_num_threads(), dtype).kernel_rows
+
+
+_without_kernel = 0
+
+
+@contextlib.contextmanager
+def without_kernel() -> Iterator[None]:
+    """Products within take the library paths only (what a benchmark compares the kernel with)."""
+    global _without_kernel
+    _without_kernel += 1
+    try:
+        yield
+    finally:
+        _without_kernel -= 1
+
+
+class Choices(NamedTuple):
+    padded_rows: tuple[int, ...]
+    gemv_one_row: bool
+    kernel_rows: range
 
 
 @functools.cache
-def _probe(threads: int, dtype: torch.dtype) -> tuple[tuple[int, ...], bool]:
+def _probe(threads: int, dtype: torch.dtype) -> Choices:
     per = sum(o * i for o, i in PROBE_SHAPES) * dtype.itemsize
     g = torch.Generator().manual_seed(0)
     plain = [torch.randn(*PROBE_SHAPES[i % 2], generator=g).to(dtype) for i in range(2 * max(1, PROBE_BYTES // per))]
     weights = [pack(w) for w in plain]
-    inputs = {r: [torch.randn(r, PROBE_SHAPES[i][1], generator=g).to(dtype) for i in range(2)]
-              for r in range(1, FEW_ROWS + 1)}
-    inputs[0] = inputs[1]  # (0: one row through F.linear)
+    counts = sorted({*PACKED_PROBE, *KERNEL_PROBE})
+    inputs = {r: [torch.randn(r, PROBE_SHAPES[i][1], generator=g).to(dtype) for i in range(2)] for r in counts}
+    paths = {"packed": PACKED_PROBE, "gemv": (1,)}
+    if dtype == torch.float32 and few_rows.available():
+        paths["kernel"] = KERNEL_PROBE
 
-    def sweep(r: int) -> float:
+    def sweep(path: str, r: int) -> float:
         x = inputs[r]
         start = time.perf_counter()
-        if r == 0:
+        if path == "gemv":
             for i, w in enumerate(plain):
                 F.linear(x[i % 2], w)
+        elif path == "kernel":
+            for i, w in enumerate(plain):
+                few_rows.linear(x[i % 2], w)
         else:
             for i, w in enumerate(weights):
                 _product(x[i % 2], w, None)
         return time.perf_counter() - start
 
-    sweep(FEW_ROWS)  # (first touches)
-    sweep(0)
-    times = {r: [] for r in inputs}
+    for path in paths:  # (first touches)
+        sweep(path, 1)
+    times = {(path, r): [] for path, rs in paths.items() for r in rs}
     for _ in range(PROBE_ROUNDS):  # interleaved, so that a drift of the machine hits every count
-        for r in inputs:
-            times[r].append(sweep(r))
-    return choices({r: statistics.median(t) for r, t in times.items()})
+        for path, r in times:
+            times[path, r].append(sweep(path, r))
+    seconds = {k: statistics.median(t) for k, t in times.items()}
+    return choices({r: seconds["packed", r] for r in PACKED_PROBE}, seconds["gemv", 1],
+                   {r: seconds["kernel", r] for r in paths.get("kernel", ())})
 
 
-def choices(seconds: dict[int, float]) -> tuple[tuple[int, ...], bool]:
-    """(padded_rows, gemv_one_row) from the time of a product of each row count 1 .. FEW_ROWS on the
-    packed weights and of one row through F.linear (key 0)."""
-    rows = rows_to_run({r: seconds[r] for r in range(1, FEW_ROWS + 1)})
-    return rows, seconds[0] < PAD_GAIN * seconds[rows[0]]
+def choices(packed_seconds: dict[int, float], gemv_seconds: float, kernel_seconds: dict[int, float]) -> Choices:
+    """The probe's choices from the time of a product of each row count on the packed weights (1 ..
+    FEW_ROWS, and more), of one row through F.linear, and of each row count through the few-row
+    kernel (none where it is not built). The kernel takes the counts from the first one timed at which
+    it is faster than the best other path up to the last one from there on at which it still is (the
+    counts between two timed ones go with them)."""
+    rows = rows_to_run({r: packed_seconds[r] for r in range(1, FEW_ROWS + 1)})
+    gemv = gemv_seconds < PAD_GAIN * packed_seconds[rows[0]]
+    first = last = 0
+    for r in sorted(kernel_seconds):
+        other = gemv_seconds if r == 1 and gemv else packed_seconds[rows[r - 1] if r < FEW_ROWS else r]
+        if kernel_seconds[r] < other:
+            first, last = first or r, r
+        elif first:
+            break
+    return Choices(rows, gemv, range(first, last + 1) if first else range(0))
 
 
 def rows_to_run(seconds: dict[int, float]) -> tuple[int, ...]:
@@ -161,10 +221,12 @@ def rows_to_run(seconds: dict[int, float]) -> tuple[int, ...]:
 def packed_linear(m: nn.Linear, x: Tensor) -> Tensor:
     """F.linear(x, m.weight, m.bias) on m's packed weight, a product of few rows padded with zero
     rows where padded_rows or the weight's rounding (packed_weight) asks for it; one row as F.linear
-    itself where gemv_one_row says that is faster."""
+    itself where gemv_one_row says that is faster; the counts kernel_rows names by the few-row kernel."""
     b = m._parameters["bias"]
     K = x.shape[-1]
     rows = x.numel() // K if K else 0
+    if rows in kernel_rows(x.dtype):
+        return few_rows.linear(x, m._parameters["weight"], b)
     if rows == 1 and gemv_one_row(x.dtype):
         return F.linear(x, m._parameters["weight"], b)
     w, one_row_differs = packed_weight(m)
