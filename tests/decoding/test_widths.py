@@ -196,6 +196,29 @@ def test_a_measured_table_is_kept_on_disk_and_read_back(tmp_path, monkeypatch):
     assert not list(tmp_path.glob("**/*.tmp"))
 
 
+def test_a_streamed_model_has_a_table_per_set_of_product_paths(monkeypatch):
+    """A model whose weights stream on a CPU keys its table by the path each row count's product takes
+    (model/packed.py's probe): a forward of 8 tokens on the few-row kernel costs otherwise than on
+    oneDNN's product. A model that does not stream does not ask."""
+    from refusion.model import packed
+
+    choices = [packed.Choices((4, 4, 4), True, range(1, 17))]
+    monkeypatch.setattr(packed, "_probe", lambda threads, dtype: choices[0])
+    model = tiny()
+    small = costs.cost_path(model)
+    model.set_streamed(True)
+    kernel = costs.cost_path(model)
+    choices[0] = packed.Choices((4, 4, 4), True, range(2, 9))
+    assert len({small, kernel, costs.cost_path(model)}) == 3
+    with packed.without_kernel():
+        off = costs.cost_path(model)
+    choices[0] = packed.Choices((4, 4, 4), True, range(0))
+    assert costs.cost_path(model) == off != kernel
+    model.set_streamed(False)
+    monkeypatch.setattr(packed, "_probe", lambda threads, dtype: pytest.fail("a model that does not stream asked"))
+    assert costs.cost_path(model) == small
+
+
 # ---- acceptance -----------------------------------------------------------------------------------
 
 

@@ -46,7 +46,9 @@ import numpy as np
 import torch
 
 from refusion.decoding.common import packed_index
+from refusion.model import packed
 from refusion.model.cache import RaggedKVCache
+from refusion.model.packed import PACKED_DTYPES
 from refusion.model.fetch import cache_dir
 from refusion.model.transformer import Transformer
 
@@ -211,10 +213,14 @@ def _shares(f: float) -> tuple[float, float]:
 
 
 def cost_key(model: Transformer) -> tuple:
-    """What a forward's cost depends on: device type, dtype, the model's shape, threads, compiled."""
+    """What a forward's cost depends on: device type, dtype, the model's shape, threads, compiled, and
+    for a model that streams its weights on a CPU which product each row count takes (model/packed.py's
+    probe: a forward of 8 tokens on the few-row kernel costs otherwise than on oneDNN's product)."""
     c, w = model.config, model.embed_tokens.weight
+    products = packed.paths(w.dtype) if model.streamed and w.device.type == "cpu" and w.dtype in PACKED_DTYPES \
+        and packed.onednn_packing() else None
     return (w.device.type, str(w.dtype), c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads,
-            c.num_kv_heads, c.head_dim, c.vocab_size, torch.get_num_threads(), model.compiled is not None)
+            c.num_kv_heads, c.head_dim, c.vocab_size, torch.get_num_threads(), model.compiled is not None, products)
 
 
 COSTS: dict[tuple, CostModel] = {}  # cost_key -> its CostModel, read or measured once per process

@@ -133,6 +133,13 @@ def kernel_rows(dtype: torch.dtype = torch.float32) -> range:
     return _probe(torch.get_num_threads(), dtype).kernel_rows
 
 
+def paths(dtype: torch.dtype = torch.float32) -> tuple:
+    """Which path each row count's product takes (padded_rows, gemv_one_row, kernel_rows), hashable:
+    what a forward's cost depends on beside the model's shape (decoding/costs.py keys its tables by it)."""
+    kernel = kernel_rows(dtype)
+    return padded_rows(dtype), gemv_one_row(dtype), (kernel.start, kernel.stop)
+
+
 _without_kernel = 0
 
 
