@@ -97,8 +97,6 @@ static void outputs(const float* x, const float* w, float* y, const float* bias,
   for (; o < o1; ++o) rows<1>(x, w, y, bias, R, K, O, o);
 }
 
-extern "C" int few_rows_lanes(void) { return VL; }
-
 extern "C" void few_rows_linear(const float* x, const float* w, const float* bias, float* y, int64_t R, int64_t K,
                                 int64_t O, int threads) {
   if (threads <= 1) {

@@ -11,7 +11,7 @@ the library's (`python benchmarks/forward_cost.py --model smollm2 --modes eager,
 packed.py times it against the library paths once per process and uses it where it is faster.
 
 Built with the C++ compiler in $CXX (else c++, g++ or clang++) and -march=native into
-$XDG_CACHE_HOME/refusion/kernels (default ~/.cache), keyed by the source, the compiler and the CPU,
+$REFUSION_CACHE/kernels (default ~/.cache/refusion, the project's cache), keyed by the source, the compiler and the CPU,
 so a rebuild happens only when one changes (about a second). No compiler, a failed build or
 REFUSION_NO_KERNEL=1: `library()` is None and the products take packed.py's paths, with a warning
 that says why.
@@ -33,21 +33,16 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from refusion.model.fetch import cache_dir
+
 SOURCE = Path(__file__).with_name("few_rows.cpp")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 DISABLE = "REFUSION_NO_KERNEL"
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root) / "refusion" / "kernels"
-
-
 def compiler() -> str | None:
-    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
+    found = (shutil.which(name) for name in (os.environ.get("CXX"), "c++", "g++", "clang++") if name)
+    return next((path for path in found if path), None)
 
 
 def _cpu() -> str:
@@ -92,7 +87,7 @@ def library() -> ctypes.CDLL | None:
                       "library products (refusion/model/few_rows.py)", RuntimeWarning, stacklevel=2)
         return None
     try:
-        lib = ctypes.CDLL(str(build(cxx, cache_dir())))
+        lib = ctypes.CDLL(str(build(cxx, cache_dir() / "kernels")))
     except (OSError, RuntimeError) as e:
         warnings.warn(f"the few-row kernel could not be built, float32 decoding on a CPU takes the slower library "
                       f"products: {e}", RuntimeWarning, stacklevel=2)

@@ -168,9 +168,9 @@ def _probe(threads: int, dtype: torch.dtype) -> Choices:
     weights = [pack(w) for w in plain]
     counts = sorted({*PACKED_PROBE, *KERNEL_PROBE})
     inputs = {r: [torch.randn(r, PROBE_SHAPES[i][1], generator=g).to(dtype) for i in range(2)] for r in counts}
-    paths = {"packed": PACKED_PROBE, "gemv": (1,)}
+    timed = {"packed": PACKED_PROBE, "gemv": (1,)}
     if dtype == torch.float32 and few_rows.available():
-        paths["kernel"] = KERNEL_PROBE
+        timed["kernel"] = KERNEL_PROBE
 
     def sweep(path: str, r: int) -> float:
         x = inputs[r]
@@ -186,15 +186,15 @@ def _probe(threads: int, dtype: torch.dtype) -> Choices:
                 _product(x[i % 2], w, None)
         return time.perf_counter() - start
 
-    for path in paths:  # (first touches)
+    for path in timed:  # (first touches)
         sweep(path, 1)
-    times = {(path, r): [] for path, rs in paths.items() for r in rs}
+    times = {(path, r): [] for path, rs in timed.items() for r in rs}
     for _ in range(PROBE_ROUNDS):  # interleaved, so that a drift of the machine hits every count
         for path, r in times:
             times[path, r].append(sweep(path, r))
     seconds = {k: statistics.median(t) for k, t in times.items()}
     return choices({r: seconds["packed", r] for r in PACKED_PROBE}, seconds["gemv", 1],
-                   {r: seconds["kernel", r] for r in paths.get("kernel", ())})
+                   {r: seconds["kernel", r] for r in timed.get("kernel", ())})
 
 
 def choices(packed_seconds: dict[int, float], gemv_seconds: float, kernel_seconds: dict[int, float]) -> Choices:
