@@ -6,7 +6,6 @@ import itertools
 
 import numpy as np
 import pytest
-import torch
 
 from refusion.decoding import ARParams, costs, widths
 from refusion.decoding.params import COST_DRAFT_LENGTH, MAX_DRAFT
@@ -55,50 +54,6 @@ def test_timings_are_smoothed_into_a_nondecreasing_convex_curve():
     assert got[2] < 1.4 and got[0] == 1.0 and got[-1] == 7.0
     assert (np.diff(got) >= 0).all() and (np.diff(np.diff(got) / np.diff(xs)) >= -1e-12).all()
     assert (got <= spiked + 1e-12).all()
-
-
-def test_where_the_products_change_path_the_cost_steps_and_each_side_is_smoothed_apart():
-    """A streamed model's forward of 2-16 tokens on the few-row kernel, of 1 on gemv, of more on
-    oneDNN's product: its cost steps up at 17 tokens and rises more slowly past it. Smoothed and
-    read on each side of the breaks apart, the table gives the timings back; one convex curve over
-    all of them priced the 16-token forward a tenth below what it took."""
-    xs = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48]
-
-    def took(t):
-        return 0.048 if t == 1 else 0.050 + 0.003 * t if t <= 16 else 0.085 + 0.0012 * t
-
-    paths = CostModel([1], [xs], [[took(t) for t in xs]], packed=True, breaks=(2, 17))
-    for t in (1, 2, 5, 8, 16, 17, 20, 24, 40, 64):
-        assert float(paths(1, [t])[0]) == pytest.approx(took(t), rel=1e-12), t
-    one_curve = CostModel([1], [xs], [[took(t) for t in xs]], packed=True)
-    assert float(one_curve(1, [16])[0]) < 0.9 * took(16)
-    assert costs._smooth(np.array(xs, float), np.array([took(t) for t in xs]), (2, 17)).tolist() == \
-        pytest.approx([took(t) for t in xs], rel=1e-12)
-    # a later path's line extended back to its break never undercuts the earlier path's last point
-    slow_start = [took(t) if t <= 16 else 0.087 + 0.0005 * t for t in xs]
-    stepped = CostModel([1], [xs], [slow_start], packed=True, breaks=(2, 17))
-    assert float(stepped(1, [17])[0]) == pytest.approx(took(16)) and float(stepped(1, [24])[0]) > took(16)
-    # a break with no point on one side is no break: a table of 8 rows starts at 8 tokens
-    eight = CostModel([8], [[8, 16, 24, 32]], [[0.04, 0.06, 0.07, 0.08]], packed=True, breaks=(2, 17))
-    assert eight.stretches[0][1] == [17.0] and float(eight(8, [20])[0]) == pytest.approx(0.065)
-    again = CostModel.from_table(paths.table())
-    assert again.breaks == (2, 17) and paths.table()["breaks"] == [2, 17]
-    assert again(1, np.arange(1, 64)) == pytest.approx(paths(1, np.arange(1, 64)), rel=1e-12)
-
-
-def test_path_breaks_follow_the_probe(monkeypatch):
-    from refusion.model import few_rows, packed
-
-    choice = []
-    monkeypatch.setattr(packed, "_probe", lambda threads, dtype: choice[-1])
-    monkeypatch.setattr(few_rows, "available", lambda: True)
-    for kernel, gemv, want in [(range(2, 17), True, (2, 17)), (range(1, 17), True, (17,)), (range(1, 9), False, (9,)),
-                               (range(0), True, (2,)), (range(0), False, ()), (range(2, 5), False, (2, 5))]:
-        choice.append(packed.Choices((1, 2, 3), gemv, kernel))
-        assert packed.path_breaks() == want, (kernel, gemv)
-    with packed.without_kernel():
-        assert packed.path_breaks() == ()
-    assert packed.path_breaks(torch.bfloat16) == ()  # (no kernel in bfloat16; gemv's choice: False here)
 
 
 def test_observed_step_times_move_the_table_and_a_frozen_one_stays():
@@ -201,21 +156,6 @@ def test_calibration_measures_up_to_its_least_tokens_however_long_forwards_take(
     assert list(cost.tokens[1]) == [8, 16]
 
 
-def test_a_streamed_model_is_measured_past_its_last_path_break(monkeypatch):
-    """Out of time at once, a row count is still measured to twice the last break's tokens, so that
-    the path past it has a line of its own rather than the path before it extended."""
-    from refusion.model import packed
-
-    monkeypatch.setattr(costs, "CALIBRATION_SECONDS", 0.0)
-    monkeypatch.setattr(packed, "path_breaks", lambda dtype: (17,))
-    model = tiny()
-    assert costs.measure_cost(model).breaks == ()  # (a model that does not stream: one path)
-    model.set_streamed(True)
-    cost = costs.measure_cost(model)
-    assert cost.breaks == (17,)
-    assert list(cost.tokens[0]) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48] and list(cost.tokens[1]) == [8, 16, 24, 32, 48]
-
-
 def test_a_measured_table_is_kept_on_disk_and_read_back(tmp_path, monkeypatch):
     """The first process measures and writes the table; the next reads the same numbers without
     measuring; another thread count or model shape is another file; a torn file is measured anew; a
@@ -250,12 +190,9 @@ def test_a_measured_table_is_kept_on_disk_and_read_back(tmp_path, monkeypatch):
     assert costs.cost_path(tiny(hidden_size=16)) != path
     path.write_text('{"rows": [1, 8], "tok')  # torn
     assert costs.stored_cost(model).table() == table.table() and len(measured) == 2
-    older = {k: v for k, v in table.table().items() if k != "breaks"}  # (written before tables had breaks)
-    path.write_text(json.dumps(older))
-    assert costs.stored_cost(model).table() == table.table() and len(measured) == 3
     assert json.loads(path.read_text())["rows"] == [1.0, 8.0]  # written whole again
     monkeypatch.setenv("REFUSION_CACHE", str(path))  # a file where the folder should be: nothing is written
-    assert costs.stored_cost(model).table() == table.table() and len(measured) == 4
+    assert costs.stored_cost(model).table() == table.table() and len(measured) == 3
     assert not list(tmp_path.glob("**/*.tmp"))
 
 
@@ -402,28 +339,6 @@ def test_a_cpu_batch_pays_for_its_padding():
     assert best_widths(rate, *args, CostModel.of(linear(), pad=2e-5)).tolist() == [0] * 8
 
 
-def test_a_batch_does_not_draft_across_a_path_step_that_does_not_pay():
-    """Four rows on a CPU whose products run the few-row kernel up to 16 tokens and oneDNN's product
-    past it (dearer at 17, cheaper per token after). On the table with the break the choice is the
-    brute-force optimum of the true cost at every rate; on one convex curve over the same timings the
-    batch drafted at rates where that is slower than AR steps."""
-    def took(t):
-        return 0.0285 + 0.0021 * t if t <= 16 else 0.054 + 0.0011 * t
-
-    xs = [4, 8, 12, 16, 24, 32, 48, 64]
-    truth = CostModel([4], [xs], [[took(t) for t in xs]], packed=True, breaks=(17,))
-    convex = CostModel([4], [xs], [[took(t) for t in xs]], packed=True)
-    args = np.full(4, 4), np.full(4, -1), np.zeros(4, dtype=int), np.ones(4, bool)
-    slower = 0
-    for a in (0.5, 0.55, 0.6, 0.65, 0.7, 0.8, 0.9):
-        rate = np.full((4, 4), a)
-        ws = best_widths(rate, *args, truth)
-        assert ratio(ws, rate, args[1], truth) == pytest.approx(brute_force(rate, *args, np.zeros(4, int), truth)), a
-        convex_ws = best_widths(rate, *args, convex)
-        slower += ratio(convex_ws, rate, args[1], truth) < ratio(np.zeros(4, int), rate, args[1], truth)
-    assert slower >= 3
-
-
 def test_a_flat_cost_drafts_as_far_as_allowed_and_a_dear_token_not_at_all():
     rate = np.full((3, 8), 0.3)
     bound, masks, width, free = np.array([8, 5, 2]), np.full(3, -1), np.zeros(3, dtype=int), np.ones(3, bool)
@@ -448,14 +363,12 @@ def test_more_rows_draft_less_on_a_cpu():
 
 
 def random_table(rng, packed=None, frozen=False) -> CostModel:
-    """A cost table with 1 to 3 row counts and 2 to 7 token counts each, seconds increasing, and 0 to
-    2 path breaks."""
+    """A cost table with 1 to 3 row counts and 2 to 7 token counts each, seconds increasing."""
     rows = sorted(rng.choice(np.arange(1, 17), size=int(rng.integers(1, 4)), replace=False).tolist())
     tokens = [[r * w for w in costs.CALIBRATION_WIDTHS[: int(rng.integers(2, 8))]] for r in rows]
     seconds = [np.cumsum(rng.uniform(1e-4, 1e-3, len(t))) for t in tokens]
     packed = bool(rng.integers(2)) if packed is None else packed
-    breaks = sorted(rng.choice(np.arange(2, 40), size=int(rng.integers(0, 3)), replace=False).tolist())
-    return CostModel(rows, tokens, seconds, packed, frozen, breaks=breaks)
+    return CostModel(rows, tokens, seconds, packed, frozen)
 
 
 def test_cost_lookups_and_refreshes_are_the_formulas_as_first_written():

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-# (_bracket, _curve and _shares were not rewritten: the reference shares them)
-from refusion.decoding.costs import REFRESH_RATE, CostModel, _bracket, _curve, _shares
+# (_bracket, _line and _shares were not rewritten: the reference shares them)
+from refusion.decoding.costs import REFRESH_RATE, CostModel, _bracket, _line, _shares
 from refusion.decoding.widths import CALIBRATION_WEIGHT, KINDS, PRIOR_MEMORY, PRIOR_WEIGHT, Acceptance
 
 
@@ -15,9 +15,9 @@ def cost(model: CostModel, rows: int, tokens) -> np.ndarray:
     """CostModel.__call__: both row tables' lines blended, at every token count asked."""
     t = np.asarray(tokens, dtype=float)
     i, f = _bracket(model.rows, rows)
-    y = _curve(t, model.tokens[i], model.seconds[i], model.stretches[i])
+    y = _line(t, model.tokens[i], model.seconds[i])
     if len(model.rows) > 1:
-        y = y + f * (np.maximum(_curve(t, model.tokens[i + 1], model.seconds[i + 1], model.stretches[i + 1]), y) - y)
+        y = y + f * (np.maximum(_line(t, model.tokens[i + 1], model.seconds[i + 1]), y) - y)
     return np.maximum(y, model.floor)
 
 

@@ -7,12 +7,7 @@ width). It is measured at first use for this device type, dtype, model shape, th
 forward (compiled or eager): timed forwards on a scratch cache, widths 1..64 at 1 and 8 rows (wider
 ones extrapolated once a row count has taken CALIBRATION_SECONDS and reached CALIBRATION_TOKENS
 tokens), each the fastest of three, smoothed into a nondecreasing convex curve (a busy machine's
-spikes taken out), interpolated linearly and extrapolated past the grid. Where a streamed model's
-products change path with the tokens they compute (model/packed.py: the few-row kernel up to some
-count, oneDNN's product past it), the cost steps up there rather than bending: the table is smoothed
-and interpolated on each side of such a break apart (`breaks`), and measured far enough past the
-last one to have a line there. One convex curve across it priced the forwards just past the
-kernel's last count well below what they took, and a batch then fed drafts that did not pay. It is then kept up to date
+spikes taken out), interpolated linearly and extrapolated past the grid. It is then kept up to date
 from the decode's own step timings: every decode forward already ends in a host transfer, so timing
 it adds no sync, and each step moves the table a little towards what the step took (its host work
 included; REFRESH_EVERY steps' timings at a time): the whole table of its row count, every width
@@ -40,7 +35,6 @@ import bisect
 import contextlib
 import functools
 import hashlib
-import itertools
 import json
 import os
 import platform
@@ -80,53 +74,12 @@ def _line(x: np.ndarray, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
     return np.where(x < xs[0], lo, np.where(x > xs[-1], hi, y))
 
 
-def _stretches(xs: np.ndarray, breaks: Sequence[int]) -> tuple[list[slice], list[float]]:
-    """The runs of points (xs ascending) between the breaks, and the token count each run after the
-    first starts at. A break with no point on one side of it is dropped (nothing to draw a line from),
-    and of two breaks with no point between them the first is where the next run starts."""
-    cuts: dict[int, float] = {}
-    for b in sorted(breaks):
-        i = int(np.searchsorted(xs, b))  # points below the break
-        if 0 < i < len(xs):
-            cuts.setdefault(i, float(b))
-    edges = [0, *cuts, len(xs)]
-    return [slice(a, b) for a, b in itertools.pairwise(edges)], list(cuts.values())
-
-
-def _curve(x: np.ndarray, xs: np.ndarray, ys: np.ndarray, stretches: tuple[list[slice], list[float]]) -> np.ndarray:
-    """_line through each run of points for the token counts from its start to the next run's, never
-    below the run before it (a later path's line extended back to its break must not undercut the
-    earlier path's last point)."""
-    runs, starts = stretches
-    if len(runs) == 1:
-        return _line(x, xs, ys)
-    x = np.asarray(x, dtype=float)
-    flat = np.atleast_1d(x)
-    which = np.searchsorted(starts, flat, side="right")
-    y = np.empty(flat.shape)
-    for k, run in enumerate(runs):
-        here = which == k
-        if here.any():
-            y[here] = _line(flat[here], xs[run], ys[run])
-            if k:
-                y[here] = np.maximum(y[here], ys[run.start - 1])
-    return y.reshape(x.shape)
-
-
-def _smooth(xs: np.ndarray, ys: np.ndarray, breaks: Sequence[int] = ()) -> np.ndarray:
-    """The greatest nondecreasing function below the points (xs ascending) that is convex between
-    the breaks, at xs: what is left of timings once a busy machine's spikes, which only ever add
-    time, are taken out. A forward's cost has that shape: flat while the device has room (an
-    accelerator, a CPU's product bound by reading its weights), then linear, on each product path."""
+def _smooth(xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
+    """The greatest nondecreasing convex function below the points (xs ascending), at xs: what is
+    left of timings once a busy machine's spikes, which only ever add time, are taken out. A
+    forward's cost has that shape: flat while the device has room (an accelerator, a CPU's product
+    bound by reading its weights), then linear."""
     ys = np.minimum.accumulate(ys[::-1])[::-1]  # nondecreasing: a point is no dearer than any to its right
-    out = ys.copy()
-    for run in _stretches(xs, breaks)[0]:
-        out[run] = _hull(xs[run], ys[run])
-    return out
-
-
-def _hull(xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
-    """The lower convex hull of the points (xs ascending), at xs."""
     hull = [0]
     for i in range(1, len(xs)):  # the lower convex hull, left to right
         while len(hull) >= 2:
@@ -152,48 +105,42 @@ class CostModel:
     counts (the tokens the forward computes). packed: a ragged batch computes its rows' real tokens
     (a CPU) rather than rows x its widest row; pad: what each padding slot of a packed batch costs
     on top (seconds per slot of rows x widest row not taken by a real token: attention and the
-    cache see the padded grid). frozen: never refreshed by observe(). breaks: token counts at which
-    the forward's products change path (module docstring)."""
+    cache see the padded grid). frozen: never refreshed by observe()."""
 
     def __init__(self, rows: Sequence[int], tokens: Sequence[Sequence[float]], seconds: Sequence[Sequence[float]],
-                 packed: bool, frozen: bool = False, pad: float = 0.0, breaks: Sequence[int] = ()) -> None:
+                 packed: bool, frozen: bool = False, pad: float = 0.0) -> None:
         self.rows = np.asarray(rows, dtype=float)
         self.tokens = [np.asarray(t, dtype=float) for t in tokens]
-        self.breaks = tuple(int(b) for b in breaks)
-        self.stretches = [_stretches(t, self.breaks) for t in self.tokens]
-        self.seconds = [_smooth(t, np.asarray(s, dtype=float), self.breaks)
-                        for t, s in zip(self.tokens, seconds, strict=True)]
+        self.seconds = [_smooth(t, np.asarray(s, dtype=float)) for t, s in zip(self.tokens, seconds)]
         self.packed, self.frozen, self.pad = packed, frozen, float(pad) if packed else 0.0
         self.floor = 0.5 * min(float(s.min()) for s in self.seconds)  # no estimate below it, extrapolated or not
         self.grids: dict[int, np.ndarray] = {}  # rows -> self(rows, [0, 1, 2, ...]) until observe() moves the table
         self.noted: list[tuple[int, int, float, int]] = []  # note()'s timings not yet observed
 
     @classmethod
-    def of(cls, seconds: Callable[[int, int], float], packed: bool = True, pad: float = 0.0,
-           breaks: Sequence[int] = ()) -> CostModel:
+    def of(cls, seconds: Callable[[int, int], float], packed: bool = True, pad: float = 0.0) -> CostModel:
         """A frozen table of seconds(rows, tokens) on the calibration grid: a cost that does not
         depend on timings (tests)."""
         tokens = [[r * w for w in CALIBRATION_WIDTHS] for r in CALIBRATION_ROWS]
         return cls(CALIBRATION_ROWS, tokens, [[seconds(r, t) for t in ts] for r, ts in zip(CALIBRATION_ROWS, tokens)],
-                   packed, frozen=True, pad=pad, breaks=breaks)
+                   packed, frozen=True, pad=pad)
 
     def table(self) -> dict:
-        """The table as plain lists (from_table's input): what the cost cache keeps."""
+        """The table as plain lists (from_table's input): what the cost cache and --frozen-costs keep."""
         return dict(rows=self.rows.tolist(), tokens=[t.tolist() for t in self.tokens],
-                    seconds=[s.tolist() for s in self.seconds], packed=self.packed, pad=self.pad,
-                    breaks=list(self.breaks))
+                    seconds=[s.tolist() for s in self.seconds], packed=self.packed, pad=self.pad)
 
     @classmethod
     def from_table(cls, t: dict, frozen: bool = False) -> CostModel:
-        return cls(t["rows"], t["tokens"], t["seconds"], t["packed"], frozen=frozen, pad=t["pad"], breaks=t["breaks"])
+        return cls(t["rows"], t["tokens"], t["seconds"], t["packed"], frozen=frozen, pad=t["pad"])
 
     def __call__(self, rows: int, tokens) -> np.ndarray:
         """Seconds of forwards of `rows` rows computing `tokens` tokens (an array: one estimate each)."""
         t = np.asarray(tokens, dtype=float)
         i, f = _bracket(self.rows, rows)
-        y = _curve(t, self.tokens[i], self.seconds[i], self.stretches[i])
+        y = _line(t, self.tokens[i], self.seconds[i])
         if f != 0:  # (more rows never cost less for as many tokens, extrapolated or not; f = 0 would add 0)
-            y = y + f * (np.maximum(_curve(t, self.tokens[i + 1], self.seconds[i + 1], self.stretches[i + 1]), y) - y)
+            y = y + f * (np.maximum(_line(t, self.tokens[i + 1], self.seconds[i + 1]), y) - y)
         return np.maximum(y, self.floor)
 
     def grid(self, rows: int, n: int) -> np.ndarray:
@@ -265,18 +212,13 @@ def _shares(f: float) -> tuple[float, float]:
     return (1 - f, f) if 0 <= f <= 1 else (1.0, 1.0)
 
 
-def _takes_paths(model: Transformer) -> bool:
-    """Whether the model's products choose their path by row count (model/packed.py)."""
-    w = model.embed_tokens.weight
-    return model.streamed and w.device.type == "cpu" and w.dtype in PACKED_DTYPES and packed.onednn_packing()
-
-
 def cost_key(model: Transformer) -> tuple:
     """What a forward's cost depends on: device type, dtype, the model's shape, threads, compiled, and
     for a model that streams its weights on a CPU which product each row count takes (model/packed.py's
     probe: a forward of 8 tokens on the few-row kernel costs otherwise than on oneDNN's product)."""
     c, w = model.config, model.embed_tokens.weight
-    products = packed.paths(w.dtype) if _takes_paths(model) else None
+    products = packed.paths(w.dtype) if model.streamed and w.device.type == "cpu" and w.dtype in PACKED_DTYPES \
+        and packed.onednn_packing() else None
     return (w.device.type, str(w.dtype), c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads,
             c.num_kv_heads, c.head_dim, c.vocab_size, torch.get_num_threads(), model.compiled is not None, products)
 
@@ -342,8 +284,6 @@ def measure_cost(model: Transformer) -> CostModel:
     limit = cfg.max_position_embeddings
     ctx = min(CALIBRATION_CONTEXT, limit // 2)
     widths = [w for w in CALIBRATION_WIDTHS if ctx + w <= limit] or [1, 2]
-    breaks = packed.path_breaks(weight.dtype) if _takes_paths(model) else ()
-    enough = max(CALIBRATION_TOKENS, 2 * max(breaks, default=0))  # (a few points past the last break)
     tokens, seconds = [], []
     for rows in CALIBRATION_ROWS:
         cache = RaggedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, weight.dtype, weight.device,
@@ -352,13 +292,13 @@ def measure_cost(model: Transformer) -> CostModel:
             _timed_forward(model, cache, rows, w, ctx)
         start, measured = time.perf_counter(), []
         for w in widths:
-            if (len(measured) >= 2 and rows * widths[len(measured) - 1] >= enough
+            if (len(measured) >= 2 and rows * widths[len(measured) - 1] >= CALIBRATION_TOKENS
                     and time.perf_counter() - start > CALIBRATION_SECONDS):
                 break  # the rest is extrapolated (and refreshed as real steps run)
             measured.append(min(_timed_forward(model, cache, rows, w, ctx) for _ in range(3)))
         tokens.append([rows * w for w in widths[: len(measured)]])
         seconds.append(measured)
-    cost = CostModel(CALIBRATION_ROWS, tokens, seconds, packed=weight.device.type == "cpu", breaks=breaks)
+    cost = CostModel(CALIBRATION_ROWS, tokens, seconds, packed=weight.device.type == "cpu")
     if cost.packed:  # one row wide and the others one token: its padding's cost, beyond its tokens'
         rows, w = CALIBRATION_ROWS[-1], widths[min(len(measured), len(widths)) - 1]
         if w > 1:

@@ -140,19 +140,6 @@ def paths(dtype: torch.dtype = torch.float32) -> tuple:
     return padded_rows(dtype), gemv_one_row(dtype), (kernel.start, kernel.stop)
 
 
-def path_breaks(dtype: torch.dtype = torch.float32) -> tuple[int, ...]:
-    """The row counts whose product takes another path (the kernel, gemv, oneDNN's product) than a
-    product of one row fewer: where a forward's cost may step up rather than bend (decoding/costs.py
-    smooths its table on each side of them apart). Padding 1-3 rows up to FEW_ROWS is not a break: it
-    makes the cost flat, then rising, a shape the table keeps."""
-    kernel, gemv = kernel_rows(dtype), gemv_one_row(dtype)
-
-    def path(rows: int) -> str:
-        return "kernel" if rows in kernel else "gemv" if rows == 1 and gemv else "packed"
-
-    return tuple(r for r in range(2, max(kernel.stop, FEW_ROWS) + 2) if path(r) != path(r - 1))
-
-
 _without_kernel = 0
 
 
