@@ -1,20 +1,20 @@
-"""A float32 product of a few rows at memory speed, each row's result the same bits alone or beside
-others: the project's own kernel (few_rows.cpp), built for this machine on first use.
+"""A float32 product of a few rows at memory speed, each row's result the same bits alone or beside others:
+the project's own kernel (few_rows.cpp), built for this machine on first use.
 
-Why by hand: a decode step multiplies 1 to 16 rows by every weight, so its cost is reading the
-weights. MKL's one-row product (gemv) reads them at memory speed, but its products of a few rows
-repack the weight on every call; oneDNN's packed product reads them well below memory speed for so
-few rows (packed.py). This kernel reads each weight row once for up to four input rows at a time (two without AVX-512),
-in its plain layout (no second copy), and sums every output in one order whatever the rows or
-threads. On this project's CPU it makes SmolLM2's forwards of 2 to 8 tokens 5 to 25% cheaper than
-the library's (`python benchmarks/forward_cost.py --model smollm2 --modes eager,eager-packed`);
-packed.py times it against the library paths once per process and uses it where it is faster.
+Why by hand: a decode step multiplies 1 to 16 rows by every weight, so its cost is reading the weights.
+MKL's one-row product (gemv) reads them at memory speed, but its products of a few rows repack the
+weight on every call; oneDNN's packed product reads them well below memory speed for so few rows
+(packed.py). This kernel reads each weight row once for up to four input rows at a time (two without
+AVX-512), in its plain layout (no second copy), and sums every output in one order whatever the rows or
+threads. On this project's CPU it makes SmolLM2's forwards of 2 to 8 tokens 5 to 25% cheaper than the
+library's (`python benchmarks/forward_cost.py --model smollm2 --modes eager,eager-packed`); packed.py
+times it against the library paths once per process and uses it where it is faster.
 
 Built with the C++ compiler in $CXX (else c++, g++ or clang++) and -march=native into
 $REFUSION_CACHE/kernels (default ~/.cache/refusion, the project's cache), keyed by the source, the
-compiler and the CPU, so a rebuild happens only when one changes (about a second). No compiler, a failed build or
-REFUSION_NO_KERNEL=1: `library()` is None and the products take packed.py's paths, with a warning
-that says why.
+compiler and the CPU, so a rebuild happens only when one changes (about a second). No compiler, a failed
+build or REFUSION_NO_KERNEL=1: `library()` is None and the products take packed.py's paths, with a
+warning that says why.
 """
 
 from __future__ import annotations
