@@ -4,8 +4,8 @@ the project's own kernel (few_rows.cpp), built for this machine on first use.
 Why by hand: a decode step multiplies 1 to 16 rows by every weight, so its cost is reading the weights.
 MKL's one-row product (gemv) reads them at memory speed, but its products of a few rows repack the
 weight on every call; oneDNN's packed product reads them well below memory speed for so few rows
-(packed.py). This kernel reads each weight row once for up to four input rows at a time (two without
-AVX-512), in its plain layout (no second copy), and sums every output in one order whatever the rows or
+(packed.py). This kernel reads each weight row once for up to eight input rows at a time (two
+without AVX-512), in its plain layout (no second copy), and sums every output in one order whatever the rows or
 threads. On this project's CPU it makes SmolLM2's forwards of 2 to 8 tokens 5 to 25% cheaper than the
 library's (`python benchmarks/forward_cost.py --model smollm2 --modes eager,eager-packed`); packed.py
 times it against the library paths once per process and uses it where it is faster.
