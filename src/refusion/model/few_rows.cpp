@@ -2,20 +2,15 @@
 // row-major). Each output is summed in one fixed order (VL-lane partial sums over k, a fixed tree over
 // the lanes, then the k tail), whatever the number of rows or threads: a row's result is the same bits
 // alone or beside others. Written for memory speed: a tile of OB weight rows is read once for up to RB
-// input rows, its next tile prefetched. Portable C++ (GCC/Clang vector extensions); -march=native picks
-// the vectors. See few_rows.py.
+// input rows (the shape chosen by the number of rows), its next tile prefetched. Portable C++ (GCC/Clang
+// vector extensions, C++17); -march=native picks the vectors. See few_rows.py.
 #include <stdint.h>
 #include <string.h>
 
-// a tile: OB weight rows by RB input rows, its OB * RB accumulators and RB inputs kept in registers
 #if defined(__AVX512F__)
 #define VL 16
-#define RB 8
-#define OB 2
 #else
 #define VL 8
-#define RB 2
-#define OB 4
 #endif
 
 typedef float vec __attribute__((vector_size(VL * 4)));
@@ -45,13 +40,16 @@ static inline float lanes_sum(vec v) {
   return c[0] + c[1];
 }
 
-template <int ob, int rb>
+// A tile: OB weight rows by rb input rows, OB * rb accumulators and rb inputs held in registers. The next
+// tile's weight rows are prefetched at locality LOC (3: into L1; 1: into L2 only, which on the project's
+// CPU overlaps the reads with the arithmetic of 8 to 16 rows better).
+template <int OB, int rb, int LOC>
 static inline void tile(const float* x, const float* w, float* y, const float* bias, int64_t K, int64_t O,
                         int64_t o, int64_t r) {
   const int64_t Kv = K - K % VL;
-  vec acc[ob][rb];
+  vec acc[OB][rb];
 #pragma GCC unroll 16
-  for (int i = 0; i < ob; ++i)
+  for (int i = 0; i < OB; ++i)
 #pragma GCC unroll 16
     for (int j = 0; j < rb; ++j) acc[i][j] = vec{};
   for (int64_t k = 0; k < Kv; k += VL) {
@@ -59,17 +57,15 @@ static inline void tile(const float* x, const float* w, float* y, const float* b
 #pragma GCC unroll 16
     for (int j = 0; j < rb; ++j) xv[j] = load(x + (r + j) * K + k);
 #pragma GCC unroll 16
-    for (int i = 0; i < ob; ++i) {
+    for (int i = 0; i < OB; ++i) {
       const vec wv = load(w + (o + i) * K + k);
-      // the next tile's row (a prefetch past the end is harmless), to L2 only: on the project's CPU
-      // that overlaps the reads with the arithmetic of 8 to 16 rows better than a prefetch to L1
-      __builtin_prefetch(w + (o + i + OB) * K + k, 0, 1);
+      __builtin_prefetch(w + (o + i + OB) * K + k, 0, LOC);  // (a prefetch past the end is harmless)
 #pragma GCC unroll 16
       for (int j = 0; j < rb; ++j) acc[i][j] += wv * xv[j];
     }
   }
 #pragma GCC unroll 16
-  for (int i = 0; i < ob; ++i)
+  for (int i = 0; i < OB; ++i)
 #pragma GCC unroll 16
     for (int j = 0; j < rb; ++j) {
       float s = lanes_sum(acc[i][j]);
@@ -79,43 +75,54 @@ static inline void tile(const float* x, const float* w, float* y, const float* b
     }
 }
 
-template <int ob>
+// every row against weight rows o..o+OB-1: tiles of RB rows, then one of the rows left
+template <int OB, int RB, int LOC>
 static void rows(const float* x, const float* w, float* y, const float* bias, int64_t R, int64_t K, int64_t O,
                  int64_t o) {
   int64_t r = 0;
-  for (; r + RB <= R; r += RB) tile<ob, RB>(x, w, y, bias, K, O, o, r);
+  for (; r + RB <= R; r += RB) tile<OB, RB, LOC>(x, w, y, bias, K, O, o, r);
   switch (R - r) {
-#if RB > 4
-    case 7: tile<ob, 7>(x, w, y, bias, K, O, o, r); break;
-    case 6: tile<ob, 6>(x, w, y, bias, K, O, o, r); break;
-    case 5: tile<ob, 5>(x, w, y, bias, K, O, o, r); break;
-    case 4: tile<ob, 4>(x, w, y, bias, K, O, o, r); break;
-    case 3: tile<ob, 3>(x, w, y, bias, K, O, o, r); break;
-    case 2: tile<ob, 2>(x, w, y, bias, K, O, o, r); break;
-#endif
-    case 1: tile<ob, 1>(x, w, y, bias, K, O, o, r); break;
+    case 7: if constexpr (RB > 7) tile<OB, 7, LOC>(x, w, y, bias, K, O, o, r); break;
+    case 6: if constexpr (RB > 6) tile<OB, 6, LOC>(x, w, y, bias, K, O, o, r); break;
+    case 5: if constexpr (RB > 5) tile<OB, 5, LOC>(x, w, y, bias, K, O, o, r); break;
+    case 4: if constexpr (RB > 4) tile<OB, 4, LOC>(x, w, y, bias, K, O, o, r); break;
+    case 3: if constexpr (RB > 3) tile<OB, 3, LOC>(x, w, y, bias, K, O, o, r); break;
+    case 2: if constexpr (RB > 2) tile<OB, 2, LOC>(x, w, y, bias, K, O, o, r); break;
+    case 1: tile<OB, 1, LOC>(x, w, y, bias, K, O, o, r); break;
     default: break;
   }
 }
 
+template <int OB, int RB, int LOC>
 static void outputs(const float* x, const float* w, float* y, const float* bias, int64_t R, int64_t K, int64_t O,
                     int64_t o0, int64_t o1) {
   int64_t o = o0;
-  for (; o + OB <= o1; o += OB) rows<OB>(x, w, y, bias, R, K, O, o);
-  for (; o < o1; ++o) rows<1>(x, w, y, bias, R, K, O, o);
+  for (; o + OB <= o1; o += OB) rows<OB, RB, LOC>(x, w, y, bias, R, K, O, o);
+  for (; o < o1; ++o) rows<1, RB, LOC>(x, w, y, bias, R, K, O, o);
+}
+
+// outputs o0..o1-1 in the tile shape for R rows
+static void shaped(const float* x, const float* w, float* y, const float* bias, int64_t R, int64_t K, int64_t O,
+                   int64_t o0, int64_t o1) {
+#if VL == 16
+  if (R > 4) return outputs<2, 8, 1>(x, w, y, bias, R, K, O, o0, o1);
+  return outputs<4, 4, 3>(x, w, y, bias, R, K, O, o0, o1);
+#else
+  return outputs<4, 2, 3>(x, w, y, bias, R, K, O, o0, o1);
+#endif
 }
 
 extern "C" void few_rows_linear(const float* x, const float* w, const float* bias, float* y, int64_t R, int64_t K,
                                 int64_t O, int threads) {
   if (threads <= 1) {
-    outputs(x, w, y, bias, R, K, O, 0, O);
+    shaped(x, w, y, bias, R, K, O, 0, O);
     return;
   }
-  // outputs split between threads in whole tiles: each output is still summed by one thread, in one order
-  const int64_t per = ((O + threads - 1) / threads + OB - 1) / OB * OB;
+  // outputs split between threads in whole tiles of 4: each output is still summed by one thread, in one order
+  const int64_t per = ((O + threads - 1) / threads + 3) / 4 * 4;
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int t = 0; t < threads; ++t) {
     const int64_t a = t * per, b = a + per < O ? a + per : O;
-    if (a < b) outputs(x, w, y, bias, R, K, O, a, b);
+    if (a < b) shaped(x, w, y, bias, R, K, O, a, b);
   }
 }

@@ -36,7 +36,7 @@ from torch import Tensor
 from refusion.model.fetch import cache_dir
 
 SOURCE = Path(__file__).with_name("few_rows.cpp")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-std=c++17", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 DISABLE = "REFUSION_NO_KERNEL"
 
 
