@@ -5,10 +5,10 @@ Why by hand: a decode step multiplies 1 to 16 rows by every weight, so its cost 
 MKL's one-row product (gemv) reads them at memory speed, but its products of a few rows repack the
 weight on every call; oneDNN's packed product reads them well below memory speed for so few rows
 (packed.py). This kernel reads each weight row once for up to eight input rows at a time (two
-without AVX-512), in its plain layout (no second copy), and sums every output in one order whatever the rows or
-threads. On this project's CPU it makes SmolLM2's forwards of 2 to 8 tokens 5 to 25% cheaper than the
-library's (`python benchmarks/forward_cost.py --model smollm2 --modes eager,eager-packed`); packed.py
-times it against the library paths once per process and uses it where it is faster.
+without AVX-512), in its plain layout (no second copy), and sums every output in one order whatever
+the rows or threads. On this project's CPU it makes SmolLM2's forwards of 2 to 16 tokens 7 to 20%
+cheaper than the library's (`python benchmarks/forward_cost.py --model smollm2 --modes
+eager,eager-packed`); packed.py times it against the library paths once per process and uses it where it is faster.
 
 Built with the C++ compiler in $CXX (else c++, g++ or clang++) and -march=native into
 $REFUSION_CACHE/kernels (default ~/.cache/refusion, the project's cache), keyed by the source, the
