@@ -8,7 +8,8 @@ weight on every call; oneDNN's packed product reads them well below memory speed
 without AVX-512), in its plain layout (no second copy), and sums every output in one order whatever
 the rows or threads. On this project's CPU it makes SmolLM2's forwards of 2 to 16 tokens 7 to 20%
 cheaper than the library's (`python benchmarks/forward_cost.py --model smollm2 --modes
-eager,eager-packed`); packed.py times it against the library paths once per process and uses it where it is faster.
+eager,eager-packed`); packed.py times it against the library paths once per process and uses it
+where it is faster.
 
 Built with the C++ compiler in $CXX (else c++, g++ or clang++) and -march=native into
 $REFUSION_CACHE/kernels (default ~/.cache/refusion, the project's cache), keyed by the source, the
