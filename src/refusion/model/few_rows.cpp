@@ -12,6 +12,7 @@
 #else
 #define VL 8
 #endif
+#define SPLIT 4  // (shaped's tiles have OB 2 or 4)
 
 typedef float vec __attribute__((vector_size(VL * 4)));
 
@@ -118,8 +119,9 @@ extern "C" void few_rows_linear(const float* x, const float* w, const float* bia
     shaped(x, w, y, bias, R, K, O, 0, O);
     return;
   }
-  // outputs split between threads in whole tiles of 4: each output is still summed by one thread, in one order
-  const int64_t per = ((O + threads - 1) / threads + 3) / 4 * 4;
+  // outputs split between threads in whole tiles (SPLIT: a multiple of every shape's OB): each output is
+  // still summed by one thread, in one order
+  const int64_t per = ((O + threads - 1) / threads + SPLIT - 1) / SPLIT * SPLIT;
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int t = 0; t < threads; ++t) {
     const int64_t a = t * per, b = a + per < O ? a + per : O;
