@@ -107,7 +107,7 @@ def choose(summary: list[dict], threads: int, names: set[str] | None = None) -> 
         return None
     speed = {n: {s["bench"]: s["tps_vs_ar"] for s in rs} for n, rs in kept.items()}
     fastest = max(kept, key=lambda n: min(speed[n].values()))
-    # a tie is within noise on every domain: one slower by more elsewhere is slower, however its slowest domain does
+    # tied: within noise of the fastest on every domain (as fast on its slowest domain but slower on another is slower)
     tied = [n for n in kept if all(speed[n].get(d, 0.0) >= TIE * v for d, v in speed[fastest].items())]
     return max(tied, key=lambda n: min(s["tpf"] for s in kept[n]))
 
