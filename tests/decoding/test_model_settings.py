@@ -146,7 +146,7 @@ def test_an_adapted_model_takes_its_adapters_settings_and_follows_their_changes(
 
 def test_the_shipped_smollm2_adapter_carries_the_setting_measured_best():
     s = model_settings.read(bundled.ASSETS / "smollm2-refusion")
-    assert (s.decoder, s.params["fork"], s.params["width_price"]) == ("speculative", True, 0.25)
+    assert (s.decoder, s.params) == ("speculative", {"lookup": True, "fork": True, "width_price": 1.0})
     assert s.measured_by.startswith("refusion adapt smollm2 ")  # (its measurement stage chose it)
 
 
